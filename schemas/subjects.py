@@ -1,0 +1,31 @@
+"""Every NATS subject, in one place. All live under `smartgen.`.
+
+Request plane (request/reply, addressed to one worker):
+    smartgen.<role>.<worker_id>.<verb>        e.g. smartgen.decode.decode-3f2a.open
+Event plane (pub/sub):
+    smartgen.heartbeat.<role>                 WorkerInfo, every heartbeat_s
+    smartgen.discover                         Discover: "send your heartbeat now"
+    smartgen.stream.<request_id>              TokenEvent, decode → gateway
+"""
+from __future__ import annotations
+
+PREFIX = "smartgen"
+DISCOVER = f"{PREFIX}.discover"
+HEARTBEATS = f"{PREFIX}.heartbeat.*"
+
+
+def heartbeat(role: str) -> str:
+    return f"{PREFIX}.heartbeat.{role}"
+
+
+def worker(role: str, worker_id: str, verb: str) -> str:
+    return f"{PREFIX}.{role}.{worker_id}.{verb}"
+
+
+def stream(request_id: str) -> str:
+    return f"{PREFIX}.stream.{request_id}"
+
+
+def is_token(name: str) -> bool:
+    """True if `name` can stand as one subject token (ids are built into subjects)."""
+    return bool(name) and all(c.isalnum() or c in "-_" for c in name)

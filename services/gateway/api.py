@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP API: request parsing, JSON and SSE responses.
+
+POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /workers.
+Every response (and the last SSE chunk) carries a `smartgen` object with the request's latency and
+transfer figures. Bad requests get a 400 with an OpenAI-style error body and touch no worker.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from services.gateway.completion import CompletionRun, RequestFailed
+from services.gateway.requests import ApiError, CompletionJob, parse_job
+from services.gateway.textstream import TextStream
+
+if TYPE_CHECKING:
+    from services.gateway.service import GatewayService
+
+log = structlog.get_logger()
+
+
+def routes(gw: "GatewayService") -> list[web.RouteDef]:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await _serve(gw, request, "completion")
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await _serve(gw, request, "chat")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": gw.model_id, "object": "model", "created": int(gw.started_unix), "owned_by": "smartgen",
+             "max_model_len": gw.max_positions}]})
+
+    async def workers(_: web.Request) -> web.Response:
+        return web.json_response({"workers": [
+            {"role": w.role, "id": w.worker_id, "pid": w.pid, "host": w.host, "admin_url": w.admin_url,
+             "dataplane_addr": w.dataplane_addr, "active_requests": w.active_requests,
+             "kv_pages_free": w.kv_pages_free, "kv_pages_total": w.kv_pages_total}
+            for w in gw.registry.alive()]})
+
+    return [web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions),
+            web.get("/v1/models", models), web.get("/workers", workers)]
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.StreamResponse:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(ApiError(400, "the request body is not valid JSON"))
+    try:
+        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode,
+                        gw.config.max_tokens_default)
+    except ApiError as exc:
+        return _error(exc)
+    run = CompletionRun(gw.nc, gw.registry, job, gw.stop_token_ids, gw.config.request_timeout_s)
+    with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+        log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
+                 transfer_mode=job.transfer_mode, stream=job.stream)
+        try:
+            if job.stream:
+                return await _stream(gw, request, run)
+            return await _respond(gw, run)
+        finally:
+            await run.close()
+            gw.record(run)
+
+
+async def _respond(gw: "GatewayService", run: CompletionRun) -> web.Response:
+    text = TextStream(gw.tokenizer, run.job.stop)
+    try:
+        async for token in run.tokens():
+            text.add(token)
+            if text.is_stopped:
+                run.stop_early("stop_string")
+                break
+    except ApiError as exc:
+        return _error(exc)
+    except RequestFailed as exc:
+        return _error(ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed"))
+    text.flush()
+    await run.close()  # so the body reports the final finish_reason
+    return web.json_response(_final_body(gw, run, text.emitted))
+
+
+async def _stream(gw: "GatewayService", request: web.Request, run: CompletionRun) -> web.StreamResponse:
+    text = TextStream(gw.tokenizer, run.job.stop)
+    response: web.StreamResponse | None = None
+    try:
+        async for token in run.tokens():
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            delta = text.add(token)
+            if delta:
+                await _send(response, _chunk(gw, run, delta, None))
+            if text.is_stopped:
+                run.stop_early("stop_string")
+                break
+    except ApiError as exc:
+        if response is None:
+            return _error(exc)
+        await _send(response, exc.body())
+        return response
+    except RequestFailed as exc:
+        if response is None:
+            return _error(ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed"))
+        await _send(response, ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed").body())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+    if response is None:  # finished without a single token (cannot happen with max_tokens ≥ 1, but be exact)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+    tail = text.flush()
+    await run.close()  # so the final chunk reports the final finish_reason
+    final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length")
+    final["usage"] = _usage(run)
+    final["smartgen"] = run.summary()
+    await _send(response, final)
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _usage(run: CompletionRun) -> dict[str, int]:
+    n_prompt, n_out = len(run.job.prompt_ids), len(run.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def _chunk(gw: "GatewayService", run: CompletionRun, delta: str, finish_reason: str | None) -> dict[str, Any]:
+    job: CompletionJob = run.job
+    if job.kind == "chat":
+        choice = {"index": 0, "delta": {"content": delta} if delta or finish_reason is None else {},
+                  "finish_reason": finish_reason}
+        if not run.token_times_s[1:]:
+            choice["delta"]["role"] = "assistant"
+        return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
+                "model": gw.model_id, "choices": [choice]}
+    return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": gw.model_id,
+            "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def _final_body(gw: "GatewayService", run: CompletionRun, text: str) -> dict[str, Any]:
+    job = run.job
+    finish_reason = "stop" if run.finish_reason == "stop" else "length"
+    if job.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": job.request_id, "object": obj, "created": job.created, "model": gw.model_id, "choices": [choice],
+            "usage": _usage(run), "smartgen": run.summary()}

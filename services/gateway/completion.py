@@ -1,0 +1,155 @@
+"""One request's trip through the system, seen from the gateway.
+
+  1. Pick a decode worker (and, unless colocated, a prefill worker): least loaded first.
+  2. Subscribe to the request's stream subject before anything can be published on it.
+  3. full: `decode.open` reserves pages and returns the KvHandle → `prefill.prefill` runs the prompt,
+     pushing KV straight to those pages, and returns token 1 → `decode.generate` continues from it.
+     colocated: `decode.generate` does both phases itself.
+  4. Tokens arrive on the stream; each is stamped on arrival here (what a client sees).
+  5. `close()` always runs: if the request did not finish (client gone, stop string, error), both workers
+     get `abort` so nothing stays allocated.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+
+from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, Prefill, PrefillDone, Sampling, SchemaError,
+                     TokenEvent, WorkerInfo, decode, encode, subjects)
+from shared.rpc import RemoteError, call
+from shared.timeline import Timeline
+from shared.registry import WorkerRegistry
+from services.gateway.requests import ApiError, CompletionJob
+
+log = structlog.get_logger()
+CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
+
+
+class RequestFailed(RuntimeError):
+    """A worker failed the request after it was admitted."""
+
+
+@dataclass
+class CompletionRun:
+    nc: Client
+    registry: WorkerRegistry
+    job: CompletionJob
+    stop_token_ids: list[int]
+    timeout_s: float
+    token_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    kv_bytes: dict[str, int] = field(default_factory=dict)
+    kv_wait_s: float = 0.0
+    prefill_s: float | None = None
+    prefill: WorkerInfo | None = None
+    decode: WorkerInfo | None = None
+    _sub: Any = None
+    _closed: bool = False
+
+    def _pick(self, role: str) -> WorkerInfo:
+        worker = self.registry.pick(role)
+        if worker is None:
+            raise ApiError(503, f"no {role} worker is registered; try again when /health says ok", code="no_worker")
+        return worker
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """Yield completion token ids as they arrive. Raises ApiError before the first token, RequestFailed after."""
+        job = self.job
+        self.decode = self._pick("decode")
+        if job.transfer_mode != "colocated":
+            self.prefill = self._pick("prefill")
+        self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
+        sampling = Sampling(job.temperature, job.seed)
+        first = -1
+        try:
+            if job.transfer_mode == "full":
+                assert self.prefill
+                handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
+                                    OpenKv(job.request_id, len(job.prompt_ids), job.transfer_mode), KvHandle, CONTROL_TIMEOUT_S)
+                done = await call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
+                                  Prefill(job.request_id, job.prompt_ids, job.transfer_mode, sampling, handle),
+                                  PrefillDone, self.timeout_s)
+                first, self.prefill_s = done.first_token, done.prefill_s
+            await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
+                       Generate(job.request_id, job.transfer_mode, job.prompt_ids, first, job.max_tokens,
+                                self.stop_token_ids, sampling, subjects.stream(job.request_id)),
+                       Accepted, CONTROL_TIMEOUT_S)
+        except RemoteError as exc:
+            status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
+            raise ApiError(status, f"{exc.message}", code=exc.code) from None
+        if first >= 0:
+            yield self._stamp(first)
+        async for event in self._events():
+            if event.token_id >= 0:
+                yield self._stamp(event.token_id)
+            if event.finish_reason:
+                self.kv_bytes, self.kv_wait_s = event.kv_bytes, event.kv_wait_s
+                if event.finish_reason == "error":
+                    raise RequestFailed(event.error)
+                self.finish_reason = event.finish_reason
+                return
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            try:
+                msg = await asyncio.wait_for(self._sub.next_msg(timeout=None), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
+            try:
+                yield decode(TokenEvent, msg.data)
+            except SchemaError as exc:
+                log.warning("bad_token_event", error=str(exc))
+
+    def _stamp(self, token_id: int) -> int:
+        self.token_ids.append(token_id)
+        self.token_times_s.append(time.monotonic() - self.job.arrival)
+        return token_id
+
+    def stop_early(self, reason: str) -> None:
+        """The gateway ended the stream itself (a stop string): close() will abort the workers."""
+        self.finish_reason = reason
+
+    async def close(self) -> None:
+        """Unsubscribe, and abort the workers if the request did not finish on its own. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = not self.finish_reason or self.finish_reason == "stop_string"
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        if unfinished:
+            for worker in (self.decode, self.prefill):
+                if worker is None:
+                    continue
+                try:
+                    await call(self.nc, subjects.worker(worker.role, worker.worker_id, "abort"),
+                               Abort(self.job.request_id, self.finish_reason or "client_gone"), Ack, CONTROL_TIMEOUT_S)
+                except RemoteError as exc:
+                    log.warning("abort_failed", worker_id=worker.worker_id, error=str(exc))
+        if self.finish_reason == "stop_string":
+            self.finish_reason = "stop"
+
+    def summary(self) -> dict[str, Any]:
+        """The `smartgen` object of the response."""
+        t = Timeline.of(self.token_times_s)
+        return {
+            "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s,
+            "token_times_s": [round(x, 6) for x in self.token_times_s],
+            "kv_bytes": self.kv_bytes,
+            "kv_wait_s": self.kv_wait_s,
+            "prefill_s": self.prefill_s,
+            "transfer_mode": self.job.transfer_mode,
+            "selector": self.job.selector,
+            "kv_budget": self.job.kv_budget,
+            "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
+            "decode_worker_id": self.decode.worker_id if self.decode else None,
+            "prompt_tokens": len(self.job.prompt_ids),
+            "token_ids": self.token_ids,
+        }

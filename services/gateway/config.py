@@ -1,0 +1,22 @@
+from dataclasses import dataclass
+
+from schemas import SERVABLE_TRANSFER_MODES
+from shared.config import ConfigError, ServiceConfig
+
+
+@dataclass(slots=True)
+class GatewayConfig(ServiceConfig):
+    gateway_port: int = 8000  # the OpenAI API (and this service's admin routes)
+    model: str = ""  # where the tokenizer and chat template come from; "" = the cached default SmolLM2
+    served_model_name: str = ""  # the id clients send as `model`; "" = the model folder's name
+    transfer_mode: str = "full"  # default for requests that do not say
+    worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
+    request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
+    max_tokens_default: int = 16
+
+    def validate(self) -> None:
+        ServiceConfig.validate(self)
+        if self.transfer_mode not in SERVABLE_TRANSFER_MODES:
+            raise ConfigError(f"transfer_mode {self.transfer_mode!r}: use one of {', '.join(SERVABLE_TRANSFER_MODES)}")
+        if not 0 <= self.gateway_port < 65536:
+            raise ConfigError(f"gateway_port {self.gateway_port} is not a TCP port")

@@ -1,0 +1,135 @@
+"""OpenAI request bodies → a validated CompletionJob, or an ApiError (400/404) that touches no worker."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import SERVABLE_TRANSFER_MODES, TRANSFER_MODES
+
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionJob:
+    request_id: str
+    kind: str  # "completion" or "chat"
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    stop: list[str]
+    stream: bool
+    transfer_mode: str
+    selector: str | None
+    kv_budget: float | None
+    arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
+              default_max_tokens: int) -> CompletionJob:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}'", "model", "model_not_found")
+    if kind == "chat":
+        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+    else:
+        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+
+    room = max_positions - len(prompt_ids)
+    if room < 1:
+        raise ApiError(400, f"This model's maximum context length is {max_positions} tokens; the prompt has "
+                            f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens if kind == "completion" else room, room)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= room:
+        raise ApiError(400, f"max_tokens must be an integer from 1 to {room} (the context left after the prompt)",
+                       "max_tokens", "context_length_exceeded" if isinstance(max_tokens, int) and max_tokens > room else None)
+
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2 \
+            or math.isnan(temperature):
+        raise ApiError(400, "temperature must be a number from 0 to 2", "temperature")
+    seed = body.get("seed")
+    if seed is None:
+        seed = uuid.uuid4().int % 2**31
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ApiError(400, "seed must be a non-negative integer", "seed")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+
+    mode = body.get("transfer_mode", default_mode)
+    if mode not in TRANSFER_MODES:
+        raise ApiError(400, f"transfer_mode {mode!r} is not one of {', '.join(TRANSFER_MODES)}", "transfer_mode")
+    if mode not in SERVABLE_TRANSFER_MODES:
+        raise ApiError(400, f"transfer_mode {mode!r} is not available in this build; use one of "
+                            f"{', '.join(SERVABLE_TRANSFER_MODES)}", "transfer_mode")
+    selector = body.get("selector")
+    if selector is not None and selector not in SELECTORS:
+        raise ApiError(400, f"selector {selector!r} is not one of {', '.join(SELECTORS)}", "selector")
+    kv_budget = body.get("kv_budget")
+    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, float))
+                                  or not (0 < kv_budget <= 1 or (isinstance(kv_budget, int) and kv_budget >= 1))):
+        raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens ≥ 1", "kv_budget")
+
+    return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
+                         max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,
+                         transfer_mode=mode, selector=selector,
+                         kv_budget=float(kv_budget) if kv_budget is not None else None)
+
+
+def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < len(tokenizer) for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in 0..{len(tokenizer) - 1}", "prompt")
+        return list(prompt)
+    if prompt is None:
+        raise ApiError(400, "missing required field 'prompt'", "prompt")
+    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
+
+
+def _chat_prompt(messages: Any, tokenizer) -> list[int]:
+    if messages is None:
+        raise ApiError(400, "missing required field 'messages'", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content",
+                           "messages")
+    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                         tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

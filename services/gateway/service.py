@@ -1,0 +1,81 @@
+"""Gateway: the OpenAI-compatible API in front of the workers.
+
+It tokenizes (so a prompt that cannot fit is refused before any worker is touched), keeps the live
+worker registry from heartbeats, routes each request (see completion.py for its life), detokenizes
+the token stream and records what clients see: TTFT, TTST, inter-token latency.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client
+from nats.micro.service import Service as MicroService
+from transformers import AutoConfig, AutoTokenizer
+
+from schemas import Discover, SchemaError, WorkerInfo, decode, encode, subjects
+from shared.metrics import LatencyMetrics
+from shared.models import resolve_model
+from shared.runtime import Service
+from services.gateway import api
+from services.gateway.completion import CompletionRun
+from services.gateway.config import GatewayConfig
+from shared.registry import WorkerRegistry
+
+log = structlog.get_logger()
+
+
+class GatewayService(Service):
+    role = "gateway"
+    config: GatewayConfig
+
+    def __init__(self, config: GatewayConfig):
+        super().__init__(config)
+        self.registry = WorkerRegistry(config.worker_ttl_s)
+        self.latency = LatencyMetrics(self.metrics)
+        path = resolve_model(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
+        self.model_id = config.served_model_name or path.name
+        self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
+        self.num_in_flight = 0
+
+    def http_port(self) -> int:
+        return self.config.gateway_port
+
+    async def start(self, nc: Client, micro: MicroService) -> None:
+        await nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
+        await nc.publish(subjects.DISCOVER, encode(Discover(self.worker_id)))
+
+    async def _on_heartbeat(self, msg: Any) -> None:
+        try:
+            self.registry.update(decode(WorkerInfo, msg.data))
+        except SchemaError as exc:
+            log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        return api.routes(self)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        nats_ok, body = super().health()
+        counts = {role: len(self.registry.alive(role)) for role in ("prefill", "decode")}
+        ok = nats_ok and all(counts.values())
+        missing = [role for role, n in counts.items() if n == 0]
+        body.update(status="ok" if ok else body["status"] if not nats_ok else f"no {' or '.join(missing)} worker",
+                    workers=counts)
+        return ok, body
+
+    def is_ready(self) -> bool:
+        return self.health()[0]
+
+    def record(self, run: CompletionRun) -> None:
+        """Count a finished request in /metrics."""
+        self.latency.observe_timeline(run.token_times_s)
+        self.latency.requests.inc(status=run.finish_reason or "failed")
+        for path, n in run.kv_bytes.items():
+            self.latency.kv_bytes.inc(n, path=path)
+
+    def stats(self) -> dict[str, Any]:
+        return {"model": self.model_id, "workers": {r: len(self.registry.alive(r)) for r in ("prefill", "decode", "broker", "kvprofile")},
+                "requests_done": {k[0]: v for k, v in self.latency.requests._values.items()}}

@@ -1,0 +1,76 @@
+"""The `smartgen` command.
+
+    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE]
+    smartgen model prepare | path
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from schemas import SERVABLE_TRANSFER_MODES
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="smartgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start NATS and all five services; Ctrl-C stops everything")
+    up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill replicas (default 1)")
+    up.add_argument("--decode", type=int, default=1, metavar="M", help="decode replicas (default 1)")
+    up.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="a transformers model folder (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--transfer-mode", default=os.environ.get("SMARTGEN_TRANSFER_MODE", "full"), choices=SERVABLE_TRANSFER_MODES)
+    up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
+    model = sub.add_parser("model", help="the default model's cached safetensors folder")
+    model.add_argument("action", choices=["prepare", "path"])
+    model.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        sys.exit(_up(args))
+    if args.command == "model":
+        from shared.models import default_model_path, prepare_default_model
+
+        print(prepare_default_model(force=args.force) if args.action == "prepare" else default_model_path())
+
+
+def _up(args: argparse.Namespace) -> int:
+    from shared.models import ModelNotFound, prepare_default_model, resolve_model
+    from shared.stack import Stack, StackSpec
+
+    if args.prefill < 1 or args.decode < 1:
+        print("smartgen up: --prefill and --decode must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        if not args.model:
+            prepare_default_model()
+        resolve_model(args.model)
+    except ModelNotFound as exc:
+        print(f"smartgen up: {exc}", file=sys.stderr)
+        return 2
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    stack = Stack(StackSpec(args.prefill, args.decode, args.model, args.transfer_mode, args.port,
+                            nats_url=os.environ.get("SMARTGEN_NATS_URL", "")))
+    stack.start()
+    print(f"smartgen: NATS at {stack.nats_url}; starting {args.prefill} prefill + {args.decode} decode workers…", flush=True)
+    code = 0
+    try:
+        ready = False
+        while not stop["now"]:
+            dead = stack.dead()
+            if dead:
+                print(f"smartgen: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
+                code = 1
+                break
+            if not ready and stack.health().get("status") == "ok":
+                ready = True
+                print(f"smartgen: ready — OpenAI API at {stack.gateway_url}/v1 (Ctrl-C stops)", flush=True)
+            time.sleep(0.25)
+    finally:
+        print("smartgen: stopping…", flush=True)
+        codes = stack.stop()
+        print("smartgen: stopped " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
+    return code

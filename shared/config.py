@@ -1,0 +1,101 @@
+"""Service configuration: one dataclass per service, filled from CLI flags, then env, then defaults.
+
+Each field `foo_bar` is set by `--foo-bar` or `SMARTGEN_FOO_BAR`. A service's config class
+subclasses `ServiceConfig` and validates itself in `validate()` with a sentence a person can act on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from typing import TypeVar
+
+C = TypeVar("C", bound="ServiceConfig")
+ENV_PREFIX = "SMARTGEN_"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, with a message that says how to fix it."""
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"  # bind address of the admin server (and data plane); loopback unless told otherwise
+    admin_port: int = 0  # 0 = pick a free port and advertise it
+    worker_id: str = ""  # "" = "<role>-<8 hex>"
+    log_level: str = "info"
+    heartbeat_s: float = 1.0
+
+    def validate(self) -> None:
+        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ConfigError(f"nats_url {self.nats_url!r} must start with nats:// (or tls://)")
+        if not 0 <= self.admin_port < 65536:
+            raise ConfigError(f"admin_port {self.admin_port} is not a TCP port")
+        if self.heartbeat_s <= 0:
+            raise ConfigError("heartbeat_s must be positive")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def load_config(cls: type[C], argv: list[str] | None = None, env: typing.Mapping[str, str] | None = None) -> C:
+    """Build `cls` from argv (highest precedence), then env, then the dataclass defaults."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}")
+    for f in dataclasses.fields(cls):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None)
+    args = vars(parser.parse_args(argv))
+    values = {}
+    for f in dataclasses.fields(cls):
+        raw = args[f.name] if args[f.name] is not None else env.get(env_name(f.name))
+        if raw is not None:
+            values[f.name] = _parse(hints[f.name], raw, f.name)
+    config = cls(**values)
+    config.validate()
+    return config
+
+
+def _parse(tp: typing.Any, raw: str, name: str) -> typing.Any:
+    try:
+        if tp is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return tp(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {tp.__name__} (set {env_name(name)} or --{name.replace('_', '-')})") from None
+
+
+@dataclass(slots=True)
+class ModelWorkerConfig(ServiceConfig):
+    """Settings shared by the two services that hold the model and a KV store (prefill, decode)."""
+
+    model: str = ""  # a transformers model folder; "" = the cached default SmolLM2
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", …
+    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    torch_threads: int = 0  # 0 = torch's default; `smartgen up` gives each model process its share of the cores
+    kv_cache_mb: int = 512  # size of the preallocated page store
+    page_tokens: int = 16  # tokens per KV page
+    transport: str = "auto"  # data plane: "auto" (RDMA if a device exists, else TCP), "tcp"
+    dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
+    max_active_requests: int = 8
+
+    def validate(self) -> None:
+        ServiceConfig.validate(self)
+        if self.kv_cache_mb <= 0 or self.page_tokens <= 0:
+            raise ConfigError("kv_cache_mb and page_tokens must be positive")
+        if self.transport not in ("auto", "tcp"):
+            raise ConfigError(f"transport {self.transport!r}: this build has 'auto' and 'tcp' (RDMA comes with the data-plane work)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.max_active_requests <= 0:
+            raise ConfigError("max_active_requests must be positive")

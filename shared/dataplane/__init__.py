@@ -1,0 +1,20 @@
+"""The data plane: KV bytes between a prefill and a decode process, never over NATS.
+
+See README.md in this folder for the design. `make_dataplane(kind)` picks an implementation.
+"""
+from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused, pair_segments
+
+
+def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0) -> DataPlane:
+    if kind in ("tcp", "auto"):
+        from shared.dataplane.tcp import TcpDataPlane
+
+        return TcpDataPlane(host, port)
+    if kind == "inproc":
+        from shared.dataplane.inproc import InProcDataPlane
+
+        return InProcDataPlane()
+    raise ValueError(f"unknown transport {kind!r}: use tcp, auto or inproc")
+
+
+__all__ = ["DataPlane", "DataPlaneError", "Grant", "Segment", "TicketRefused", "pair_segments", "make_dataplane"]

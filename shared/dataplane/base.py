@@ -1,0 +1,134 @@
+"""The data-plane contract. Implementations: tcp.py (reference), inproc.py (fake, for unit tests);
+RDMA (pyverbs) comes with the data-plane issue.
+
+Vocabulary:
+- region: the one memoryview a process registers (its KvStore's pages). Offsets are bytes into it.
+- grant: the owner of a region says "ticket T may write (push) or read these byte ranges".
+  Anything outside a grant is refused: a ticket is the only key to a request's KV.
+- segment: (src offset, dst offset, length); `push` copies local src → peer dst, `read` copies peer src → local dst.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+class DataPlaneError(RuntimeError):
+    """A transfer failed (connection lost, peer refused, bad frame)."""
+
+
+class TicketRefused(DataPlaneError):
+    """The peer does not know the ticket or the ranges fall outside its grant."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    src: int  # byte offset in the source region
+    dst: int  # byte offset in the destination region
+    length: int  # bytes
+
+
+@dataclass(slots=True)
+class Grant:
+    """What one ticket may touch in this process's region, and what has landed under it."""
+
+    ticket: int
+    ranges: list[tuple[int, int]]  # sorted, non-overlapping (start, end) byte ranges
+    on_landed: Callable[[int], None] | None = None  # called with the byte count of each completed push
+    bytes_landed: int = 0
+    num_busy: int = 0  # frames under this ticket being received or sent right now
+    _starts: list[int] = field(default_factory=list)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.ranges = _merge(self.ranges)
+        self._starts = [s for s, _ in self.ranges]
+        self._idle.set()
+
+    def begin_io(self) -> None:
+        self.num_busy += 1
+        self._idle.clear()
+
+    def end_io(self) -> None:
+        self.num_busy -= 1
+        if self.num_busy == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """NOTE: after `revoke`, wait for this before reusing the pages: a frame that started under the
+        ticket may still be writing into them."""
+        await self._idle.wait()
+
+    def covers(self, offset: int, length: int) -> bool:
+        i = bisect.bisect_right(self._starts, offset) - 1
+        return i >= 0 and offset + length <= self.ranges[i][1] and length >= 0
+
+
+def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def pair_segments(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int) -> list[Segment]:
+    """Page-by-page copy list, with runs that are contiguous on both sides merged into one segment."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError("source and destination page lists differ in length")
+    segments: list[Segment] = []
+    for s, d in zip(src_pages, dst_pages):
+        s_off, d_off = s * page_bytes, d * page_bytes
+        last = segments[-1] if segments else None
+        if last and last.src + last.length == s_off and last.dst + last.length == d_off:
+            segments[-1] = Segment(last.src, last.dst, last.length + page_bytes)
+        else:
+            segments.append(Segment(s_off, d_off, page_bytes))
+    return segments
+
+
+class DataPlane(abc.ABC):
+    """One per process. Both roles use the same object: it serves its region and calls peers."""
+
+    address: str = ""  # what peers connect to; advertised over NATS
+
+    @abc.abstractmethod
+    def register_region(self, region: memoryview) -> None:
+        """Register the process's KV buffer. Called once, before `start`."""
+
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Start serving the region; returns `address`."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop serving and close every connection. Pending transfers fail with DataPlaneError."""
+
+    def grant(self, grant: Grant) -> None:
+        """Owner side: let `grant.ticket` touch `grant.ranges` of the registered region."""
+        self.grants[grant.ticket] = grant
+
+    def revoke(self, ticket: int) -> Grant | None:
+        """Owner side: forget a ticket; later frames under it are refused. Idempotent.
+        Returns the grant so the caller can `await grant.wait_idle()` before reusing its pages."""
+        return self.grants.pop(ticket, None)
+
+    @property
+    @abc.abstractmethod
+    def grants(self) -> dict[int, Grant]: ...
+
+    @abc.abstractmethod
+    async def push(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+        """Caller side: copy local `src` ranges into the peer's `dst` ranges. Returns when the peer has them."""
+
+    @abc.abstractmethod
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+        """Caller side: copy the peer's `src` ranges into local `dst` ranges. Returns when they have landed."""
+
+    def stats(self) -> dict[str, int]:
+        return {}

@@ -1,0 +1,55 @@
+"""In-process data plane: the fake for unit tests. Same contract as TCP, memcpy instead of sockets."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused
+
+_REGISTRY: dict[str, "InProcDataPlane"] = {}
+_IDS = itertools.count(1)
+
+
+class InProcDataPlane(DataPlane):
+    def __init__(self) -> None:
+        self.region = memoryview(bytearray(0))
+        self._grants: dict[int, Grant] = {}
+
+    @property
+    def grants(self) -> dict[int, Grant]:
+        return self._grants
+
+    def register_region(self, region: memoryview) -> None:
+        self.region = region.cast("B") if region.format != "B" else region
+
+    async def start(self) -> str:
+        self.address = f"inproc:{next(_IDS)}"
+        _REGISTRY[self.address] = self
+        return self.address
+
+    async def close(self) -> None:
+        _REGISTRY.pop(self.address, None)
+
+    def _peer(self, peer: str, ticket: int, offsets: list[tuple[int, int]]) -> "InProcDataPlane":
+        target = _REGISTRY.get(peer)
+        if target is None:
+            raise DataPlaneError(f"no in-process data plane at {peer}")
+        grant = target._grants.get(ticket)
+        if grant is None or not all(grant.covers(o, n) for o, n in offsets):
+            raise TicketRefused(f"{peer} refused ticket {ticket}")
+        return target
+
+    async def push(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+        target = self._peer(peer, ticket, [(s.dst, s.length) for s in segments])
+        for s in segments:
+            target.region[s.dst: s.dst + s.length] = self.region[s.src: s.src + s.length]
+        grant = target._grants[ticket]
+        total = sum(s.length for s in segments)
+        grant.bytes_landed += total
+        if grant.on_landed:
+            grant.on_landed(total)
+
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+        target = self._peer(peer, ticket, [(s.src, s.length) for s in segments])
+        for s in segments:
+            self.region[s.dst: s.dst + s.length] = target.region[s.src: s.src + s.length]

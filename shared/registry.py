@@ -1,0 +1,38 @@
+"""Which workers are alive, from their heartbeats, and which one gets the next request."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from schemas import WorkerInfo
+
+
+@dataclass
+class _Entry:
+    info: WorkerInfo
+    seen: float  # time.monotonic() of the last heartbeat
+    num_assigned: int = 0  # requests this gateway sent since that heartbeat (heartbeats lag)
+
+
+class WorkerRegistry:
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._workers: dict[str, _Entry] = {}
+
+    def update(self, info: WorkerInfo) -> None:
+        self._workers[info.worker_id] = _Entry(info, time.monotonic())
+
+    def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        now = time.monotonic()
+        for wid in [w for w, e in self._workers.items() if now - e.seen > self.ttl_s]:
+            del self._workers[wid]
+        return [e.info for e in self._workers.values() if role is None or e.info.role == role]
+
+    def pick(self, role: str) -> WorkerInfo | None:
+        """The least loaded live worker of `role` (active requests + what we sent since its heartbeat)."""
+        candidates = self.alive(role)
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda w: (w.active_requests + self._workers[w.worker_id].num_assigned, w.worker_id))
+        self._workers[best.worker_id].num_assigned += 1
+        return best

@@ -1,0 +1,80 @@
+"""Request/reply over NATS with schema messages, and the handler wrapper every endpoint uses.
+
+An error reply is an `ErrorReply` body plus nats.micro's error headers, so `nats micro` tools
+see it as an error too. `call` turns it back into a `RemoteError` on the calling side.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.micro.request import Request
+
+from schemas import ErrorReply, SchemaError, decode, encode
+
+T = TypeVar("T")
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+log = structlog.get_logger()
+
+
+class RemoteError(RuntimeError):
+    """The other side answered with an error (or did not answer)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class RequestRefused(Exception):
+    """Raised inside a handler to refuse a request with a code the caller can act on."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+async def call(nc: Client, subject: str, message: Any, reply_type: type[T], timeout: float) -> T:
+    try:
+        msg = await nc.request(subject, encode(message), timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise RemoteError("unavailable", f"no worker answers on {subject}") from None
+    except nats.errors.TimeoutError:
+        raise RemoteError("timeout", f"no reply on {subject} within {timeout:g} s") from None
+    if msg.headers and ERROR_HEADER in msg.headers:
+        err = decode(ErrorReply, msg.data) if msg.data else ErrorReply("internal", msg.headers[ERROR_HEADER])
+        raise RemoteError(err.code, err.message)
+    return decode(reply_type, msg.data)
+
+
+async def respond_error(req: Request, code: str, message: str) -> None:
+    await req.respond(encode(ErrorReply(code, message)), headers={ERROR_HEADER: message, ERROR_CODE_HEADER: code})
+
+
+def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]]) -> Callable[[Request], Awaitable[None]]:
+    """Wrap `handler(message) -> reply message` as a nats.micro handler that never crashes on bad input."""
+
+    async def handle(req: Request) -> None:
+        try:
+            message = decode(message_type, req.data)
+        except SchemaError as exc:
+            await respond_error(req, "bad_request", str(exc))
+            return
+        request_id = getattr(message, "request_id", None)
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                reply = await handler(message)
+            except RequestRefused as exc:
+                log.info("request_refused", code=exc.code, reason=exc.message)
+                await respond_error(req, exc.code, exc.message)
+                return
+            except Exception as exc:  # the service keeps running; the caller learns at once
+                log.exception("handler_failed", subject=req.subject)
+                await respond_error(req, "internal", f"{type(exc).__name__}: {exc}")
+                return
+            await req.respond(encode(reply))
+
+    return handle

@@ -1,0 +1,196 @@
+"""The shape every SmartGen service shares, and the runner that brings one up and down.
+
+A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and `__main__` calls
+`run_service`. The runner, in order: logging → admin HTTP server → NATS → nats.micro registration
+(`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
+SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from contextlib import AsyncExitStack
+from typing import Any, ClassVar
+
+import nats
+import nats.micro
+import structlog
+from aiohttp import web
+from nats.aio.client import Client
+from nats.micro.service import Service as MicroService
+
+from schemas import Discover, WorkerInfo, decode, encode, subjects
+from shared import __version__
+from shared.config import ServiceConfig
+from shared.logging import setup_logging
+from shared.metrics import Registry
+
+log = structlog.get_logger()
+
+
+class Service:
+    """Base of every service. Subclasses set `role` and override the hooks they need."""
+
+    role: ClassVar[str] = ""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.metrics = Registry()
+        self.nc: Client | None = None
+        self.admin_url = ""
+        self.started_unix = time.time()
+
+    # --- hooks -------------------------------------------------------------------------
+    async def start(self, nc: Client, micro: MicroService) -> None:
+        """Register endpoints and subscriptions. Called once NATS is connected."""
+
+    async def stop(self) -> None:
+        """Cancel work and free resources. Called before NATS drains."""
+
+    def is_ready(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, body) for GET /health. Healthy = the process can talk to NATS."""
+        ok = self.nc is not None and self.nc.is_connected
+        return ok, {"status": "ok" if ok else "nats_disconnected", "role": self.role, "worker_id": self.worker_id}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        return []
+
+    def http_port(self) -> int:
+        return self.config.admin_port
+
+    def worker_info(self) -> WorkerInfo:
+        return WorkerInfo(
+            role=self.role, worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(),
+            admin_url=self.admin_url, version=__version__, started_unix=self.started_unix,
+            **self.load_info(),
+        )
+
+    def load_info(self) -> dict[str, Any]:
+        """Extra WorkerInfo fields (dataplane_addr, active_requests, kv pages…)."""
+        return {}
+
+    # --- helpers for subclasses ------------------------------------------------------------
+    def subject(self, verb: str) -> str:
+        return subjects.worker(self.role, self.worker_id, verb)
+
+    async def add_endpoints(self, micro: MicroService, **handlers: Any) -> None:
+        """Register `verb=handler` pairs as nats.micro endpoints on `smartgen.<role>.<worker_id>.<verb>`."""
+        group = micro.add_group(name=subjects.worker(self.role, self.worker_id, "").rstrip("."))
+        for verb, handler in handlers.items():
+            await group.add_endpoint(name=verb, handler=handler)
+
+    async def publish_heartbeat(self) -> None:
+        if self.nc is not None and self.nc.is_connected:
+            await self.nc.publish(subjects.heartbeat(self.role), encode(self.worker_info()))
+
+
+def build_admin_app(service: Service) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        ok, body = service.health()
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def ready(_: web.Request) -> web.Response:
+        ok = service.is_ready()
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=service.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"role": service.role, "worker_id": service.worker_id, **service.stats()})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
+                    web.get("/stats", stats), *service.admin_routes()])
+    return app
+
+
+async def run_service(service: Service) -> None:
+    config = service.config
+    setup_logging(service.role, service.worker_id, config.log_level)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async with AsyncExitStack() as stack:
+        runner = web.AppRunner(build_admin_app(service), access_log=None)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, config.host, service.http_port())
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        service.admin_url = f"http://{config.host}:{port}"
+
+        async def on_disconnect() -> None:
+            if not stop.is_set():
+                log.warning("nats_disconnected")
+
+        async def on_reconnect() -> None:
+            log.info("nats_reconnected")
+            await service.publish_heartbeat()
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats_error", error=str(exc))
+
+        nc = await nats.connect(config.nats_url, name=service.worker_id, max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
+                                reconnected_cb=on_reconnect, error_cb=on_error)
+        stack.push_async_callback(nc.drain)
+        service.nc = nc
+        micro = await nats.micro.add_service(
+            nc, name=f"smartgen-{service.role}", version=__version__,
+            description=f"SmartGen {service.role} service",
+            metadata={"worker_id": service.worker_id, "admin_url": service.admin_url})
+        stack.push_async_callback(micro.stop)
+
+        await service.start(nc, micro)
+        stack.push_async_callback(service.stop)
+
+        async def answer_discover(msg: Any) -> None:
+            try:
+                decode(Discover, msg.data)
+            except ValueError:
+                return
+            await service.publish_heartbeat()
+
+        await nc.subscribe(subjects.DISCOVER, cb=answer_discover)
+        heartbeats = asyncio.create_task(_heartbeat_loop(service))
+        stack.callback(heartbeats.cancel)
+        log.info("service_started", admin_url=service.admin_url, nats_url=config.nats_url, pid=os.getpid())
+        await stop.wait()
+        log.info("service_stopping")
+    log.info("service_stopped")
+
+
+async def _heartbeat_loop(service: Service) -> None:
+    while True:
+        try:
+            await service.publish_heartbeat()
+        except Exception as exc:  # a heartbeat must never kill the service
+            log.warning("heartbeat_failed", error=str(exc))
+        await asyncio.sleep(service.config.heartbeat_s)
+
+
+def service_main(config_cls: type, service_cls: type[Service]) -> None:
+    """The whole of a service's `__main__`: config from flags and env, then run until SIGINT/SIGTERM."""
+    import sys
+
+    from shared.config import ConfigError, load_config
+
+    try:
+        config = load_config(config_cls, sys.argv[1:])
+    except ConfigError as exc:
+        sys.exit(f"{service_cls.role}: {exc}")
+    asyncio.run(run_service(service_cls(config)))

@@ -1,0 +1,124 @@
+"""The whole stack as local processes: an embedded NATS (unless SMARTGEN_NATS_URL names one) and the
+five services, each `python -m services.<role>`. Used by `smartgen up` and by the integration tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.nats_server import NatsServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class StackSpec:
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str = ""  # "" = the cached default SmolLM2
+    transfer_mode: str = "full"
+    gateway_port: int = 8000
+    nats_url: str = ""  # "" = start an embedded server
+    env: dict[str, str] = field(default_factory=dict)  # extra SMARTGEN_* settings for every service
+    log_file: Path | None = None  # None = services log to this terminal
+
+
+class Stack:
+    def __init__(self, spec: StackSpec):
+        self.spec = spec
+        self.nats: NatsServer | None = None
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._log = None
+
+    @property
+    def nats_url(self) -> str:
+        return self.spec.nats_url or (self.nats.url if self.nats else "")
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.gateway_port}"
+
+    def start(self) -> "Stack":
+        if not self.spec.nats_url:
+            self.nats = NatsServer().start()
+        if self.spec.log_file:
+            self._log = open(self.spec.log_file, "ab")
+        # Each model process gets its share of the cores, and OpenMP waits passively: spinning threads of
+        # several model processes on a small machine made decode steps 3× slower (see README).
+        num_model_procs = self.spec.num_prefill + self.spec.num_decode
+        threads = str(max(1, (os.cpu_count() or 1) // num_model_procs))
+        base = {**os.environ, "SMARTGEN_NATS_URL": self.nats_url, "SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode,
+                "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **self.spec.env}
+        if self.spec.model:
+            base["SMARTGEN_MODEL"] = self.spec.model
+        self._spawn("broker", "broker", base)
+        self._spawn("kvprofile", "kvprofile", base)
+        for i in range(self.spec.num_prefill):
+            self._spawn(f"prefill-{i}", "prefill", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
+        for i in range(self.spec.num_decode):
+            self._spawn(f"decode-{i}", "decode", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
+        self._spawn("gateway", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(self.spec.gateway_port)})
+        return self
+
+    def _spawn(self, name: str, role: str, env: dict[str, str]) -> None:
+        out = self._log if self._log else None
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=REPO_ROOT, env=env,
+                                                stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.processes.items() if p.poll() is not None]
+
+    def health(self) -> dict:
+        try:
+            with urllib.request.urlopen(self.gateway_url + "/health", timeout=2) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as exc:
+            return json.load(exc)
+        except OSError as exc:
+            return {"status": f"gateway not answering ({exc})"}
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Until the gateway says every role has a worker. Raises if a service dies first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.dead():
+                raise RuntimeError(f"services exited during start-up: {', '.join(self.dead())}")
+            health = self.health()
+            workers = health.get("workers", {})
+            if health.get("status") == "ok" and workers.get("prefill", 0) >= self.spec.num_prefill \
+                    and workers.get("decode", 0) >= self.spec.num_decode:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"stack not ready within {timeout_s} s: {self.health()}")
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int]:
+        """SIGTERM every service, then SIGKILL stragglers; stop NATS last. Returns exit codes."""
+        for p in self.processes.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for name, p in self.processes.items():
+            try:
+                codes[name] = p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        if self.nats:
+            self.nats.stop()
+        if self._log:
+            self._log.close()
+        return codes
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
