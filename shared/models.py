@@ -91,7 +91,8 @@ def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        initializer_range=0.3)  # NOTE: wide weights give varied greedy tokens (0.02 repeats one token)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     target.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,32 @@
+"""Shared fixtures: the models (real SmolLM2 and a tiny random Llama with its tokenizer), a real
+nats-server on a free port, and a whole stack of real service processes with a leak check."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shared.models import make_tiny_model, prepare_default_model
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """The real SmolLM2 folder (converted once; `make test` does it before pytest starts)."""
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> Path:
+    """A 4-layer random Llama (hidden 64, 4 heads, 2 KV heads) with the real tokenizer: loads in a second."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=real_model_path)
+
+
+@pytest.fixture
+def nats_server():
+    from shared.nats_server import NatsServer
+
+    with NatsServer() as server:
+        yield server

@@ -1,0 +1,171 @@
+"""One real request through the whole disaggregated path: gateway → prefill → KV push → decode."""
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from tests.integration.conftest import get_json, model_workers, post_json, post_sse
+from tests.reference import greedy_tokens, prompt_ids
+
+PROMPT = "The history of the city begins with a small settlement on the river, where traders"
+
+
+@pytest.mark.parametrize("mode", ["full", "colocated"])
+def test_greedy_matches_model_generate(clean_stack, tiny_model_path, mode):
+    """With temperature 0, the served tokens are exactly model.generate's, in both modes."""
+    status, body = post_json(clean_stack.gateway_url + "/v1/completions",
+                             {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "transfer_mode": mode})
+    assert status == 200, body
+    expected = greedy_tokens(tiny_model_path, prompt_ids(tiny_model_path, PROMPT), 24)
+    sg = body["smartgen"]
+    assert sg["token_ids"] == expected
+    assert sg["transfer_mode"] == mode
+    assert body["usage"]["completion_tokens"] == len(expected)
+    if mode == "full":
+        assert sg["prefill_worker_id"] and sg["decode_worker_id"]
+        assert sg["kv_bytes"]["full"] > 0
+    else:
+        assert sg["prefill_worker_id"] is None and sg["kv_bytes"] == {}
+
+
+def test_full_mode_moves_every_layer(clean_stack, tiny_model_path):
+    """The bytes that land on decode are the whole KV: layers × pages × page size."""
+    n = len(prompt_ids(tiny_model_path, PROMPT))
+    _, body = post_json(clean_stack.gateway_url + "/v1/completions",
+                        {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "transfer_mode": "full"})
+    # tiny model: 4 layers, 2 KV heads, head dim 16, fp32, 16-token pages → 4 KiB per page
+    pages = 4 * -(-n // 16)
+    assert body["smartgen"]["kv_bytes"]["full"] == pages * 2 * 2 * 16 * 16 * 4
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_streaming_agrees_with_non_streaming(clean_stack, route):
+    """SSE deltas add up to the non-streaming text; the last chunk carries smartgen timing that is consistent."""
+    url = clean_stack.gateway_url + ("/v1/completions" if route == "completions" else "/v1/chat/completions")
+    body = {"max_tokens": 12, "temperature": 0}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": [{"role": "user", "content": PROMPT}]}
+    status, whole = post_json(url, body)
+    assert status == 200, whole
+    chunks = post_sse(url, body)
+    if route == "completions":
+        streamed = "".join(c["choices"][0]["text"] for c in chunks)
+        assert streamed == whole["choices"][0]["text"]
+    else:
+        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert streamed == whole["choices"][0]["message"]["content"]
+        assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    final = chunks[-1]
+    sg = final["smartgen"]
+    assert final["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert sg["token_ids"] == whole["smartgen"]["token_ids"]
+    times = sg["token_times_s"]
+    assert len(times) == len(sg["token_ids"]) == final["usage"]["completion_tokens"]
+    assert times == sorted(times) and times[0] > 0
+    assert sg["ttft_s"] == pytest.approx(times[0], abs=1e-5)
+    assert sg["ttst_s"] == pytest.approx(times[1] - times[0], abs=1e-5)
+    gaps = [b - a for a, b in zip(times[1:], times[2:])]
+    assert sg["tbt_s"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-5)
+
+
+def test_stop_string_ends_the_completion(clean_stack, tiny_model_path):
+    """A stop string cuts the text before it, finishes with 'stop', and frees the workers (leak check)."""
+    _, free = post_json(clean_stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), "the reference text is too short to pick a stop string from"
+    _, body = post_json(clean_stack.gateway_url + "/v1/completions",
+                        {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": [stop]})
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == text[: text.find(stop)]
+
+
+def test_seeded_sampling_is_the_same_in_both_modes(clean_stack):
+    """A sampled token depends on (seed, index, logits) only, so colocated and full agree."""
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 1234}
+    _, a = post_json(clean_stack.gateway_url + "/v1/completions", body | {"transfer_mode": "full"})
+    _, b = post_json(clean_stack.gateway_url + "/v1/completions", body | {"transfer_mode": "colocated"})
+    assert a["smartgen"]["token_ids"] == b["smartgen"]["token_ids"]
+
+
+def test_concurrent_requests_all_complete(clean_stack):
+    """Several requests at once on one decode worker each get their own correct stream."""
+    import concurrent.futures
+
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    _, alone = post_json(clean_stack.gateway_url + "/v1/completions", body)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: post_json(clean_stack.gateway_url + "/v1/completions", body), range(4)))
+    assert all(status == 200 for status, _ in results)
+    assert all(r["smartgen"]["token_ids"] == alone["smartgen"]["token_ids"] for _, r in results)
+
+
+def test_openai_client_works(clean_stack):
+    """The official openai client talks to the gateway, streaming and not."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=clean_stack.gateway_url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True)
+    assert sum(1 for _ in stream) >= 1
+
+
+def test_health_models_workers(clean_stack, tiny_model_path):
+    """/health is ok with workers; /v1/models names the model; /workers lists every role with its contract fields."""
+    assert get_json(clean_stack.gateway_url + "/health")["status"] == "ok"
+    models = get_json(clean_stack.gateway_url + "/v1/models")
+    assert models["data"][0]["id"] == tiny_model_path.name
+    workers = get_json(clean_stack.gateway_url + "/workers")["workers"]
+    assert {w["role"] for w in workers} == {"gateway", "prefill", "decode", "broker", "kvprofile"}
+    for w in workers:
+        assert {"role", "id", "pid", "host", "admin_url"} <= set(w)
+        stats = get_json(w["admin_url"] + "/stats")
+        assert stats["worker_id"] == w["id"]
+        assert get_json(w["admin_url"] + "/health")["status"] == "ok"
+        if w["role"] in ("prefill", "decode"):
+            assert {"active_requests", "kv_pages_in_use", "kv_pages_total", "leases_open"} <= set(stats)
+            assert stats["kv_pages_total"] > 0
+
+
+def test_metrics_count_requests(clean_stack):
+    """Gateway /metrics exposes the latency histograms and counts a finished request."""
+    def count(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    import urllib.request
+
+    read = lambda: urllib.request.urlopen(clean_stack.gateway_url + "/metrics").read().decode()  # noqa: E731
+    before = read()
+    post_json(clean_stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    after = read()
+    for name in ("smartgen_time_to_first_token_seconds", "smartgen_time_to_second_token_seconds",
+                 "smartgen_inter_token_latency_seconds"):
+        assert f"# TYPE {name} histogram" in after
+    assert count(after, "smartgen_time_to_second_token_seconds_count") == count(before, "smartgen_time_to_second_token_seconds_count") + 1
+    assert 'smartgen_kv_transfer_bytes_total{path="full"}' in after
+
+
+async def test_every_service_answers_nats_micro(clean_stack):
+    """$SRV.PING answers for all five services, with the role in the name."""
+    nc = await nats.connect(clean_stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        names = set()
+        deadline = asyncio.get_running_loop().time() + 2
+        while asyncio.get_running_loop().time() < deadline and len(names) < 5:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            import json
+
+            names.add(json.loads(msg.data)["name"])
+        assert names == {f"smartgen-{r}" for r in ("gateway", "prefill", "decode", "kvprofile", "broker")}
+    finally:
+        await nc.close()

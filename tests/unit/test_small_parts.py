@@ -1,0 +1,68 @@
+"""Pure logic: latency figures, metrics text, config loading, text streaming with stop strings."""
+from __future__ import annotations
+
+import pytest
+
+from shared.config import ConfigError, ModelWorkerConfig, load_config
+from shared.metrics import Registry
+from shared.timeline import Timeline, ctl
+
+
+def test_timeline_of_a_known_stream():
+    """TTFT = t1, TTST = t2 - t1, TBT = mean of later gaps, CTL(i) = t_i."""
+    t = Timeline.of([1.0, 3.0, 3.5, 4.0, 5.0])
+    assert (t.ttft_s, t.ttst_s) == (1.0, 2.0)
+    assert t.tbt_s == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+    assert ctl([1.0, 3.0, 3.5], 2) == 3.0
+
+
+def test_timeline_of_short_streams_and_bad_input():
+    """One token has no TTST; decreasing times are an error."""
+    assert Timeline.of([0.2]) == Timeline(0.2, None, None)
+    assert Timeline.of([]) == Timeline(None, None, None)
+    with pytest.raises(ValueError):
+        Timeline.of([2.0, 1.0])
+
+
+def test_histogram_renders_cumulative_buckets():
+    """Prometheus histogram lines are cumulative and end with +Inf, sum and count."""
+    reg = Registry()
+    h = reg.histogram("x_seconds", "help", buckets=(0.1, 1.0))
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v)
+    c = reg.counter("y_total", "help", ["path"])
+    c.inc(3, path="full")
+    text = reg.render()
+    assert 'x_seconds_bucket{le="0.1"} 1' in text and 'x_seconds_bucket{le="1"} 2' in text
+    assert 'x_seconds_bucket{le="+Inf"} 3' in text and "x_seconds_count 3" in text
+    assert 'y_total{path="full"} 3' in text
+
+
+def test_config_flags_beat_env_beat_defaults():
+    """--flag over SMARTGEN_* over the default, with types converted."""
+    env = {"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_PAGE_TOKENS": "32"}
+    cfg = load_config(ModelWorkerConfig, ["--page-tokens", "8"], env)
+    assert (cfg.kv_cache_mb, cfg.page_tokens, cfg.device) == (64, 8, "cpu")
+
+
+def test_config_errors_say_how_to_fix():
+    """A bad value is a ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match="SMARTGEN_KV_CACHE_MB"):
+        load_config(ModelWorkerConfig, [], {"SMARTGEN_KV_CACHE_MB": "lots"})
+    with pytest.raises(ConfigError, match="transport"):
+        load_config(ModelWorkerConfig, ["--transport", "pigeon"], {})
+
+
+def test_text_stream_holds_back_a_possible_stop_string(tiny_model_path):
+    """Text that might start a stop string is held until it is known not to; a stop cuts before it."""
+    from transformers import AutoTokenizer
+
+    from services.gateway.textstream import TextStream
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    ids = tok("Hello world, this is the end. More")["input_ids"]
+    stream = TextStream(tok, stop=["the end"])
+    out = "".join(stream.add(i) for i in ids) + stream.flush()
+    assert stream.is_stopped and out == "Hello world, this is "
+    free = TextStream(tok, stop=[])
+    assert "".join(free.add(i) for i in ids) + free.flush() == "Hello world, this is the end. More"
