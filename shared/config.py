@@ -24,10 +24,15 @@ class ConfigError(ValueError):
 class ServiceConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"  # bind address of the admin server (and data plane); loopback unless told otherwise
+    advertise_host: str = ""  # the name peers reach this process by (e.g. its compose service); "" = host
     admin_port: int = 0  # 0 = pick a free port and advertise it
     worker_id: str = ""  # "" = "<role>-<8 hex>"
     log_level: str = "info"
     heartbeat_s: float = 1.0
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
 
     def validate(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):

@@ -131,7 +131,7 @@ async def run_service(service: Service) -> None:
         site = web.TCPSite(runner, config.host, service.http_port())
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        service.admin_url = f"http://{config.host}:{port}"
+        service.admin_url = f"http://{config.public_host}:{port}"
 
         async def on_disconnect() -> None:
             if not stop.is_set():

@@ -49,7 +49,8 @@ class ModelWorkerService(Service):
         self.runner = await self.in_torch(ModelRunner, path, self.config.device, self.config.dtype)
         layout = self.runner.kv_layout(self.config.page_tokens)
         self.store = KvStore.with_capacity_mb(layout, self.config.kv_cache_mb)
-        self.dataplane = make_dataplane(self.config.transport, self.config.host, self.config.dataplane_port)
+        self.dataplane = make_dataplane(self.config.transport, self.config.host, self.config.dataplane_port,
+                                        self.config.advertise_host)
         if self.config.transport == "auto":
             log.info("dataplane_transport", transport="tcp", reason="this build has no RDMA transport yet")
         self.dataplane.register_region(self.store.region)

@@ -5,11 +5,11 @@ See README.md in this folder for the design. `make_dataplane(kind)` picks an imp
 from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused, pair_segments
 
 
-def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0) -> DataPlane:
+def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "") -> DataPlane:
     if kind in ("tcp", "auto"):
         from shared.dataplane.tcp import TcpDataPlane
 
-        return TcpDataPlane(host, port)
+        return TcpDataPlane(host, port, advertise_host)
     if kind == "inproc":
         from shared.dataplane.inproc import InProcDataPlane
 

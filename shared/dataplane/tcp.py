@@ -98,8 +98,8 @@ class _PeerConnection:
 
 
 class TcpDataPlane(DataPlane):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        self.host, self.port = host, port
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = ""):
+        self.host, self.port, self.advertise_host = host, port, advertise_host or host
         self.region = memoryview(bytearray(0))
         self._grants: dict[int, Grant] = {}
         self._peers: dict[str, _PeerConnection] = {}
@@ -123,7 +123,7 @@ class TcpDataPlane(DataPlane):
         listener = socket.create_server((self.host, self.port), reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
-        self.address = f"{self.host}:{listener.getsockname()[1]}"
+        self.address = f"{self.advertise_host}:{listener.getsockname()[1]}"
         self._accept_task = asyncio.create_task(self._accept_loop())
         return self.address
 

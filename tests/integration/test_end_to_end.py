@@ -169,3 +169,15 @@ async def test_every_service_answers_nats_micro(clean_stack):
         assert names == {f"smartgen-{r}" for r in ("gateway", "prefill", "decode", "kvprofile", "broker")}
     finally:
         await nc.close()
+
+
+def test_natsctl_lists_the_services(clean_stack):
+    """The NATS CLI stand-in shows every service and its endpoints."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tools.natsctl", "--server", clean_stack.nats_url, "micro", "ls"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    for role in ("gateway", "prefill", "decode", "kvprofile", "broker"):
+        assert f"smartgen-{role}" in out
+    assert ".decode-" in out and out.count(".open") == 1

@@ -1,0 +1,90 @@
+"""`smartgen up` as a user runs it: replicas come up, the API answers, Ctrl-C stops everything cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shared.nats_server import free_port
+from tests.integration.conftest import get_json, post_json
+
+
+def start_up(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    smartgen = Path(sys.executable).parent / "smartgen"
+    return subprocess.Popen([smartgen, "up", *args], env={**os.environ, **env}, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def wait_for_workers(url: str, roles: dict[str, int], proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            workers = get_json(url + "/workers")["workers"]
+            if all(sum(w["role"] == r for w in workers) >= n for r, n in roles.items()) \
+                    and get_json(url + "/health").get("status") == "ok":
+                return workers
+        except OSError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"stack not up in {timeout_s} s: {log.read_text()[-3000:]}")
+
+
+def interrupt_and_check_clean_exit(proc: subprocess.Popen, log: Path) -> None:
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 5
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running after Ctrl-C: {alive}"
+    text = log.read_text()
+    assert "smartgen: stopped" in text and "Traceback" not in text, text[-3000:]
+
+
+def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
+    """`smartgen up --prefill 2 --decode 1` on an embedded NATS: both prefill replicas register, requests
+    are spread over them, and SIGINT stops every process with exit code 0."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    proc = start_up(["--prefill", "2", "--decode", "1", "--model", str(tiny_model_path), "--port", str(port)],
+                    {"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NATS_URL": ""}, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        workers = wait_for_workers(url, {"prefill": 2, "decode": 1, "broker": 1, "kvprofile": 1}, proc, log)
+        assert sum(w["role"] == "prefill" for w in workers) == 2
+        used = set()
+        for _ in range(4):
+            status, body = post_json(url + "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
+            assert status == 200, body
+            used.add(body["smartgen"]["prefill_worker_id"])
+        assert len(used) == 2, "the gateway should spread requests over both prefill workers"
+        interrupt_and_check_clean_exit(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_uses_an_existing_nats_server(tiny_model_path, tmp_path, nats_server):
+    """With SMARTGEN_NATS_URL set, `smartgen up` starts no NATS of its own and every service joins that one."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    proc = start_up(["--model", str(tiny_model_path), "--port", str(port)],
+                    {"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NATS_URL": nats_server.url}, log)
+    try:
+        wait_for_workers(f"http://127.0.0.1:{port}", {"prefill": 1, "decode": 1}, proc, log)
+        with urllib.request.urlopen(f"http://127.0.0.1:{nats_server.monitor_port}/connz") as r:
+            names = {c.get("name", "") for c in json.load(r)["connections"]}
+        assert {n.split("-")[0] for n in names if n} >= {"gateway", "prefill", "decode", "broker", "kvprofile"}
+        assert not any(p.name() == "nats-server" for p in psutil.Process(proc.pid).children(recursive=True))
+        interrupt_and_check_clean_exit(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

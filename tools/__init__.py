@@ -1,0 +1,1 @@
+"""Operator tools that are not services."""
