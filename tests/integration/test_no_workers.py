@@ -1,0 +1,37 @@
+"""A gateway with no workers says so: /health is 503 and a completion is a 503, not a hang."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from shared.nats_server import free_port
+from tests.integration.conftest import get_json, post_json
+
+
+def test_gateway_without_workers_answers_503(nats_server, tiny_model_path):
+    """No prefill or decode registered: /health 503 naming what is missing; requests get 503 at once."""
+    port = free_port()
+    env = {**os.environ, "SMARTGEN_NATS_URL": nats_server.url, "SMARTGEN_MODEL": str(tiny_model_path),
+           "SMARTGEN_GATEWAY_PORT": str(port)}
+    gateway = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = get_json(url + "/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and gateway.poll() is None
+                time.sleep(0.2)
+        assert health["_status"] == 503 and "no prefill or decode worker" in health["status"]
+        started = time.monotonic()
+        status, body = post_json(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "no_worker"
+        assert time.monotonic() - started < 2
+    finally:
+        gateway.terminate()
+        assert gateway.wait(15) == 0
