@@ -1,6 +1,7 @@
 """The `smartgen` command.
 
-    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE]
+    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
+    smartgen bench transport [--json PATH]
     smartgen model prepare | path
 """
 from __future__ import annotations
@@ -22,13 +23,23 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode replicas (default 1)")
     up.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="a transformers model folder (default: SmolLM2-135M-Instruct)")
     up.add_argument("--transfer-mode", default=os.environ.get("SMARTGEN_TRANSFER_MODE", "full"), choices=SERVABLE_TRANSFER_MODES)
+    up.add_argument("--link-gbps", type=float, default=float(os.environ.get("SMARTGEN_LINK_GBPS", "0")),
+                    help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
+    bench = sub.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
+    bench.add_argument("what", choices=["transport"])
+    bench.add_argument("--json", metavar="PATH", help="also write the results here")
     model = sub.add_parser("model", help="the default model's cached safetensors folder")
     model.add_argument("action", choices=["prepare", "path"])
     model.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = parser.parse_args(argv)
     if args.command == "up":
         sys.exit(_up(args))
+    if args.command == "bench":
+        from tools.bench import transport
+
+        transport.run(args.json)
+        return
     if args.command == "model":
         from shared.models import default_model_path, prepare_default_model
 
@@ -52,8 +63,9 @@ def _up(args: argparse.Namespace) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    env = {"SMARTGEN_LINK_GBPS": str(args.link_gbps)} if args.link_gbps else {}
     stack = Stack(StackSpec(args.prefill, args.decode, args.model, args.transfer_mode, args.port,
-                            nats_url=os.environ.get("SMARTGEN_NATS_URL", "")))
+                            nats_url=os.environ.get("SMARTGEN_NATS_URL", ""), env=env))
     stack.start()
     print(f"smartgen: NATS at {stack.nats_url}; starting {args.prefill} prefill + {args.decode} decode workers…", flush=True)
     code = 0

@@ -92,6 +92,8 @@ class ModelWorkerConfig(ServiceConfig):
     page_tokens: int = 16  # tokens per KV page
     transport: str = "auto"  # data plane: "auto" (RDMA if a device exists, else TCP), "tcp"
     dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
+    link_gbps: float = 0.0  # pace every data-plane link to this rate (10⁹ bit/s) to emulate a slow NIC; 0 = unpaced
+    dataplane_checksums: bool = True  # crc32 per chunk; a mismatch fails the transfer
     max_active_requests: int = 8
 
     def validate(self) -> None:
@@ -102,5 +104,7 @@ class ModelWorkerConfig(ServiceConfig):
             raise ConfigError(f"transport {self.transport!r}: this build has 'auto' and 'tcp' (RDMA comes with the data-plane work)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.link_gbps < 0:
+            raise ConfigError("link_gbps must be ≥ 0 (0 = unpaced)")
         if self.max_active_requests <= 0:
             raise ConfigError("max_active_requests must be positive")

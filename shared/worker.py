@@ -50,7 +50,8 @@ class ModelWorkerService(Service):
         layout = self.runner.kv_layout(self.config.page_tokens)
         self.store = KvStore.with_capacity_mb(layout, self.config.kv_cache_mb)
         self.dataplane = make_dataplane(self.config.transport, self.config.host, self.config.dataplane_port,
-                                        self.config.advertise_host)
+                                        self.config.advertise_host, self.config.link_gbps,
+                                        self.config.dataplane_checksums)
         if self.config.transport == "auto":
             log.info("dataplane_transport", transport="tcp", reason="this build has no RDMA transport yet")
         self.dataplane.register_region(self.store.region)

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import Abort, Ack, KvHandle, Prefill, PrefillDone, TransferFailed, encode, subjects
-from shared.dataplane import DataPlaneError, pair_segments
+from shared.dataplane import DataPlaneError, Lane, pair_segments
 from shared.kvstore import OutOfPages, PageTable
 from shared.rpc import RequestRefused, endpoint
 from shared.worker import ModelWorkerService
@@ -112,7 +112,8 @@ class PrefillService(ModelWorkerService):
     async def _push(self, transfer: Transfer, segments: list) -> None:
         assert self.dataplane
         handle = transfer.handle
-        await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments),
+        # full mode: the decode node waits for every byte, so these go on the ON_DEMAND lane
+        await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments, Lane.ON_DEMAND),
                                self.config.push_timeout_s)
         n = sum(s.length for s in segments)
         transfer.num_bytes += n

@@ -2,14 +2,16 @@
 
 See README.md in this folder for the design. `make_dataplane(kind)` picks an implementation.
 """
-from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused, pair_segments
+from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
+                                   pair_segments)
 
 
-def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "") -> DataPlane:
+def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
+                   link_gbps: float = 0.0, checksums: bool = True) -> DataPlane:
     if kind in ("tcp", "auto"):
         from shared.dataplane.tcp import TcpDataPlane
 
-        return TcpDataPlane(host, port, advertise_host)
+        return TcpDataPlane(host, port, advertise_host, link_gbps, checksums)
     if kind == "inproc":
         from shared.dataplane.inproc import InProcDataPlane
 
@@ -17,4 +19,5 @@ def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_
     raise ValueError(f"unknown transport {kind!r}: use tcp, auto or inproc")
 
 
-__all__ = ["DataPlane", "DataPlaneError", "Grant", "Segment", "TicketRefused", "pair_segments", "make_dataplane"]
+__all__ = ["ChecksumMismatch", "DataPlane", "DataPlaneError", "Grant", "Lane", "Segment", "TicketRefused",
+           "pair_segments", "make_dataplane"]

@@ -1,11 +1,12 @@
-"""The data-plane contract. Implementations: tcp.py (reference), inproc.py (fake, for unit tests);
-RDMA (pyverbs) comes with the data-plane issue.
+"""The data-plane contract. Implementations: tcp.py (reference), rdma.py (pyverbs), inproc.py (fake).
 
 Vocabulary:
 - region: the one memoryview a process registers (its KvStore's pages). Offsets are bytes into it.
 - grant: the owner of a region says "ticket T may write (push) or read these byte ranges".
   Anything outside a grant is refused: a ticket is the only key to a request's KV.
 - segment: (src offset, dst offset, length); `push` copies local src → peer dst, `read` copies peer src → local dst.
+- lane: the sending side of every link serves ON_DEMAND strictly before BACKGROUND, one chunk at a time,
+  so an urgent transfer never waits behind more than one background chunk.
 """
 from __future__ import annotations
 
@@ -14,14 +15,35 @@ import asyncio
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Lane(IntEnum):
+    """Priority of a transfer on the sending side of a link (lower value goes first)."""
+
+    ON_DEMAND = 1  # anything a request is waiting on now: on-demand reads, full and proactive pushes
+    BACKGROUND = 2  # speculative transfer of what remains; preemptible, can be paused
 
 
 class DataPlaneError(RuntimeError):
-    """A transfer failed (connection lost, peer refused, bad frame)."""
+    """A transfer failed (connection lost, peer refused, bad frame, corrupted bytes)."""
 
 
 class TicketRefused(DataPlaneError):
     """The peer does not know the ticket or the ranges fall outside its grant."""
+
+
+class ChecksumMismatch(DataPlaneError):
+    """A chunk arrived with bytes that do not match its checksum."""
+
+
+def check_within(segments: Sequence["Segment"], region_len: int, side: str) -> None:
+    """Raise DataPlaneError if a segment's local (`src` or `dst`) range falls outside the region."""
+    for s in segments:
+        offset = s.src if side == "src" else s.dst
+        if s.length <= 0 or offset < 0 or offset + s.length > region_len:
+            raise DataPlaneError(f"segment {side}={offset} length={s.length} is outside the registered region "
+                                 f"of {region_len} bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +118,7 @@ class DataPlane(abc.ABC):
     """One per process. Both roles use the same object: it serves its region and calls peers."""
 
     address: str = ""  # what peers connect to; advertised over NATS
+    region: memoryview
 
     @abc.abstractmethod
     def register_region(self, region: memoryview) -> None:
@@ -111,6 +134,8 @@ class DataPlane(abc.ABC):
 
     def grant(self, grant: Grant) -> None:
         """Owner side: let `grant.ticket` touch `grant.ranges` of the registered region."""
+        if grant.ranges and (grant.ranges[0][0] < 0 or grant.ranges[-1][1] > len(self.region)):
+            raise ValueError("a grant must lie inside the registered region")
         self.grants[grant.ticket] = grant
 
     def revoke(self, ticket: int) -> Grant | None:
@@ -123,12 +148,23 @@ class DataPlane(abc.ABC):
     def grants(self) -> dict[int, Grant]: ...
 
     @abc.abstractmethod
-    async def push(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
-        """Caller side: copy local `src` ranges into the peer's `dst` ranges. Returns when the peer has them."""
+    async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+        """Caller side: copy local `src` ranges into the peer's `dst` ranges. Returns when the peer has them
+        (checksums verified); raises DataPlaneError otherwise."""
 
     @abc.abstractmethod
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
-        """Caller side: copy the peer's `src` ranges into local `dst` ranges. Returns when they have landed."""
+        """Caller side: copy the peer's `src` ranges into local `dst` ranges, on the peer's ON_DEMAND lane.
+        Returns when they have landed and verified; raises DataPlaneError otherwise."""
 
-    def stats(self) -> dict[str, int]:
+    def pause_background(self) -> None:
+        """Stop starting BACKGROUND chunks on every link (ON_DEMAND goes on). Idempotent."""
+
+    def resume_background(self) -> None:
+        """Undo `pause_background`."""
+
+    def set_link_gbps(self, gbps: float) -> None:
+        """Pace every link of this process to `gbps` (10⁹ bit/s; 0 = unpaced)."""
+
+    def stats(self) -> dict[str, object]:
         return {}

@@ -1,23 +1,31 @@
 """Wire format of the TCP data plane: a fixed header, a segment table, then the payload.
 
-    header  (36 bytes, network order): magic u32 | op u8 | status u8 | reserved u16 | seq u64 |
-                                       ticket u64 | num_segments u32 | payload_len u64
+    header  (40 bytes, network order): magic u32 | op u8 | status u8 | flags u16 | seq u64 | ticket u64 |
+                                       num_segments u32 | payload_len u64 | crc32 u32
     table   num_segments × (offset u64, length u64)   offsets into the *receiver's* region for PUSH,
                                                       into the *server's* region for READ
-    payload payload_len bytes: the segments' bytes, in table order
+    payload payload_len bytes: the segments' bytes, in table order (≤ CHUNK_BYTES per frame)
+
+Every data frame is one chunk; `crc32` covers its payload when FLAG_CHECKSUM is set.
 """
 from __future__ import annotations
 
 import struct
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAGIC = 0x53474B56  # "SGKV"
-HEADER = struct.Struct("!IBBHQQIQ")
+HEADER = struct.Struct("!IBBHQQIQI")
 SEGMENT = struct.Struct("!QQ")
 MAX_SEGMENTS = 1 << 16
+CHUNK_BYTES = 256 << 10  # the most one frame carries: a high-priority frame waits behind at most this much
+MAX_HELLO_BYTES = 512
+MAX_STAGED_TABLE = 4096 * SEGMENT.size  # frames whose segment table is larger go out without staging
 
-OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA = 1, 2, 3, 4
-STATUS_OK, STATUS_REFUSED = 0, 1
+OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA = 0, 1, 2, 3, 4
+STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
+FLAG_CHECKSUM = 1
 
 
 class FrameError(ValueError):
@@ -27,30 +35,43 @@ class FrameError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Header:
     op: int
-    status: int
-    seq: int
-    ticket: int
-    num_segments: int
-    payload_len: int
+    status: int = STATUS_OK
+    seq: int = 0
+    ticket: int = 0
+    num_segments: int = 0
+    payload_len: int = 0
+    flags: int = 0
+    crc: int = 0
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.op, self.status, 0, self.seq, self.ticket, self.num_segments, self.payload_len)
+        return HEADER.pack(MAGIC, self.op, self.status, self.flags, self.seq, self.ticket, self.num_segments,
+                           self.payload_len, self.crc)
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> "Header":
-        magic, op, status, _, seq, ticket, n, payload_len = HEADER.unpack(data)
+        magic, op, status, flags, seq, ticket, n, payload_len, crc = HEADER.unpack(data)
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic:#x}")
-        if op not in (OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA):
+        if op not in (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA):
             raise FrameError(f"unknown op {op}")
         if n > MAX_SEGMENTS:
             raise FrameError(f"{n} segments exceed the limit of {MAX_SEGMENTS}")
-        return cls(op, status, seq, ticket, n, payload_len)
+        limit = MAX_HELLO_BYTES if op == OP_HELLO else CHUNK_BYTES
+        if payload_len > limit:
+            raise FrameError(f"payload of {payload_len} bytes exceeds the limit of {limit} for op {op}")
+        return cls(op, status, seq, ticket, n, payload_len, flags, crc)
 
 
-def pack_segments(pairs: list[tuple[int, int]]) -> bytes:
+def pack_segments(pairs: Iterable[tuple[int, int]]) -> bytes:
     return b"".join(SEGMENT.pack(offset, length) for offset, length in pairs)
 
 
 def unpack_segments(data: bytes | memoryview, count: int) -> list[tuple[int, int]]:
     return [SEGMENT.unpack_from(data, i * SEGMENT.size) for i in range(count)]
+
+
+def crc32(parts: Iterable[memoryview | bytes]) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc

@@ -1,10 +1,11 @@
-"""In-process data plane: the fake for unit tests. Same contract as TCP, memcpy instead of sockets."""
+"""In-process data plane: the fake for unit tests. Same contract as TCP (grants, tickets, region bounds),
+memcpy instead of sockets; no lanes or pacing, since nothing queues."""
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
 
-from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused
+from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused, check_within
 
 _REGISTRY: dict[str, "InProcDataPlane"] = {}
 _IDS = itertools.count(1)
@@ -39,7 +40,8 @@ class InProcDataPlane(DataPlane):
             raise TicketRefused(f"{peer} refused ticket {ticket}")
         return target
 
-    async def push(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+    async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+        check_within(segments, len(self.region), "src")
         target = self._peer(peer, ticket, [(s.dst, s.length) for s in segments])
         for s in segments:
             target.region[s.dst: s.dst + s.length] = self.region[s.src: s.src + s.length]
@@ -50,6 +52,7 @@ class InProcDataPlane(DataPlane):
             grant.on_landed(total)
 
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+        check_within(segments, len(self.region), "dst")
         target = self._peer(peer, ticket, [(s.src, s.length) for s in segments])
         for s in segments:
             self.region[s.dst: s.dst + s.length] = target.region[s.src: s.src + s.length]

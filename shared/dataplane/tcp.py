@@ -1,24 +1,39 @@
 """TCP data plane (the reference implementation): direct sockets between prefill and decode.
 
-Bytes land with `recv_into` straight into the registered region and leave with `sendall` of
-memoryviews of it: no per-message multi-MiB `bytes` objects (fresh allocations are slow here).
-One connection per peer; frames on it are serialized by a lock; replies are matched by `seq`.
+One socket per pair of processes, used in both directions. Each end of it (a `_Link`) has:
+  - a writer task, the only one that sends: it takes the next frame by strict priority
+    (CONTROL acks, then ON_DEMAND, then BACKGROUND unless paused), waits for the link's Pacer, sends;
+  - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
+    straight in the registered region; a READ is answered by queueing its data on ON_DEMAND) and replies
+    to our own requests (matched by `seq`).
+Transfers are cut into chunks of ≤ CHUNK_BYTES, one frame each, checksummed (crc32) unless turned off.
+Nothing on this path allocates per message beyond small headers: payloads are memoryviews of the region.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import socket
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
 from shared.dataplane import frames
-from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Segment, TicketRefused
-from shared.dataplane.frames import FrameError, Header
+from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
+                                   check_within)
+from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
+from shared.dataplane.pacing import Pacer
 
 log = structlog.get_logger()
 RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these VMs
+CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
+# NOTE: background chunks that are sent but not yet acked sit in kernel socket buffers, where an urgent
+# frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
+BACKGROUND_WINDOW = 2 * CHUNK_BYTES
+STAGE_PARTS = 3  # frames of this many parts or more are copied through one staging buffer (one syscall)
 
 
 async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -30,87 +45,314 @@ async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-class _PeerConnection:
-    """Caller side of one connection: send requests, match replies by seq."""
+def split_into_chunks(segments: Sequence[Segment], chunk_bytes: int = CHUNK_BYTES) -> list[list[Segment]]:
+    """Cut a scatter-gather list into frames of at most `chunk_bytes` payload, splitting segments as needed."""
+    chunks: list[list[Segment]] = [[]]
+    room = chunk_bytes
+    for seg in segments:
+        src, dst, left = seg.src, seg.dst, seg.length
+        while left:
+            if room == 0:
+                chunks.append([])
+                room = chunk_bytes
+            n = min(left, room)
+            chunks[-1].append(Segment(src, dst, n))
+            src, dst, left, room = src + n, dst + n, left - n, room - n
+    return [c for c in chunks if c]
 
-    def __init__(self, sock: socket.socket, region: memoryview, peer: str):
-        self.sock, self.region, self.peer = sock, region, peer
-        self.lock = asyncio.Lock()
-        self.pending: dict[int, tuple[asyncio.Future[None], Sequence[Segment]]] = {}
+
+@dataclass
+class _Frame:
+    """One frame waiting for the writer."""
+
+    header: Header
+    table: list[tuple[int, int]] = field(default_factory=list)
+    payload: list[memoryview] = field(default_factory=list)
+    on_done: Callable[[], None] | None = None  # runs once the frame is sent or dropped (releases a grant)
+
+
+@dataclass
+class _Waiting:
+    """One of our requests, waiting for its reply."""
+
+    done: asyncio.Future[None]
+    local: list[Segment] = field(default_factory=list)  # READ: where the data lands here
+    background_bytes: int = 0  # a BACKGROUND push chunk: its size, counted in the link's window until acked
+
+
+@dataclass
+class LaneStats:
+    num_bytes: int = 0
+    num_frames: int = 0
+    busy_s: float = 0.0  # time the writer spent on this lane's frames, pacing included
+
+
+class _Link:
+    def __init__(self, plane: "TcpDataPlane", sock: socket.socket, peer: str):
+        self.plane, self.sock, self.peer = plane, sock, peer
+        self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), Lane.ON_DEMAND: deque(), Lane.BACKGROUND: deque()}
+        self.has_work = asyncio.Event()
+        self.waiting: dict[int, _Waiting] = {}
         self.seq = itertools.count(1)
-        self.reader = asyncio.create_task(self._read_replies())
+        self.pacer = Pacer(plane.link_gbps)
+        self.error: DataPlaneError | None = None
+        self.background_in_flight = 0  # bytes of BACKGROUND chunks sent and not yet acked
+        self.send_stage = bytearray(frames.HEADER.size + frames.MAX_STAGED_TABLE + CHUNK_BYTES)
+        self.recv_stage = memoryview(bytearray(CHUNK_BYTES))
+        self.tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
 
-    async def request(self, op: int, ticket: int, table: list[tuple[int, int]], payload: Sequence[memoryview],
-                      local: Sequence[Segment]) -> None:
-        loop = asyncio.get_running_loop()
+    # --- our requests ------------------------------------------------------------------------
+    def request(self, lane: int, header: Header, table: list[tuple[int, int]], payload: list[memoryview],
+                local: list[Segment]) -> asyncio.Future[None]:
+        if self.error:
+            raise self.error
         seq = next(self.seq)
-        done: asyncio.Future[None] = loop.create_future()
-        self.pending[seq] = (done, local)
-        header = Header(op, frames.STATUS_OK, seq, ticket, len(table), sum(len(p) for p in payload))
-        try:
-            async with self.lock:
-                await loop.sock_sendall(self.sock, header.pack() + frames.pack_segments(table))
-                for part in payload:
-                    await loop.sock_sendall(self.sock, part)
-        except OSError as exc:
-            self.fail(DataPlaneError(f"send to {self.peer} failed: {exc}"))
-        await done
+        done = asyncio.get_running_loop().create_future()
+        size = sum(len(p) for p in payload)
+        self.waiting[seq] = _Waiting(done, local, size if lane == Lane.BACKGROUND else 0)
+        self.send(lane, _Frame(Header(header.op, seq=seq, ticket=header.ticket, num_segments=len(table),
+                                      payload_len=size), table, payload))
+        return done
 
-    async def _read_replies(self) -> None:
+    def send(self, lane: int, frame: _Frame) -> None:
+        self.queues[lane].append(frame)
+        self.has_work.set()
+
+    # --- the writer ----------------------------------------------------------------------------
+    def _next_frame(self) -> tuple[int, _Frame] | None:
+        for lane in (CONTROL, Lane.ON_DEMAND, Lane.BACKGROUND):
+            queue = self.queues[lane]
+            if lane == Lane.BACKGROUND and queue and (
+                    self.plane.is_background_paused or
+                    self.background_in_flight and self.background_in_flight + queue[0].header.payload_len > BACKGROUND_WINDOW):
+                continue
+            if queue:
+                return lane, queue.popleft()
+        return None
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                picked = self._next_frame()
+                if picked is None:
+                    self.has_work.clear()
+                    await self.has_work.wait()
+                    continue
+                lane, frame = picked
+                started = time.monotonic()
+                try:
+                    header = frame.header
+                    if frame.payload and self.plane.use_checksums:
+                        header = _with_crc(header, frames.crc32(frame.payload))
+                    if lane != CONTROL:
+                        await self.pacer.wait(header.payload_len)
+                    if lane == Lane.BACKGROUND:
+                        self.background_in_flight += header.payload_len
+                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(frame))
+                finally:
+                    if frame.on_done:
+                        frame.on_done()
+                stats = self.plane.lane_stats[lane]
+                stats.num_bytes += frame.header.payload_len
+                stats.num_frames += 1
+                stats.busy_s += time.monotonic() - started
+        except (OSError, ConnectionError) as exc:
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} lost while sending: {exc}"))
+
+    async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
+        loop = asyncio.get_running_loop()
+        head = header.pack() + frames.pack_segments(table)
+        if len(payload) < STAGE_PARTS or len(head) > frames.HEADER.size + frames.MAX_STAGED_TABLE:
+            await loop.sock_sendall(self.sock, head)
+            for part in payload:
+                await loop.sock_sendall(self.sock, part)
+            return
+        # many small parts (a scattered read reply): one copy into the stage beats one syscall per part
+        stage, n = self.send_stage, len(head)
+        stage[:n] = head
+        for part in payload:
+            stage[n: n + len(part)] = part
+            n += len(part)
+        await loop.sock_sendall(self.sock, memoryview(stage)[:n])
+
+    async def _recv_into(self, views: list[memoryview]) -> None:
+        """Receive a frame's payload into `views` (via the stage when they are many and small)."""
+        if len(views) < STAGE_PARTS:
+            for view in views:
+                await _recv_exactly(self.sock, view)
+            return
+        total = sum(len(v) for v in views)
+        await _recv_exactly(self.sock, self.recv_stage[:total])
+        at = 0
+        for view in views:
+            view[:] = self.recv_stage[at: at + len(view)]
+            at += len(view)
+
+    # --- the reader ------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
         raw = bytearray(frames.HEADER.size)
         try:
             while True:
                 await _recv_exactly(self.sock, memoryview(raw))
                 header = Header.unpack(raw)
-                done, local = self.pending.pop(header.seq, (None, ()))
-                if done is None:
-                    raise FrameError(f"reply for unknown seq {header.seq}")
-                if header.status != frames.STATUS_OK:
-                    done.set_exception(TicketRefused(f"{self.peer} refused ticket {header.ticket}"))
-                    continue
-                if header.op == frames.OP_READ_DATA:
-                    if header.payload_len != sum(s.length for s in local):
-                        raise FrameError("read reply length does not match the request")
-                    for seg in local:
-                        await _recv_exactly(self.sock, self.region[seg.dst: seg.dst + seg.length])
-                done.set_result(None)
-        except (OSError, ConnectionError, FrameError) as exc:
-            self.fail(DataPlaneError(f"data-plane connection to {self.peer} lost: {exc}"))
-        except asyncio.CancelledError:
-            self.fail(DataPlaneError("data plane closed"))
-            raise
+                table_raw = bytearray(header.num_segments * frames.SEGMENT.size)
+                await _recv_exactly(self.sock, memoryview(table_raw))
+                table = frames.unpack_segments(table_raw, header.num_segments)
+                if header.op == frames.OP_PUSH:
+                    await self._on_push(header, table)
+                elif header.op == frames.OP_READ:
+                    self._on_read(header, table)
+                elif header.op in (frames.OP_PUSH_ACK, frames.OP_READ_DATA):
+                    await self._on_reply(header)
+                else:
+                    raise FrameError(f"unexpected op {header.op} on an open link")
+        except (OSError, ConnectionError) as exc:
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} lost: {exc or 'closed'}"))
+        except FrameError as exc:
+            log.warning("dataplane_bad_frame", peer=self.peer, error=str(exc))
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} closed after a bad frame: {exc}"))
 
+    async def _on_push(self, header: Header, table: list[tuple[int, int]]) -> None:
+        if header.payload_len != sum(n for _, n in table):
+            raise FrameError("push payload length does not match its segment table")
+        grant = self.plane.grant_for(header.ticket, table)
+        status = frames.STATUS_REFUSED
+        if grant is None:
+            await self._drain(header.payload_len)
+        else:
+            grant.begin_io()
+            try:
+                views = [self.plane.region[off: off + n] for off, n in table]
+                await self._recv_into(views)
+                if header.flags & frames.FLAG_CHECKSUM and frames.crc32(views) != header.crc:
+                    status = frames.STATUS_CORRUPT
+                    log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
+                else:
+                    status = frames.STATUS_OK
+                    self.plane.num_bytes_received += header.payload_len
+                    grant.bytes_landed += header.payload_len
+                    if grant.on_landed:
+                        grant.on_landed(header.payload_len)
+            finally:
+                grant.end_io()
+        self.send(CONTROL, _Frame(Header(frames.OP_PUSH_ACK, status, header.seq, header.ticket)))
+
+    def _on_read(self, header: Header, table: list[tuple[int, int]]) -> None:
+        if header.payload_len:
+            raise FrameError("a read request carries no payload")
+        if sum(n for _, n in table) > CHUNK_BYTES:
+            raise FrameError("a read request asks for more than one chunk")
+        grant = self.plane.grant_for(header.ticket, table)
+        if grant is None:
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
+            return
+        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        payload = [self.plane.region[off: off + n] for off, n in table]
+        reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
+                       payload_len=sum(n for _, n in table))
+        self.send(Lane.ON_DEMAND, _Frame(reply, [], payload, on_done=grant.end_io))
+        self.plane.num_bytes_sent += reply.payload_len
+
+    async def _on_reply(self, header: Header) -> None:
+        waiting = self.waiting.pop(header.seq, None)
+        if waiting is None:
+            raise FrameError(f"reply for unknown seq {header.seq}")
+        if waiting.background_bytes:
+            self.background_in_flight -= waiting.background_bytes
+            self.has_work.set()
+        error: DataPlaneError | None = None
+        if header.status == frames.STATUS_REFUSED:
+            error = TicketRefused(f"{self.peer} refused ticket {header.ticket}: unknown, revoked, or ranges outside its grant")
+        elif header.status == frames.STATUS_CORRUPT:
+            error = ChecksumMismatch(f"{self.peer} received a corrupted chunk (crc32 mismatch)")
+        elif header.op == frames.OP_READ_DATA:
+            if header.payload_len != sum(s.length for s in waiting.local):
+                raise FrameError("read reply length does not match the request")
+            views = [self.plane.region[s.dst: s.dst + s.length] for s in waiting.local]
+            await self._recv_into(views)
+            if header.flags & frames.FLAG_CHECKSUM and frames.crc32(views) != header.crc:
+                error = ChecksumMismatch(f"a chunk read from {self.peer} arrived corrupted (crc32 mismatch)")
+        if not waiting.done.done():
+            if error:
+                waiting.done.set_exception(error)
+            else:
+                waiting.done.set_result(None)
+
+    async def _drain(self, num_bytes: int) -> None:
+        scratch = self.plane.scratch
+        while num_bytes:
+            n = min(num_bytes, len(scratch))
+            await _recv_exactly(self.sock, scratch[:n])
+            num_bytes -= n
+
+    # --- ending ----------------------------------------------------------------------------------
     def fail(self, error: DataPlaneError) -> None:
-        for done, _ in self.pending.values():
-            if not done.done():
-                done.set_exception(error)
-        self.pending.clear()
+        """Fail every waiting request at once, release every queued frame, close the socket. Idempotent."""
+        if self.error is not None:
+            return
+        self.error = error
+        for waiting in self.waiting.values():
+            if not waiting.done.done():
+                waiting.done.set_exception(error)
+        self.waiting.clear()
+        for queue in self.queues.values():
+            while queue:
+                frame = queue.popleft()
+                if frame.on_done:
+                    frame.on_done()
         self.sock.close()
-
-    @property
-    def is_open(self) -> bool:
-        return self.sock.fileno() >= 0 and not self.reader.done()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+        self.plane.forget(self)
 
     async def close(self) -> None:
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-        self.sock.close()
+        self.fail(DataPlaneError("data plane closed"))
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _with_crc(header: Header, crc: int) -> Header:
+    return Header(header.op, header.status, header.seq, header.ticket, header.num_segments, header.payload_len,
+                  header.flags | frames.FLAG_CHECKSUM, crc)
+
+
+@dataclass
+class Faults:
+    """Fault injection for tests: corrupt the payload of the next N data frames this process sends."""
+
+    corrupt_frames: int = 0
+
+    def maybe_corrupt(self, frame: _Frame) -> list[memoryview]:
+        if not (self.corrupt_frames and frame.payload):
+            return frame.payload
+        self.corrupt_frames -= 1
+        first = bytearray(frame.payload[0])
+        first[0] ^= 0xFF
+        return [memoryview(first), *frame.payload[1:]]
 
 
 class TcpDataPlane(DataPlane):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = ""):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
+                 checksums: bool = True):
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
+        self.link_gbps = link_gbps
+        self.use_checksums = checksums
         self.region = memoryview(bytearray(0))
-        self._grants: dict[int, Grant] = {}
-        self._peers: dict[str, _PeerConnection] = {}
-        self._connecting: dict[str, asyncio.Lock] = {}
-        self._server_tasks: set[asyncio.Task[None]] = set()
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
-        self._scratch = memoryview(bytearray(256 << 10))  # where refused payloads are drained to
+        self.scratch = memoryview(bytearray(CHUNK_BYTES))  # where refused payloads are drained to
+        self.faults = Faults()
+        self.is_background_paused = False
+        self.lane_stats = {CONTROL: LaneStats(), Lane.ON_DEMAND: LaneStats(), Lane.BACKGROUND: LaneStats()}
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
         self.num_refused = 0
+        self._grants: dict[int, Grant] = {}
+        self._links: dict[str, _Link] = {}
+        self._unnamed: set[asyncio.Task[None]] = set()  # accepted sockets that have not said hello yet
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
 
     @property
     def grants(self) -> dict[int, Grant]:
@@ -120,7 +362,7 @@ class TcpDataPlane(DataPlane):
         self.region = region.cast("B") if region.format != "B" else region
 
     async def start(self) -> str:
-        listener = socket.create_server((self.host, self.port), reuse_port=False)
+        listener = socket.create_server((self.host, self.port))
         listener.setblocking(False)
         self._listener = listener
         self.address = f"{self.advertise_host}:{listener.getsockname()[1]}"
@@ -130,127 +372,128 @@ class TcpDataPlane(DataPlane):
     async def close(self) -> None:
         if self._accept_task:
             self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
         if self._listener:
             self._listener.close()
-        for conn in list(self._peers.values()):
-            await conn.close()
-        self._peers.clear()
-        for task in list(self._server_tasks):
+        for task in list(self._unnamed):
             task.cancel()
-        await asyncio.gather(*self._server_tasks, *( [self._accept_task] if self._accept_task else []), return_exceptions=True)
+        await asyncio.gather(*self._unnamed, return_exceptions=True)
+        for link in list(self._links.values()):
+            await link.close()
 
-    def stats(self) -> dict[str, int]:
-        return {"bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
-                "refused": self.num_refused, "peer_connections": len(self._peers),
-                "served_connections": len(self._server_tasks), "grants": len(self._grants)}
+    # --- lanes and pacing --------------------------------------------------------------------------
+    def pause_background(self) -> None:
+        self.is_background_paused = True
 
-    # --- caller side ---------------------------------------------------------------------
-    async def push(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
-        conn = await self._connection(peer)
-        table = [(s.dst, s.length) for s in segments]
-        payload = [self.region[s.src: s.src + s.length] for s in segments]
-        await conn.request(frames.OP_PUSH, ticket, table, payload, ())
+    def resume_background(self) -> None:
+        self.is_background_paused = False
+        for link in self._links.values():
+            link.has_work.set()
+
+    def set_link_gbps(self, gbps: float) -> None:
+        self.link_gbps = gbps
+        for link in self._links.values():
+            link.pacer.set_gbps(gbps)
+
+    def stats(self) -> dict[str, object]:
+        lanes = {name: vars(self.lane_stats[lane]).copy()
+                 for name, lane in (("control", CONTROL), ("on_demand", Lane.ON_DEMAND), ("background", Lane.BACKGROUND))}
+        return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
+                "refused": self.num_refused, "links": len(self._links), "grants": len(self._grants),
+                "link_gbps": self.link_gbps, "checksums": self.use_checksums,
+                "background_paused": self.is_background_paused, "lanes": lanes}
+
+    # --- caller side ------------------------------------------------------------------------------
+    async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+        check_within(segments, len(self.region), "src")
+        link = await self._link(peer)
+        waits = [link.request(lane, Header(frames.OP_PUSH, ticket=ticket), [(s.dst, s.length) for s in chunk],
+                              [self.region[s.src: s.src + s.length] for s in chunk], [])
+                 for chunk in split_into_chunks(segments)]
+        await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
-        conn = await self._connection(peer)
-        await conn.request(frames.OP_READ, ticket, [(s.src, s.length) for s in segments], [], segments)
+        check_within(segments, len(self.region), "dst")
+        link = await self._link(peer)
+        waits = [link.request(Lane.ON_DEMAND, Header(frames.OP_READ, ticket=ticket), [(s.src, s.length) for s in chunk],
+                              [], chunk)
+                 for chunk in split_into_chunks(segments)]
+        await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
 
-    async def _connection(self, peer: str) -> _PeerConnection:
-        lock = self._connecting.setdefault(peer, asyncio.Lock())
-        async with lock:
-            conn = self._peers.get(peer)
-            if conn is not None and conn.is_open:
-                return conn
+    async def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        async with self._connecting.setdefault(peer, asyncio.Lock()):
+            link = self._links.get(peer)
+            if link is not None:
+                return link
             host, port = peer.rsplit(":", 1)
-            try:
-                _, writer = await asyncio.open_connection(host, int(port))
-            except OSError as exc:
-                raise DataPlaneError(f"cannot connect to data plane at {peer}: {exc}") from None
-            sock = writer.transport.get_extra_info("socket").dup()  # a plain socket; the stream is closed
-            writer.transport.abort()
+            loop = asyncio.get_running_loop()
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = self._peers[peer] = _PeerConnection(sock, self.region, peer)
-            return conn
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), 10)
+                hello = self.address.encode()
+                await loop.sock_sendall(sock, Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
+            except (OSError, asyncio.TimeoutError) as exc:
+                sock.close()
+                raise DataPlaneError(f"cannot connect to the data plane at {peer}: {exc or 'timeout'}") from None
+            return self._add_link(sock, peer)
 
-    # --- serving side ----------------------------------------------------------------------
+    # --- serving side ------------------------------------------------------------------------------
+    def grant_for(self, ticket: int, table: list[tuple[int, int]]) -> Grant | None:
+        """The grant if `ticket` may touch every range in `table`, else None (and the refusal is logged)."""
+        grant = self._grants.get(ticket)
+        if grant is not None and all(grant.covers(off, n) for off, n in table):
+            return grant
+        self.num_refused += 1
+        log.warning("dataplane_refused", ticket=ticket, known_ticket=grant is not None)
+        return None
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
             sock, _ = await loop.sock_accept(self._listener)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(self._serve(sock))
-            self._server_tasks.add(task)
-            task.add_done_callback(self._server_tasks.discard)
+            task = asyncio.create_task(self._greet(sock))
+            self._unnamed.add(task)
+            task.add_done_callback(self._unnamed.discard)
 
-    async def _serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        raw = bytearray(frames.HEADER.size)
+    async def _greet(self, sock: socket.socket) -> None:
+        """Read the peer's hello (its own data-plane address), then serve the socket as a link."""
+        sock.setblocking(False)
         try:
-            while True:
-                await _recv_exactly(sock, memoryview(raw))
-                header = Header.unpack(raw)
-                table_raw = bytearray(header.num_segments * frames.SEGMENT.size)
-                await _recv_exactly(sock, memoryview(table_raw))
-                table = frames.unpack_segments(table_raw, header.num_segments)
-                grant = self._grants.get(header.ticket)
-                allowed = grant is not None and all(grant.covers(off, n) for off, n in table)
-                if header.op == frames.OP_PUSH:
-                    if header.payload_len != sum(n for _, n in table):
-                        raise FrameError("push payload length does not match its segment table")
-                    await self._receive_push(sock, table, header.payload_len, grant if allowed else None)
-                    if allowed:
-                        assert grant is not None
-                        grant.bytes_landed += header.payload_len
-                        self.num_bytes_received += header.payload_len
-                        if grant.on_landed:
-                            grant.on_landed(header.payload_len)
-                    reply = Header(frames.OP_PUSH_ACK, frames.STATUS_OK if allowed else frames.STATUS_REFUSED,
-                                   header.seq, header.ticket, 0, 0)
-                    await loop.sock_sendall(sock, reply.pack())
-                elif header.op == frames.OP_READ:
-                    if header.payload_len != 0:
-                        raise FrameError("a read request carries no payload")
-                    total = sum(n for _, n in table) if allowed else 0
-                    reply = Header(frames.OP_READ_DATA, frames.STATUS_OK if allowed else frames.STATUS_REFUSED,
-                                   header.seq, header.ticket, 0, total)
-                    await loop.sock_sendall(sock, reply.pack())
-                    if allowed:
-                        assert grant is not None
-                        grant.begin_io()
-                        try:
-                            for off, n in table:
-                                await loop.sock_sendall(sock, self.region[off: off + n])
-                        finally:
-                            grant.end_io()
-                    self.num_bytes_sent += total
-                else:
-                    raise FrameError(f"op {header.op} is a reply, not a request")
-                if not allowed:
-                    self.num_refused += 1
-                    log.warning("dataplane_refused", ticket=header.ticket, op=header.op)
-        except (ConnectionError, OSError):
-            pass  # the peer went away; its own side reports the failure
-        except FrameError as exc:
-            log.warning("dataplane_bad_frame", error=str(exc))
-        finally:
+            raw = bytearray(frames.HEADER.size)
+            await asyncio.wait_for(_recv_exactly(sock, memoryview(raw)), 10)
+            header = Header.unpack(raw)
+            if header.op != frames.OP_HELLO or not header.payload_len:
+                raise FrameError("the first frame must be a hello")
+            name = bytearray(header.payload_len)
+            await asyncio.wait_for(_recv_exactly(sock, memoryview(name)), 10)
+            self._add_link(sock, name.decode())
+        except (OSError, ConnectionError, FrameError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+            log.warning("dataplane_bad_hello", error=str(exc))
             sock.close()
 
-    async def _receive_push(self, sock: socket.socket, table: list[tuple[int, int]], total: int,
-                            grant: Grant | None) -> None:
-        if grant is not None:
-            grant.begin_io()
-            try:
-                for off, n in table:
-                    await _recv_exactly(sock, self.region[off: off + n])
-            finally:
-                grant.end_io()
-            return
-        while total:  # keep the stream in step: drain what we refuse
-            n = min(total, len(self._scratch))
-            await _recv_exactly(sock, self._scratch[:n])
-            total -= n
+    def _add_link(self, sock: socket.socket, peer: str) -> _Link:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = _Link(self, sock, peer)
+        # NOTE: if both ends dialled at once there are two links; the newest serves new requests and the
+        # older one finishes what it carries.
+        self._links[peer] = link
+        return link
+
+    def forget(self, link: _Link) -> None:
+        if self._links.get(link.peer) is link:
+            del self._links[link.peer]
+
+
+async def _all_or_first_error(waits: list[asyncio.Future[None]]) -> None:
+    """Wait for every chunk; raise the first error (after all have settled, so none is left pending)."""
+    results = await asyncio.gather(*waits, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

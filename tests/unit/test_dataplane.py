@@ -1,18 +1,24 @@
-"""The data-plane contract, for the TCP reference (real sockets) and the in-process fake alike."""
+"""The data-plane contract, for the TCP reference (real sockets) and the in-process fake alike, plus the
+TCP transport's lanes, pacing, checksums and failure behaviour."""
 from __future__ import annotations
 
 import asyncio
+import random
+import time
+
 import pytest
 
-from shared.dataplane import DataPlaneError, Grant, Segment, TicketRefused, make_dataplane, pair_segments
+from shared.dataplane import (ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane,
+                              pair_segments)
 from shared.dataplane import frames
+from shared.dataplane.tcp import split_into_chunks
 
-SIZE = 1 << 20
+SIZE = 4 << 20
 
 
-async def pair(kind: str):
-    a, b = make_dataplane(kind), make_dataplane(kind)
-    region_a, region_b = bytearray(SIZE), bytearray(SIZE)
+async def pair(kind: str, size: int = SIZE, **kwargs):
+    a, b = make_dataplane(kind, **kwargs), make_dataplane(kind, **kwargs)
+    region_a, region_b = bytearray(size), bytearray(size)
     a.register_region(memoryview(region_a))
     b.register_region(memoryview(region_b))
     await a.start()
@@ -28,25 +34,44 @@ async def planes(request):
     await b.close()
 
 
-async def test_push_lands_bytes_and_counts_them(planes):
-    """A push copies each src range into the peer's dst range; the grant counts what landed."""
+def random_segments(rng: random.Random, count: int, size: int, max_len: int) -> list[Segment]:
+    """Non-overlapping destinations (so the expected result is well defined), sources anywhere (may overlap)."""
+    slots = sorted(rng.sample(range(size // max_len), count))
+    segs = []
+    for slot in slots:
+        n = rng.choice([1, 7, 4096, rng.randrange(1, max_len + 1), max_len])
+        segs.append(Segment(rng.randrange(0, size - n), slot * max_len + rng.randrange(0, max_len - n + 1), n))
+    return segs
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_scatter_gather_push_and_read_are_exact(planes, seed):
+    """Random data, random scatter-gather lists (1 byte to >1 chunk, overlapping sources): every byte lands."""
     a, b, ra, rb = planes
-    ra[0:300_000] = bytes(range(256)) * 1171 + bytes(300_000 - 256 * 1171)
+    rng = random.Random(seed)
+    ra[:] = rng.randbytes(SIZE)
+    rb[:] = rng.randbytes(SIZE)
+    b.grant(Grant(1, [(0, SIZE)]))
+    segs = random_segments(rng, 12, SIZE, 300_000)
+    await a.push(b.address, 1, segs, Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND)
+    for s in segs:
+        assert rb[s.dst: s.dst + s.length] == ra[s.src: s.src + s.length]
+    reads = random_segments(rng, 40, SIZE, 100_000)
+    expected = bytes(rb)
+    await a.read(b.address, 1, reads)
+    for s in reads:
+        assert ra[s.dst: s.dst + s.length] == expected[s.src: s.src + s.length]
+
+
+async def test_push_lands_bytes_and_counts_them(planes):
+    """The grant counts what landed and calls on_landed with each completed piece."""
+    a, b, ra, rb = planes
+    ra[0:300_000] = random.Random(1).randbytes(300_000)
     landed = []
     b.grant(Grant(7, [(500_000, 900_000)], landed.append))
     await a.push(b.address, 7, [Segment(0, 500_000, 200_000), Segment(200_000, 800_000, 100_000)])
     assert rb[500_000:700_000] == ra[0:200_000] and rb[800_000:900_000] == ra[200_000:300_000]
-    assert landed == [300_000] and b.grants[7].bytes_landed == 300_000
-
-
-async def test_read_fetches_scattered_ranges(planes):
-    """A read gathers the peer's ranges into local ones."""
-    a, b, ra, rb = planes
-    rb[1000:1100] = b"x" * 100
-    rb[9000:9050] = b"y" * 50
-    b.grant(Grant(9, [(0, 10_000)]))
-    await a.read(b.address, 9, [Segment(1000, 0, 100), Segment(9000, 100, 50)])
-    assert ra[0:150] == b"x" * 100 + b"y" * 50
+    assert sum(landed) == 300_000 and b.grants[7].bytes_landed == 300_000
 
 
 @pytest.mark.parametrize("ticket, dst", [(8, 0), (7, 950_000)])
@@ -57,6 +82,8 @@ async def test_wrong_ticket_or_range_is_refused_and_writes_nothing(planes, ticke
     b.grant(Grant(7, [(0, 900_000)]))
     with pytest.raises(TicketRefused):
         await a.push(b.address, ticket, [Segment(0, dst, 1000)])
+    with pytest.raises(TicketRefused):
+        await a.read(b.address, ticket, [Segment(dst, 0, 1000)])
     assert rb.count(b"z") == 0
     await a.push(b.address, 7, [Segment(0, 0, 1000)])  # the connection stays in step after a refusal
     assert rb[0:1000] == b"z" * 1000
@@ -71,20 +98,66 @@ async def test_revoked_ticket_is_refused(planes):
         await a.push(b.address, 3, [Segment(0, 0, 100)])
 
 
-async def test_tcp_peer_gone_fails_pending_transfer():
-    """If the peer closes, a push fails with DataPlaneError rather than hanging."""
-    a, b, _, _ = await pair("tcp")
+async def test_local_ranges_outside_the_region_fail_at_once(planes):
+    """A push from, or a read into, bytes outside the local region is refused before anything is sent."""
+    a, b, _, _ = planes
     b.grant(Grant(1, [(0, SIZE)]))
-    await a.push(b.address, 1, [Segment(0, 0, 10)])
+    with pytest.raises(DataPlaneError, match="outside the registered region"):
+        await a.push(b.address, 1, [Segment(SIZE - 10, 0, 20)])
+    with pytest.raises(DataPlaneError, match="outside the registered region"):
+        await a.read(b.address, 1, [Segment(0, SIZE, 1)])
+    with pytest.raises(ValueError):
+        b.grant(Grant(2, [(SIZE - 5, SIZE + 5)]))
+
+
+async def test_grant_is_idle_after_transfers(planes):
+    """No transfer leaves a grant marked busy (so pages can be reused after revoke)."""
+    a, b, _, _ = planes
+    b.grant(Grant(1, [(0, SIZE)]))
+    await asyncio.gather(a.push(b.address, 1, [Segment(0, 0, SIZE // 2)]), a.read(b.address, 1, [Segment(0, 0, SIZE)]))
+    grant = b.revoke(1)
+    await asyncio.wait_for(grant.wait_idle(), 1)
+    assert grant.num_busy == 0
+
+
+async def test_corrupted_chunk_is_an_error_on_the_waiting_side():
+    """A chunk whose bytes do not match its crc32 fails the push (and a read) with ChecksumMismatch, and is
+    not counted as landed."""
+    a, b, ra, rb = await pair("tcp")
+    try:
+        ra[:] = random.Random(2).randbytes(SIZE)
+        b.grant(Grant(1, [(0, SIZE)]))
+        a.faults.corrupt_frames = 1
+        with pytest.raises(ChecksumMismatch):
+            await a.push(b.address, 1, [Segment(0, 0, 1 << 20)])
+        assert b.grants[1].bytes_landed == (1 << 20) - frames.CHUNK_BYTES  # the 3 good chunks only
+        b.faults.corrupt_frames = 1  # now the serving side corrupts a read reply
+        with pytest.raises(ChecksumMismatch):
+            await a.read(b.address, 1, [Segment(0, 0, 1000)])
+        await a.push(b.address, 1, [Segment(0, 0, 1000)])  # the link is still good
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_peer_that_disappears_mid_transfer_fails_the_waiter_at_once():
+    """Closing the receiving process during a slow (paced) push fails it immediately, not at a timeout."""
+    a, b, _, _ = await pair("tcp", link_gbps=0.05)  # 6.25 MB/s: a 4 MiB push takes ~0.7 s
+    b.grant(Grant(1, [(0, SIZE)]))
+    push = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, SIZE)]))
+    await asyncio.sleep(0.15)
+    started = time.monotonic()
     await b.close()
     with pytest.raises(DataPlaneError):
-        await asyncio.wait_for(a.push(b.address, 1, [Segment(0, 0, SIZE)]), 5)
+        await asyncio.wait_for(push, 5)
+    assert time.monotonic() - started < 0.5
+    assert not a.stats()["links"]  # the broken link is gone; nothing waits on it
     await a.close()
 
 
-async def test_tcp_garbage_frame_closes_only_that_connection():
+async def test_garbage_frame_closes_only_that_connection():
     """A client sending junk is dropped; the server keeps serving others."""
-    a, b, _, rb = await pair("tcp")
+    a, b, _, _ = await pair("tcp")
     host, port = b.address.split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"\x00" * frames.HEADER.size)
@@ -94,6 +167,62 @@ async def test_tcp_garbage_frame_closes_only_that_connection():
     await a.push(b.address, 1, [Segment(0, 0, 10)])
     await a.close()
     await b.close()
+
+
+async def test_pacing_holds_the_set_rate():
+    """A paced link moves data within ±5% of link_gbps."""
+    a, b, _, _ = await pair("tcp", size=16 << 20)
+    try:
+        b.grant(Grant(1, [(0, 16 << 20)]))
+        # NOTE: unpaced first, so the destination's pages are touched (first-touch faults are slow here)
+        await a.push(b.address, 1, [Segment(0, 0, 16 << 20)])
+        a.set_link_gbps(0.4)  # 50 MB/s
+        started = time.monotonic()
+        await a.push(b.address, 1, [Segment(0, 0, 16 << 20)])
+        rate_gbps = (16 << 20) * 8 / (time.monotonic() - started) / 1e9
+        assert rate_gbps == pytest.approx(0.4, rel=0.05)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_on_demand_overtakes_a_saturating_background_lane():
+    """With background pushes filling a paced link, an on-demand read waits at most about one chunk time
+    plus its own transfer time."""
+    gbps = 0.2  # 25 MB/s: one 256 KiB chunk ≈ 10.5 ms
+    a, b, _, _ = await pair("tcp", size=16 << 20, link_gbps=gbps)
+    try:
+        a.grant(Grant(1, [(0, 16 << 20)]))
+        b.grant(Grant(1, [(0, 16 << 20)]))
+        background = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, 12 << 20)], Lane.BACKGROUND))
+        await asyncio.sleep(0.1)
+        chunk_s = frames.CHUNK_BYTES * 8 / (gbps * 1e9)
+        own_s = 64 * 1024 * 8 / (gbps * 1e9)
+        started = time.monotonic()
+        await b.read(a.address, 1, [Segment(i * 8192, i * 8192, 4096) for i in range(16)])  # a's reply is ON_DEMAND
+        waited = time.monotonic() - started
+        assert not background.done(), "the background push should still be running"
+        assert waited < chunk_s + own_s + 0.02
+        a.pause_background()
+        await asyncio.sleep(0.05)
+        sent = a.lane_stats[Lane.BACKGROUND].num_bytes
+        await asyncio.sleep(0.1)
+        assert a.lane_stats[Lane.BACKGROUND].num_bytes <= sent + frames.CHUNK_BYTES  # paused: at most one in flight
+        a.resume_background()
+        await asyncio.wait_for(background, 10)
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_split_into_chunks_respects_the_chunk_size():
+    """Chunks carry at most CHUNK_BYTES and together cover exactly the original ranges, in order."""
+    segs = [Segment(0, 100, 10), Segment(1000, 5000, 600_000), Segment(10, 0, 3)]
+    chunks = split_into_chunks(segs, 256 << 10)
+    assert all(sum(s.length for s in c) <= 256 << 10 for c in chunks)
+    flat = [s for c in chunks for s in c]
+    assert sum(s.length for s in flat) == 600_013
+    assert flat[0] == Segment(0, 100, 10) and flat[-1] == Segment(10, 0, 3)
 
 
 def test_pair_segments_merges_runs_contiguous_on_both_sides():
