@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install model up test clean
+.PHONY: install model up test test-rdma clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,12 @@ up: model
 
 test: model
 	$(PY) -m pytest -q -ra
+
+# RDMA transport on real verbs: Soft-RoCE inside a small QEMU guest built from Debian packages.
+# Not part of `make test`. Needs root and apt; first run ~3 min (qemu + mmdebstrap + guest build), then ~25 s.
+test-rdma:
+	bash tools/rdma_vm/build.sh
+	python3 tools/rdma_vm/run.py "python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/rdma"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -209,3 +209,17 @@ class ProfileList:
 
     bucket: str
     keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaEndpoint:
+    """RDMA data plane ↔ its peer (`dataplane.<worker_id>.connect`): one side's queue pair and region,
+    offered in the request and answered in the reply, to bring both RC queue pairs to RTS."""
+
+    address: str  # the sender's data-plane address ("rdma:<worker_id>")
+    qpn: int  # queue pair number
+    psn: int  # initial packet sequence number (24 bits)
+    gid: str  # RoCE v2 GID, fully written out
+    addr: int  # virtual address of the registered region
+    rkey: int  # remote key of the region
+    length: int  # bytes in the region

@@ -6,6 +6,8 @@ Event plane (pub/sub):
     smartgen.heartbeat.<role>                 WorkerInfo, every heartbeat_s
     smartgen.discover                         Discover: "send your heartbeat now"
     smartgen.stream.<request_id>              TokenEvent, decode → gateway
+Data-plane set-up (RDMA only; TCP dials the advertised address directly):
+    smartgen.dataplane.<worker_id>.connect    RdmaEndpoint ↔ RdmaEndpoint
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ def heartbeat(role: str) -> str:
 
 def worker(role: str, worker_id: str, verb: str) -> str:
     return f"{PREFIX}.{role}.{worker_id}.{verb}"
+
+
+def dataplane_connect(worker_id: str) -> str:
+    return f"{PREFIX}.dataplane.{worker_id}.connect"
 
 
 def stream(request_id: str) -> str:

@@ -90,7 +90,8 @@ class ModelWorkerConfig(ServiceConfig):
     torch_threads: int = 0  # 0 = torch's default; `smartgen up` gives each model process its share of the cores
     kv_cache_mb: int = 512  # size of the preallocated page store
     page_tokens: int = 16  # tokens per KV page
-    transport: str = "auto"  # data plane: "auto" (RDMA if a device exists, else TCP), "tcp"
+    transport: str = "auto"  # data plane: "auto" (RDMA if a device exists, else TCP), "tcp", "rdma"
+    rdma_device: str = ""  # "" = the first RDMA device
     dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
     link_gbps: float = 0.0  # pace every data-plane link to this rate (10⁹ bit/s) to emulate a slow NIC; 0 = unpaced
     dataplane_checksums: bool = True  # crc32 per chunk; a mismatch fails the transfer
@@ -100,8 +101,8 @@ class ModelWorkerConfig(ServiceConfig):
         ServiceConfig.validate(self)
         if self.kv_cache_mb <= 0 or self.page_tokens <= 0:
             raise ConfigError("kv_cache_mb and page_tokens must be positive")
-        if self.transport not in ("auto", "tcp"):
-            raise ConfigError(f"transport {self.transport!r}: this build has 'auto' and 'tcp' (RDMA comes with the data-plane work)")
+        if self.transport not in ("auto", "tcp", "rdma"):
+            raise ConfigError(f"transport {self.transport!r}: use auto, tcp or rdma")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.link_gbps < 0:

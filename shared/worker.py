@@ -3,20 +3,25 @@ the data plane, and the numbers every model worker reports (`/stats`, heartbeats
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable
 from typing import Any, Callable, TypeVar
 
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
+from schemas import RdmaEndpoint, subjects
 from shared.config import ModelWorkerConfig
-from shared.dataplane import DataPlane, make_dataplane
+from shared.dataplane import DataPlane, DataPlaneError, make_dataplane
+from shared.dataplane.rdma import rdma_devices
 from shared.kvstore import KvStore
 from shared.metrics import LatencyMetrics
 from shared.modeling import ModelRunner, set_torch_threads
 from shared.models import resolve_model
+from shared.rpc import call, endpoint
 from shared.runtime import Service
 
 T = TypeVar("T")
@@ -49,15 +54,42 @@ class ModelWorkerService(Service):
         self.runner = await self.in_torch(ModelRunner, path, self.config.device, self.config.dtype)
         layout = self.runner.kv_layout(self.config.page_tokens)
         self.store = KvStore.with_capacity_mb(layout, self.config.kv_cache_mb)
-        self.dataplane = make_dataplane(self.config.transport, self.config.host, self.config.dataplane_port,
-                                        self.config.advertise_host, self.config.link_gbps,
-                                        self.config.dataplane_checksums)
-        if self.config.transport == "auto":
-            log.info("dataplane_transport", transport="tcp", reason="this build has no RDMA transport yet")
-        self.dataplane.register_region(self.store.region)
-        await self.dataplane.start()
+        self.dataplane = await self._start_dataplane(nc, micro)
         log.info("model_loaded", model=str(path), load_s=round(time.monotonic() - started, 2),
                  kv_pages=self.store.num_pages_total, page_bytes=layout.page_bytes, dataplane=self.dataplane.address)
+
+    async def _start_dataplane(self, nc: Client, micro: MicroService) -> DataPlane:
+        """RDMA where a device exists (or was asked for), TCP otherwise; says which, once."""
+        cfg = self.config
+        use_rdma = cfg.transport == "rdma" or (cfg.transport == "auto" and bool(rdma_devices()))
+        if use_rdma:
+            from shared.dataplane.rdma import RdmaDataPlane
+
+            async def rendezvous(peer: str, offer: dict) -> dict:
+                peer_id = peer.removeprefix("rdma:")
+                reply = await call(nc, subjects.dataplane_connect(peer_id), RdmaEndpoint(**offer), RdmaEndpoint, 10)
+                return dataclasses.asdict(reply)
+
+            try:
+                plane: DataPlane = RdmaDataPlane(f"rdma:{self.worker_id}", rendezvous, cfg.rdma_device,
+                                                 link_gbps=cfg.link_gbps)
+            except DataPlaneError as exc:
+                raise SystemExit(f"{self.role}: transport 'rdma': {exc}") from None
+
+            async def accept(offer: RdmaEndpoint) -> RdmaEndpoint:
+                return RdmaEndpoint(**await plane.accept(dataclasses.asdict(offer)))  # type: ignore[attr-defined]
+
+            await nc.subscribe(subjects.dataplane_connect(self.worker_id), cb=_as_handler(endpoint(RdmaEndpoint, accept)))
+        else:
+            plane = make_dataplane("tcp", cfg.host, cfg.dataplane_port, cfg.advertise_host, cfg.link_gbps,
+                                   cfg.dataplane_checksums)
+        assert self.store
+        plane.register_region(self.store.region)
+        await plane.start()
+        log.info("dataplane_started", transport="rdma" if use_rdma else "tcp", address=plane.address,
+                 reason=None if use_rdma or cfg.transport == "tcp" else "no RDMA device found",
+                 link_gbps=cfg.link_gbps or None)
+        return plane
 
     async def stop(self) -> None:
         if self.dataplane is not None:
@@ -90,3 +122,13 @@ class ModelWorkerService(Service):
             "dataplane": {"address": self.dataplane.address, **self.dataplane.stats()} if self.dataplane else None,
             "kv_bytes": {k[0]: v for k, v in self.latency.kv_bytes._values.items()},
         }
+
+
+def _as_handler(handle: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """A nats.micro-style handler used on a plain subscription (data-plane set-up is not a service endpoint)."""
+    from nats.micro.request import Request
+
+    async def on_msg(msg: Any) -> None:
+        await handle(Request(msg))
+
+    return on_msg

@@ -8,7 +8,8 @@ from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, 
 
 def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
                    link_gbps: float = 0.0, checksums: bool = True) -> DataPlane:
-    if kind in ("tcp", "auto"):
+    """TCP or the in-process fake. (RDMA needs a rendezvous; `shared.worker` builds it.)"""
+    if kind == "tcp":
         from shared.dataplane.tcp import TcpDataPlane
 
         return TcpDataPlane(host, port, advertise_host, link_gbps, checksums)
@@ -16,7 +17,7 @@ def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_
         from shared.dataplane.inproc import InProcDataPlane
 
         return InProcDataPlane()
-    raise ValueError(f"unknown transport {kind!r}: use tcp, auto or inproc")
+    raise ValueError(f"unknown transport {kind!r}: use tcp or inproc")
 
 
 __all__ = ["ChecksumMismatch", "DataPlane", "DataPlaneError", "Grant", "Lane", "Segment", "TicketRefused",

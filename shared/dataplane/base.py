@@ -99,6 +99,22 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def split_into_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[list[Segment]]:
+    """Cut a scatter-gather list into frames of at most `chunk_bytes` payload, splitting segments as needed."""
+    chunks: list[list[Segment]] = [[]]
+    room = chunk_bytes
+    for seg in segments:
+        src, dst, left = seg.src, seg.dst, seg.length
+        while left:
+            if room == 0:
+                chunks.append([])
+                room = chunk_bytes
+            n = min(left, room)
+            chunks[-1].append(Segment(src, dst, n))
+            src, dst, left, room = src + n, dst + n, left - n, room - n
+    return [c for c in chunks if c]
+
+
 def pair_segments(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int) -> list[Segment]:
     """Page-by-page copy list, with runs that are contiguous on both sides merged into one segment."""
     if len(src_pages) != len(dst_pages):

@@ -23,7 +23,7 @@ import structlog
 
 from shared.dataplane import frames
 from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
-                                   check_within)
+                                   check_within, split_into_chunks)
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import Pacer
 
@@ -43,22 +43,6 @@ async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("peer closed the data-plane connection")
         view = view[n:]
-
-
-def split_into_chunks(segments: Sequence[Segment], chunk_bytes: int = CHUNK_BYTES) -> list[list[Segment]]:
-    """Cut a scatter-gather list into frames of at most `chunk_bytes` payload, splitting segments as needed."""
-    chunks: list[list[Segment]] = [[]]
-    room = chunk_bytes
-    for seg in segments:
-        src, dst, left = seg.src, seg.dst, seg.length
-        while left:
-            if room == 0:
-                chunks.append([])
-                room = chunk_bytes
-            n = min(left, room)
-            chunks[-1].append(Segment(src, dst, n))
-            src, dst, left, room = src + n, dst + n, left - n, room - n
-    return [c for c in chunks if c]
 
 
 @dataclass
@@ -409,7 +393,7 @@ class TcpDataPlane(DataPlane):
         link = await self._link(peer)
         waits = [link.request(lane, Header(frames.OP_PUSH, ticket=ticket), [(s.dst, s.length) for s in chunk],
                               [self.region[s.src: s.src + s.length] for s in chunk], [])
-                 for chunk in split_into_chunks(segments)]
+                 for chunk in split_into_chunks(segments, CHUNK_BYTES)]
         await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
@@ -418,7 +402,7 @@ class TcpDataPlane(DataPlane):
         link = await self._link(peer)
         waits = [link.request(Lane.ON_DEMAND, Header(frames.OP_READ, ticket=ticket), [(s.src, s.length) for s in chunk],
                               [], chunk)
-                 for chunk in split_into_chunks(segments)]
+                 for chunk in split_into_chunks(segments, CHUNK_BYTES)]
         await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
 

@@ -29,6 +29,7 @@ EXAMPLES = [
     schemas.ListQuery("pre"),
     schemas.WorkerList([schemas.WorkerInfo("broker", "b", 1, "h", "u", "v")]),
     schemas.ProfileList("bucket", ["a", "b"]),
+    schemas.RdmaEndpoint("rdma:decode-1", 17, 0xABCDE, "fe80:0000:0000:0000:0000:0000:0000:0001", 2**40, 0x1234, 1 << 30),
 ]
 
 

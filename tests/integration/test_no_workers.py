@@ -35,3 +35,14 @@ def test_gateway_without_workers_answers_503(nats_server, tiny_model_path):
     finally:
         gateway.terminate()
         assert gateway.wait(15) == 0
+
+
+def test_transport_rdma_without_a_device_stops_with_the_fix(nats_server, tiny_model_path):
+    """A worker told to use RDMA on a machine without it exits at once with a message naming the fix."""
+    env = {**os.environ, "SMARTGEN_NATS_URL": nats_server.url, "SMARTGEN_MODEL": str(tiny_model_path),
+           "SMARTGEN_TRANSPORT": "rdma", "SMARTGEN_KV_CACHE_MB": "16"}
+    result = subprocess.run([sys.executable, "-m", "services.decode"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "transport 'rdma'" in result.stderr and "tcp" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -11,7 +11,7 @@ import pytest
 from shared.dataplane import (ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane,
                               pair_segments)
 from shared.dataplane import frames
-from shared.dataplane.tcp import split_into_chunks
+from shared.dataplane.base import split_into_chunks
 
 SIZE = 4 << 20
 
@@ -236,3 +236,24 @@ def test_grant_covers_only_its_ranges():
     g = Grant(1, [(100, 200), (300, 400), (200, 250)])
     assert g.covers(100, 150) and g.covers(300, 100)
     assert not g.covers(90, 20) and not g.covers(240, 70) and not g.covers(350, 51)
+
+
+def test_rdma_work_requests_group_remote_runs():
+    """RDMA work requests: pieces contiguous on the remote side share one WR (several SGEs); a gap starts a new one."""
+    from shared.dataplane.rdma import MAX_SGE, work_requests
+
+    segs = [Segment(100, 0, 10), Segment(500, 10, 20), Segment(0, 40, 5)]
+    assert work_requests(segs, "dst") == [segs[:2], segs[2:]]
+    assert work_requests(segs, "src") == [[s] for s in segs]
+    many = [Segment(i * 8192, i * 4096, 4096) for i in range(MAX_SGE + 3)]
+    assert [len(g) for g in work_requests(many, "dst")] == [MAX_SGE, 3]
+
+
+def test_rdma_without_a_device_says_how_to_fix_it():
+    """Asking for RDMA where there is none (these machines) is a clear error naming the alternatives."""
+    from shared.dataplane.rdma import RdmaDataPlane, RdmaUnavailable, rdma_devices
+
+    if rdma_devices():
+        pytest.skip("this machine has an RDMA device")
+    with pytest.raises(RdmaUnavailable, match="tcp"):
+        RdmaDataPlane("rdma:x", rendezvous=None)
