@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from schemas import WorkerInfo
+import structlog
+from nats.aio.client import Client
+
+from schemas import Discover, SchemaError, WorkerInfo, decode, encode, subjects
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -18,6 +24,18 @@ class WorkerRegistry:
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
         self._workers: dict[str, _Entry] = {}
+
+    async def follow(self, nc: Client, asker: str) -> None:
+        """Keep this registry current from every service's heartbeats, and ask for one from each now."""
+
+        async def on_heartbeat(msg: Any) -> None:
+            try:
+                self.update(decode(WorkerInfo, msg.data))
+            except SchemaError as exc:
+                log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
+
+        await nc.subscribe(subjects.HEARTBEATS, cb=on_heartbeat)
+        await nc.publish(subjects.DISCOVER, encode(Discover(asker)))
 
     def update(self, info: WorkerInfo) -> None:
         self._workers[info.worker_id] = _Entry(info, time.monotonic())

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import Discover, ListQuery, SchemaError, WorkerInfo, WorkerList, decode, encode, subjects
+from schemas import ListQuery, WorkerList
 from shared.registry import WorkerRegistry
 from shared.rpc import endpoint
 from shared.runtime import Service
 from services.broker.config import BrokerConfig
-
-log = structlog.get_logger()
 
 
 class BrokerService(Service):
@@ -30,15 +27,8 @@ class BrokerService(Service):
         self.transfers: dict[str, dict[str, Any]] = {}  # request_id → plan (filled from issue 5 on)
 
     async def start(self, nc: Client, micro: MicroService) -> None:
-        await nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
         await self.add_endpoints(micro, workers=endpoint(ListQuery, self.workers))
-        await nc.publish(subjects.DISCOVER, encode(Discover(self.worker_id)))
-
-    async def _on_heartbeat(self, msg: Any) -> None:
-        try:
-            self.registry.update(decode(WorkerInfo, msg.data))
-        except SchemaError as exc:
-            log.warning("bad_heartbeat", error=str(exc))
+        await self.registry.follow(nc, self.worker_id)
 
     async def workers(self, query: ListQuery) -> WorkerList:
         return WorkerList([w for w in self.registry.alive() if w.worker_id.startswith(query.prefix)])

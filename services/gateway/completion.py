@@ -21,7 +21,7 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, Prefill, PrefillDone, Sampling, SchemaError,
-                     TokenEvent, WorkerInfo, decode, encode, subjects)
+                     TokenEvent, WorkerInfo, decode, subjects)
 from shared.rpc import RemoteError, call
 from shared.timeline import Timeline
 from shared.registry import WorkerRegistry

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 from transformers import AutoConfig, AutoTokenizer
 
-from schemas import Discover, SchemaError, WorkerInfo, decode, encode, subjects
 from shared.metrics import LatencyMetrics
 from shared.models import resolve_model
 from shared.runtime import Service
@@ -22,9 +20,6 @@ from services.gateway import api
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
 from shared.registry import WorkerRegistry
-
-log = structlog.get_logger()
-
 
 class GatewayService(Service):
     role = "gateway"
@@ -39,20 +34,12 @@ class GatewayService(Service):
         self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
         self.model_id = config.served_model_name or path.name
         self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
-        self.num_in_flight = 0
 
     def http_port(self) -> int:
         return self.config.gateway_port
 
     async def start(self, nc: Client, micro: MicroService) -> None:
-        await nc.subscribe(subjects.HEARTBEATS, cb=self._on_heartbeat)
-        await nc.publish(subjects.DISCOVER, encode(Discover(self.worker_id)))
-
-    async def _on_heartbeat(self, msg: Any) -> None:
-        try:
-            self.registry.update(decode(WorkerInfo, msg.data))
-        except SchemaError as exc:
-            log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
+        await self.registry.follow(nc, self.worker_id)
 
     def admin_routes(self) -> list[web.RouteDef]:
         return api.routes(self)

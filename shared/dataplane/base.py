@@ -14,6 +14,7 @@ import abc
 import asyncio
 import bisect
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -131,14 +132,24 @@ def pair_segments(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes
 
 
 class DataPlane(abc.ABC):
-    """One per process. Both roles use the same object: it serves its region and calls peers."""
+    """One per process. Both roles use the same object: it serves its region and calls peers.
+
+    Implementations keep their per-peer links in `links`; each link has `has_work` (an asyncio.Event that
+    wakes its sender) and `pacer`, which is all the lane and pacing controls below need.
+    """
 
     address: str = ""  # what peers connect to; advertised over NATS
-    region: memoryview
 
-    @abc.abstractmethod
+    def __init__(self, link_gbps: float = 0.0):
+        self.region = memoryview(bytearray(0))
+        self.grants: dict[int, Grant] = {}
+        self.links: dict[str, Any] = {}
+        self.link_gbps = link_gbps
+        self.is_background_paused = False
+
     def register_region(self, region: memoryview) -> None:
         """Register the process's KV buffer. Called once, before `start`."""
+        self.region = region.cast("B") if region.format != "B" else region
 
     @abc.abstractmethod
     async def start(self) -> str:
@@ -159,10 +170,6 @@ class DataPlane(abc.ABC):
         Returns the grant so the caller can `await grant.wait_idle()` before reusing its pages."""
         return self.grants.pop(ticket, None)
 
-    @property
-    @abc.abstractmethod
-    def grants(self) -> dict[int, Grant]: ...
-
     @abc.abstractmethod
     async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         """Caller side: copy local `src` ranges into the peer's `dst` ranges. Returns when the peer has them
@@ -175,12 +182,19 @@ class DataPlane(abc.ABC):
 
     def pause_background(self) -> None:
         """Stop starting BACKGROUND chunks on every link (ON_DEMAND goes on). Idempotent."""
+        self.is_background_paused = True
 
     def resume_background(self) -> None:
         """Undo `pause_background`."""
+        self.is_background_paused = False
+        for link in self.links.values():
+            link.has_work.set()
 
     def set_link_gbps(self, gbps: float) -> None:
         """Pace every link of this process to `gbps` (10⁹ bit/s; 0 = unpaced)."""
+        self.link_gbps = gbps
+        for link in self.links.values():
+            link.pacer.set_gbps(gbps)
 
     def stats(self) -> dict[str, object]:
         return {}

@@ -5,24 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from shared.dataplane.base import DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused, check_within
+from shared.dataplane.base import DataPlane, DataPlaneError, Lane, Segment, TicketRefused, check_within
 
 _REGISTRY: dict[str, "InProcDataPlane"] = {}
 _IDS = itertools.count(1)
 
 
 class InProcDataPlane(DataPlane):
-    def __init__(self) -> None:
-        self.region = memoryview(bytearray(0))
-        self._grants: dict[int, Grant] = {}
-
-    @property
-    def grants(self) -> dict[int, Grant]:
-        return self._grants
-
-    def register_region(self, region: memoryview) -> None:
-        self.region = region.cast("B") if region.format != "B" else region
-
     async def start(self) -> str:
         self.address = f"inproc:{next(_IDS)}"
         _REGISTRY[self.address] = self
@@ -35,7 +24,7 @@ class InProcDataPlane(DataPlane):
         target = _REGISTRY.get(peer)
         if target is None:
             raise DataPlaneError(f"no in-process data plane at {peer}")
-        grant = target._grants.get(ticket)
+        grant = target.grants.get(ticket)
         if grant is None or not all(grant.covers(o, n) for o, n in offsets):
             raise TicketRefused(f"{peer} refused ticket {ticket}")
         return target
@@ -45,7 +34,7 @@ class InProcDataPlane(DataPlane):
         target = self._peer(peer, ticket, [(s.dst, s.length) for s in segments])
         for s in segments:
             target.region[s.dst: s.dst + s.length] = self.region[s.src: s.src + s.length]
-        grant = target._grants[ticket]
+        grant = target.grants[ticket]
         total = sum(s.length for s in segments)
         grant.bytes_landed += total
         if grant.on_landed:

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.dataplane.base import (DataPlane, DataPlaneError, Grant, Lane, Segment, check_within,
+from shared.dataplane.base import (DataPlane, DataPlaneError, Lane, Segment, check_within,
                                    split_into_chunks)
 from shared.dataplane.pacing import Pacer
 
@@ -146,19 +146,16 @@ class RdmaDataPlane(DataPlane):
             raise RdmaUnavailable(f"no RDMA device{' ' + device if device else ''} here (found {devices or 'none'}): "
                                   "use transport 'tcp' or 'auto', or create a Soft-RoCE device with "
                                   "`rdma link add rxe0 type rxe netdev <iface>`")
+        super().__init__(link_gbps)
         self.address, self.rendezvous = address, rendezvous
         self.device, self.port, self.gid_index = device or devices[0], port, gid_index
-        self.link_gbps = link_gbps
         # NOTE: a backstop, not the detector: RC retries should fail a transfer to a vanished peer within about
         # a second, but Soft-RoCE was seen to retry forever toward a destroyed queue pair.
         self.op_timeout_s = op_timeout_s
-        self.region = memoryview(bytearray(0))
-        self.is_background_paused = False
         self.lane_stats = {lane: {"bytes": 0, "chunks": 0} for lane in Lane}
         self.num_refused = 0
         self.num_bytes_received = 0
-        self._grants: dict[int, Grant] = {}
-        self._links: dict[str, _Link] = {}
+        self.links: dict[str, _Link] = {}
         self._by_qp: dict[int, _Link] = {}
         self._pending: dict[int, tuple[_Pending, _Link, int]] = {}  # wr_id → (waiter, link, bytes)
         self._wr_ids = itertools.count(1)
@@ -167,13 +164,9 @@ class RdmaDataPlane(DataPlane):
         self._poll_wakeup = asyncio.Event()
         self._pumps: set[asyncio.Task[None]] = set()  # every link's pump, awaited at close
 
-    @property
-    def grants(self) -> dict[int, Grant]:
-        return self._grants
-
     # --- set-up ---------------------------------------------------------------------------------
     def register_region(self, region: memoryview) -> None:
-        self.region = region.cast("B") if region.format != "B" else region
+        super().register_region(region)
         self._anchor = (ctypes.c_char * len(self.region)).from_buffer(self.region)  # keeps the address valid
         self.region_addr = ctypes.addressof(self._anchor)
 
@@ -198,7 +191,7 @@ class RdmaDataPlane(DataPlane):
         return self.address
 
     async def close(self) -> None:
-        for link in list(self._links.values()):
+        for link in list(self.links.values()):
             self.fail_link(link, DataPlaneError("data plane closed"))
         if self._poll_task:
             self._poll_task.cancel()
@@ -254,12 +247,12 @@ class RdmaDataPlane(DataPlane):
         return self._offer(qp, psn)
 
     async def _link(self, peer: str) -> _Link:
-        link = self._links.get(peer)
+        link = self.links.get(peer)
         if link is not None:
             return link
         async with self._connecting.setdefault(peer, asyncio.Lock()):
-            if peer in self._links:
-                return self._links[peer]
+            if peer in self.links:
+                return self.links[peer]
             qp, psn = self._new_qp(), random.getrandbits(24)
             try:
                 answer = await asyncio.wait_for(self.rendezvous(peer, self._offer(qp, psn)), 10)
@@ -270,13 +263,13 @@ class RdmaDataPlane(DataPlane):
             return self._add_link(peer, qp, answer)
 
     def _add_link(self, peer: str, qp, remote: dict) -> _Link:
-        stale = self._links.get(peer)
+        stale = self.links.get(peer)
         if stale is not None:  # the peer reconnected (its old queue pair failed): ours toward it is dead too
             self.fail_link(stale, DataPlaneError(f"{peer} reconnected"))
         link = _Link(self, peer, qp, remote)
         self._pumps.add(link.pump)
         link.pump.add_done_callback(self._pumps.discard)
-        self._links[peer] = link
+        self.links[peer] = link
         self._by_qp[qp.qp_num] = link
         return link
 
@@ -296,27 +289,13 @@ class RdmaDataPlane(DataPlane):
                     if not f.done():
                         f.set_exception(error)
             queue.clear()
-        if self._links.get(link.peer) is link:
-            del self._links[link.peer]
+        if self.links.get(link.peer) is link:
+            del self.links[link.peer]
         self._by_qp.pop(link.qp.qp_num, None)
         link.qp.close()
 
-    # --- lanes and pacing --------------------------------------------------------------------------
-    def pause_background(self) -> None:
-        self.is_background_paused = True
-
-    def resume_background(self) -> None:
-        self.is_background_paused = False
-        for link in self._links.values():
-            link.has_work.set()
-
-    def set_link_gbps(self, gbps: float) -> None:
-        self.link_gbps = gbps
-        for link in self._links.values():
-            link.pacer.set_gbps(gbps)
-
     def stats(self) -> dict[str, object]:
-        return {"transport": "rdma", "device": self.device, "links": len(self._links), "grants": len(self._grants),
+        return {"transport": "rdma", "device": self.device, "links": len(self.links), "grants": len(self.grants),
                 "refused": self.num_refused, "bytes_received": self.num_bytes_received, "link_gbps": self.link_gbps,
                 "lanes": {lane.name.lower(): dict(v) for lane, v in self.lane_stats.items()}}
 
@@ -433,7 +412,7 @@ class RdmaDataPlane(DataPlane):
         self.fail_link(link, error)  # an RC queue pair in error state is dead: reconnect on next use
 
     def _on_landed(self, imm: int, num_bytes: int) -> None:
-        for grant in self._grants.values():
+        for grant in self.grants.values():
             if grant.ticket & 0xFFFFFFFF == imm:
                 grant.bytes_landed += num_bytes
                 self.num_bytes_received += num_bytes

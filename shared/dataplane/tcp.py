@@ -115,7 +115,6 @@ class _Link:
         return None
 
     async def _write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 picked = self._next_frame()
@@ -320,30 +319,20 @@ class Faults:
 class TcpDataPlane(DataPlane):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
                  checksums: bool = True):
+        super().__init__(link_gbps)
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
-        self.link_gbps = link_gbps
         self.use_checksums = checksums
-        self.region = memoryview(bytearray(0))
         self.scratch = memoryview(bytearray(CHUNK_BYTES))  # where refused payloads are drained to
         self.faults = Faults()
-        self.is_background_paused = False
         self.lane_stats = {CONTROL: LaneStats(), Lane.ON_DEMAND: LaneStats(), Lane.BACKGROUND: LaneStats()}
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
         self.num_refused = 0
-        self._grants: dict[int, Grant] = {}
-        self._links: dict[str, _Link] = {}
+        self.links: dict[str, _Link] = {}
         self._unnamed: set[asyncio.Task[None]] = set()  # accepted sockets that have not said hello yet
         self._connecting: dict[str, asyncio.Lock] = {}
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-
-    @property
-    def grants(self) -> dict[int, Grant]:
-        return self._grants
-
-    def register_region(self, region: memoryview) -> None:
-        self.region = region.cast("B") if region.format != "B" else region
 
     async def start(self) -> str:
         listener = socket.create_server((self.host, self.port))
@@ -362,28 +351,15 @@ class TcpDataPlane(DataPlane):
         for task in list(self._unnamed):
             task.cancel()
         await asyncio.gather(*self._unnamed, return_exceptions=True)
-        for link in list(self._links.values()):
+        for link in list(self.links.values()):
             await link.close()
 
-    # --- lanes and pacing --------------------------------------------------------------------------
-    def pause_background(self) -> None:
-        self.is_background_paused = True
-
-    def resume_background(self) -> None:
-        self.is_background_paused = False
-        for link in self._links.values():
-            link.has_work.set()
-
-    def set_link_gbps(self, gbps: float) -> None:
-        self.link_gbps = gbps
-        for link in self._links.values():
-            link.pacer.set_gbps(gbps)
-
+    # --- numbers ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         lanes = {name: vars(self.lane_stats[lane]).copy()
                  for name, lane in (("control", CONTROL), ("on_demand", Lane.ON_DEMAND), ("background", Lane.BACKGROUND))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
-                "refused": self.num_refused, "links": len(self._links), "grants": len(self._grants),
+                "refused": self.num_refused, "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,
                 "background_paused": self.is_background_paused, "lanes": lanes}
 
@@ -407,11 +383,11 @@ class TcpDataPlane(DataPlane):
         self.num_bytes_received += sum(s.length for s in segments)
 
     async def _link(self, peer: str) -> _Link:
-        link = self._links.get(peer)
+        link = self.links.get(peer)
         if link is not None:
             return link
         async with self._connecting.setdefault(peer, asyncio.Lock()):
-            link = self._links.get(peer)
+            link = self.links.get(peer)
             if link is not None:
                 return link
             host, port = peer.rsplit(":", 1)
@@ -430,7 +406,7 @@ class TcpDataPlane(DataPlane):
     # --- serving side ------------------------------------------------------------------------------
     def grant_for(self, ticket: int, table: list[tuple[int, int]]) -> Grant | None:
         """The grant if `ticket` may touch every range in `table`, else None (and the refusal is logged)."""
-        grant = self._grants.get(ticket)
+        grant = self.grants.get(ticket)
         if grant is not None and all(grant.covers(off, n) for off, n in table):
             return grant
         self.num_refused += 1
@@ -467,12 +443,12 @@ class TcpDataPlane(DataPlane):
         link = _Link(self, sock, peer)
         # NOTE: if both ends dialled at once there are two links; the newest serves new requests and the
         # older one finishes what it carries.
-        self._links[peer] = link
+        self.links[peer] = link
         return link
 
     def forget(self, link: _Link) -> None:
-        if self._links.get(link.peer) is link:
-            del self._links[link.peer]
+        if self.links.get(link.peer) is link:
+            del self.links[link.peer]
 
 
 async def _all_or_first_error(waits: list[asyncio.Future[None]]) -> None:

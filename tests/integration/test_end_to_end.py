@@ -6,7 +6,7 @@ import asyncio
 import nats
 import pytest
 
-from tests.integration.conftest import get_json, model_workers, post_json, post_sse
+from tests.integration.conftest import get_json, post_json, post_sse
 from tests.reference import greedy_tokens, prompt_ids
 
 PROMPT = "The history of the city begins with a small settlement on the river, where traders"

@@ -96,7 +96,7 @@ async def test_bad_rkey_access_is_a_remote_access_error(rdma_pair):
     """The NIC itself refuses an access the MR does not allow: a clear error, and the next use reconnects."""
     a, b, _, _ = rdma_pair
     await a.read(b.address, 1, [Segment(0, 0, 16)])
-    link = a._links[b.address]
+    link = a.links[b.address]
     link.remote = {**link.remote, "rkey": link.remote["rkey"] ^ 0x5A5A}
     with pytest.raises(DataPlaneError, match="remote"):
         await asyncio.wait_for(a.read(b.address, 1, [Segment(0, 0, 4096)]), 30)
@@ -119,13 +119,13 @@ async def test_peer_gone_fails_the_transfer(rdma_pair):
     a, b, _, _ = rdma_pair
     a.op_timeout_s = 2.0
     await a.read(b.address, 1, [Segment(0, 0, 16)])
-    for link in list(b._links.values()):
+    for link in list(b.links.values()):
         b.fail_link(link, DataPlaneError("closed for the test"))
     started = asyncio.get_running_loop().time()
     with pytest.raises(DataPlaneError):
         await asyncio.wait_for(a.read(b.address, 1, [Segment(0, 0, 1 << 20)]), 60)
     assert asyncio.get_running_loop().time() - started < 5
-    assert b.address not in a._links
+    assert b.address not in a.links
     await a.read(b.address, 1, [Segment(0, 0, 4096)])
 
 

@@ -14,7 +14,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import time
 from pathlib import Path
 
