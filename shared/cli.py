@@ -29,6 +29,22 @@ def main(argv: list[str] | None = None) -> None:
     bench = sub.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
     bench.add_argument("what", choices=["transport"])
     bench.add_argument("--json", metavar="PATH", help="also write the results here")
+    prep = sub.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
+    prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
+    prep.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="model folder (default SmolLM2)")
+    prep.add_argument("--num-prompts", type=int, default=4)
+    prep.add_argument("--prompt-tokens", type=int, default=1024)
+    prep.add_argument("--out", help="write here instead of <model>/smartgen-selectors")
+    ev = sub.add_parser("eval", help="quality evaluations; each accepts --json PATH")
+    ev.add_argument("what", choices=["fidelity"])
+    ev.add_argument("--selector", nargs="+", default=["oracle", "infinigen", "hata", "quest", "positional"])
+    ev.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    ev.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
+    ev.add_argument("--num-docs", type=int, default=2)
+    ev.add_argument("--prompt-tokens", type=int, default=2048)
+    ev.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
+    ev.add_argument("--tasks", nargs="+", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"])
+    ev.add_argument("--json", metavar="PATH")
     model = sub.add_parser("model", help="the default model's cached safetensors folder")
     model.add_argument("action", choices=["prepare", "path"])
     model.add_argument("--force", action="store_true", help="convert again even if the folder exists")
@@ -39,6 +55,16 @@ def main(argv: list[str] | None = None) -> None:
         from tools.bench import transport
 
         transport.run(args.json)
+        return
+    if args.command == "eval":
+        from tools.eval import fidelity
+
+        fidelity.run(args)
+        return
+    if args.command == "prepare-selectors":
+        from tools import prepare_selectors
+
+        prepare_selectors.run(args.model, args.selector, args.num_prompts, args.prompt_tokens, args.out)
         return
     if args.command == "model":
         from shared.models import default_model_path, prepare_default_model

@@ -36,7 +36,8 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
         self.model.to(self.device).eval()
         self.dtype = torch_dtype
-        self.name = Path(path).name
+        self.path = Path(path)
+        self.name = self.path.name
         self.num_layers = self.config.num_hidden_layers
         self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads

@@ -1,0 +1,136 @@
+"""Selective attention for decode steps, through transformers' attention interface.
+
+The model runs with attention implementation "smartgen_selective". For prefill (many queries), layers 0–1,
+or a step without a selection context it is plain SDPA, bit for bit. For a decode step with an active
+`Selection`, each layer ≥ 2 asks the request's selector for token indices per KV head, gathers those K/V
+and attends to them only. Attention is order-invariant and RoPE is already in the cached keys, so the
+gathered tokens need no re-positioning.
+
+NOTE: the context is a module global set around one forward pass. Only the engine's single torch thread
+runs the model, so there is never more than one active selection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from services.decode.selectors import DENSE_LAYERS, Budget, LayerState, Selector
+
+ATTENTION_NAME = "smartgen_selective"
+
+
+@dataclass
+class Selection:
+    """One request's selective-attention state: its selector, budget and per-layer metadata."""
+
+    selector: Selector
+    budget: Budget
+    measure_mass: bool = False  # also compute the dense attention to report how much mass was kept
+    states: dict[int, LayerState] = field(default_factory=dict)
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (speculation)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    mass_sum: float = 0.0
+    num_selections: int = 0
+    num_selected: int = 0
+    num_candidates: int = 0
+
+    @property
+    def attention_mass(self) -> float | None:
+        return self.mass_sum / self.num_selections if self.measure_mass and self.num_selections else None
+
+    @property
+    def selected_share(self) -> float | None:
+        return self.num_selected / self.num_candidates if self.num_candidates else None
+
+
+ACTIVE: Selection | None = None
+CAPTURE: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # layer → [(query, key)] for calibration
+
+
+def activate(selection: Selection | None) -> None:
+    global ACTIVE
+    ACTIVE = selection
+
+
+def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (1, H, 1, d); key/value (1, H_kv, n, d): the whole cache. Returns (1, 1, H, d), None."""
+    sel, layer = ACTIVE, module.layer_idx
+    if CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see tools/prepare_selectors.py)
+        CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
+    if sel is None or query.shape[2] != 1 or query.shape[0] != 1 or layer < DENSE_LAYERS:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    keys, values = key[0], value[0]
+    n = keys.shape[1]
+    k = sel.budget.tokens(n)
+    if k >= n:  # the whole cache: exactly dense
+        sel.num_selections += 1
+        sel.mass_sum += 1.0
+        sel.num_selected += n * keys.shape[0]
+        sel.num_candidates += n * keys.shape[0]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    state = sel.states.get(layer)
+    if state is None:
+        state = sel.states[layer] = sel.selector.new_state(layer)
+    sel.selector.extend(layer, state, keys)
+    q = query[0, :, 0]  # (H, d)
+    probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
+    idx = sel.selector.select(layer, state, probe, k)  # (H_kv, k')
+    group = query.shape[1] // keys.shape[0]
+    gather = idx[..., None].expand(-1, -1, keys.shape[-1])
+    k_sel = torch.gather(keys, 1, gather).repeat_interleave(group, dim=0)  # (H, k', d)
+    v_sel = torch.gather(values, 1, gather).repeat_interleave(group, dim=0)
+    out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
+    sel.num_selected += idx.numel()
+    sel.num_candidates += n * idx.shape[0]
+    if sel.measure_mass:
+        probs = torch.softmax((q[:, None, :] @ keys.repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
+        kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
+        sel.mass_sum += float(kept.mean())
+    sel.num_selections += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _speculated_query(sel: Selection, module, layer: int) -> torch.Tensor:
+    """InfiniGen's speculation: layer i's query computed from layer i-1's input, (H, d)."""
+    hidden = sel.layer_inputs.get(layer - 1)
+    decoder_layer = module._smartgen_decoder_layer
+    if hidden is None or sel.position_embeddings is None:
+        raise RuntimeError("speculation needs the previous layer's input: install_hooks() was not called")
+    x = decoder_layer.input_layernorm(hidden)
+    q = module.q_proj(x).view(1, 1, -1, module.head_dim)
+    if hasattr(module, "q_norm"):  # Qwen3 normalizes each head's query before RoPE
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)  # (1, H, 1, d)
+    cos, sin = sel.position_embeddings
+    q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    return q[0, :, 0]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def install(model) -> None:
+    """Switch `model` to selective attention and add the hooks speculation needs (inputs, RoPE)."""
+    AttentionInterface.register(ATTENTION_NAME, selective_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+    for i, decoder_layer in enumerate(model.get_decoder().layers):
+        # NOTE: object.__setattr__, so the back-reference is not registered as a submodule (no cycle in the tree)
+        object.__setattr__(decoder_layer.self_attn, "_smartgen_decoder_layer", decoder_layer)
+
+        def keep_input(_module, args, kwargs, i=i):
+            if ACTIVE is not None:
+                ACTIVE.layer_inputs[i] = args[0] if args else kwargs["hidden_states"]
+
+        def keep_rope(_module, args, kwargs):
+            if ACTIVE is not None and kwargs.get("position_embeddings") is not None:
+                ACTIVE.position_embeddings = kwargs["position_embeddings"]
+
+        decoder_layer.register_forward_pre_hook(keep_input, with_kwargs=True)
+        decoder_layer.self_attn.register_forward_pre_hook(keep_rope, with_kwargs=True)

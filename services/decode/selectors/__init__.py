@@ -1,0 +1,66 @@
+"""KV selectors: oracle (the reference), infinigen, hata, quest, positional. See base.py for the contract.
+
+Offline preparation (InfiniGen's skewing and channels, HATA's hash weights) lives next to the model, in
+`<model>/smartgen-selectors/<name>.safetensors`, written by `smartgen prepare-selectors`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from services.decode.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
+from services.decode.selectors.hata import HataSelector
+from services.decode.selectors.infinigen import InfiniGenSelector
+from services.decode.selectors.oracle import OracleSelector
+from services.decode.selectors.positional import PositionalSelector
+from services.decode.selectors.quest import QuestSelector
+
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")
+PREP_DIR = "smartgen-selectors"
+log = structlog.get_logger()
+
+
+class PreparationMissing(FileNotFoundError):
+    """A selector needs offline preparation that has not been run for this model."""
+
+
+def prep_path(prep_dir: Path, name: str) -> Path:
+    return Path(prep_dir) / f"{name}.safetensors"
+
+
+def default_prep_dir(model_path: Path) -> Path:
+    return Path(model_path) / PREP_DIR
+
+
+def _load_layers(path: Path, prefix: str) -> dict[int, "torch.Tensor"]:  # noqa: F821
+    from safetensors.torch import load_file
+
+    return {int(k.split(".")[1]): v for k, v in load_file(path).items() if k.startswith(prefix + ".")}
+
+
+def make_selector(name: str, geometry: Geometry, prep_dir: Path | None = None) -> Selector:
+    """`prep_dir` holds the offline preparation (default: next to the model, see default_prep_dir)."""
+    if name == "oracle":
+        return OracleSelector(geometry)
+    if name == "quest":
+        return QuestSelector(geometry)
+    if name == "positional":
+        return PositionalSelector(geometry)
+    if name == "hata":
+        path = prep_path(prep_dir, "hata") if prep_dir else None
+        if path is None or not path.is_file():
+            log.info("hata_untrained", reason="no hash weights; random projections", fix="smartgen prepare-selectors --selector hata")
+            return HataSelector(geometry)
+        return HataSelector(geometry, _load_layers(path, "weights"))
+    if name == "infinigen":
+        path = prep_path(prep_dir, "infinigen") if prep_dir else None
+        if path is None or not path.is_file():
+            raise PreparationMissing(f"infinigen needs its skewing matrices for this model ({path}): "
+                                     "run `smartgen prepare-selectors --selector infinigen`")
+        return InfiniGenSelector(geometry, _load_layers(path, "skew"), _load_layers(path, "channels"))
+    raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")
+
+
+__all__ = ["DENSE_LAYERS", "SELECTORS", "Budget", "Geometry", "LayerState", "PreparationMissing", "Selector",
+           "default_prep_dir", "make_selector", "prep_path"]

@@ -1,0 +1,88 @@
+"""The selector interface: which cached tokens a decode step attends to, per layer and KV head.
+
+A selector keeps per-layer *metadata* for every cached token (what the prefill node can push ahead of the
+KV itself: partial keys, hash codes, page bounds, or nothing) and, each step, turns the current query into
+token indices per KV head under a budget. Layers 0–1 are always dense (the engine never asks).
+
+Shapes: keys (num_kv_heads, num_tokens, head_dim); query (num_heads, head_dim) for one decode position;
+indices (num_kv_heads, k) int64, each row sorted. Query heads h·G … h·G+G-1 share KV head h (G = group size).
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+import torch
+
+DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector (InfiniGen, HATA and Quest all do so)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A fraction of the cached tokens (0 < value ≤ 1) or a token count (value > 1, whole)."""
+
+    value: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.value <= 1 or (self.value > 1 and float(self.value).is_integer())):
+            raise ValueError("a KV budget is a fraction in (0, 1] or a whole number of tokens > 1")
+
+    def tokens(self, num_tokens: int) -> int:
+        k = math.ceil(self.value * num_tokens) if self.value <= 1 else int(self.value)
+        return max(1, min(num_tokens, k))
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_tokens: int = 16
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+class LayerState:
+    """A selector's metadata for one layer of one request; grows as tokens are cached."""
+
+    num_tokens: int = 0
+
+
+class Selector(abc.ABC):
+    name: str = ""
+
+    def __init__(self, geometry: Geometry):
+        self.geometry = geometry
+
+    @abc.abstractmethod
+    def metadata_bytes_per_token(self) -> float:
+        """Bytes of metadata this selector keeps (and the prefill node pushes) per cached token, per layer."""
+
+    @abc.abstractmethod
+    def new_state(self, layer: int) -> LayerState:
+        """Empty metadata for one layer of a new request."""
+
+    @abc.abstractmethod
+    def extend(self, layer: int, state: LayerState, keys: torch.Tensor) -> None:
+        """Add metadata for keys[:, state.num_tokens:] (all keys cached so far are passed) and advance."""
+
+    @abc.abstractmethod
+    def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices (num_kv_heads, ≤ k) of the tokens to attend to for this query; rows sorted ascending."""
+
+    # --- helpers -------------------------------------------------------------------------------
+    def group_sum(self, per_head: torch.Tensor) -> torch.Tensor:
+        """(num_heads, …) → (num_kv_heads, …): sum over the query heads that share each KV head."""
+        g = self.geometry
+        return per_head.view(g.num_kv_heads, g.group, *per_head.shape[1:]).sum(1)
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(num_kv_heads, n) scores → (num_kv_heads, k) indices, sorted ascending. Ties broken by position
+    (stable), so selection is deterministic."""
+    k = min(k, scores.shape[-1])
+    return torch.sort(torch.topk(scores, k, dim=-1, sorted=False).indices, dim=-1).values

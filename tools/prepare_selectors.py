@@ -1,0 +1,117 @@
+"""`smartgen prepare-selectors`: the offline preparation some selectors need, written next to the model.
+
+    infinigen  per layer and KV head: an orthogonal skewing matrix from the SVD of calibration queries,
+               and the `ratio`·head_dim channels where the skewed queries' magnitude sits
+    hata       per layer and KV head: hash weights (num_bits × head_dim) trained so that the Hamming
+               similarity of codes ranks keys as the true attention does (cross-entropy against it)
+
+Calibration prompts are Python standard-library sources (always on disk, never used for evaluation);
+the paper calibrates on a held-out LongBench subset, which is not available offline.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.decode import selective
+from services.decode.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
+from services.decode.selectors.hata import NUM_BITS
+from services.decode.selectors.infinigen import RATIO
+from shared.modeling import ModelRunner
+from shared.models import resolve_model
+
+KEEP_POSITIONS = 512  # per prompt and layer, the last positions kept as calibration samples
+
+
+def calibration_texts(num_prompts: int) -> list[str]:
+    """Long stdlib modules, largest first (deterministic)."""
+    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    files = sorted((p for p in root.glob("*.py") if p.stat().st_size > 20_000), key=lambda p: (-p.stat().st_size, p.name))
+    return [p.read_text(errors="replace") for p in files[:num_prompts]]
+
+
+def collect(runner: ModelRunner, texts: list[str], prompt_tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Post-RoPE queries (H, n, d) and keys (H_kv, n, d) per layer, over the calibration prompts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.path)
+    selective.install(runner.model)
+    selective.CAPTURE = {}
+    try:
+        for text in texts:
+            ids = tokenizer(text)["input_ids"][:prompt_tokens]
+            runner.prefill(ids)
+            for layer, pairs in selective.CAPTURE.items():
+                q, k = pairs[-1]
+                pairs[-1] = (q[:, -KEEP_POSITIONS:].float(), k[:, -KEEP_POSITIONS:].float())
+        captured = selective.CAPTURE
+    finally:
+        selective.CAPTURE = None
+    return {layer: (torch.cat([q for q, _ in pairs], 1), torch.cat([k for _, k in pairs], 1))
+            for layer, pairs in captured.items()}
+
+
+def prepare_infinigen(qk: dict, geometry: Geometry, ratio: float = RATIO) -> dict[str, torch.Tensor]:
+    out = {}
+    c = max(1, round(ratio * geometry.head_dim))
+    for layer, (q, _) in qk.items():
+        skews, channels = [], []
+        for h in range(geometry.num_kv_heads):
+            group = q[h * geometry.group:(h + 1) * geometry.group].reshape(-1, geometry.head_dim)  # (G·n, d)
+            _, _, vh = torch.linalg.svd(group, full_matrices=False)
+            skew = vh.T.contiguous()  # (d, d) orthogonal: q·k = (q A)·(k A)
+            magnitude = (group @ skew).abs().mean(0)
+            skews.append(skew)
+            channels.append(torch.sort(torch.topk(magnitude, c).indices).values)
+        out[f"skew.{layer}"] = torch.stack(skews)
+        out[f"channels.{layer}"] = torch.stack(channels)
+    return out
+
+
+def train_hata(qk: dict, geometry: Geometry, num_bits: int = NUM_BITS, steps: int = 150,
+               num_queries: int = 128) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for layer, (q, k) in qk.items():
+        weights = []
+        for h in range(geometry.num_kv_heads):
+            keys = k[h]  # (n, d)
+            queries = q[h * geometry.group:(h + 1) * geometry.group].reshape(-1, geometry.head_dim)
+            queries = queries[torch.randperm(len(queries), generator=gen)[:num_queries]]
+            target = torch.softmax(queries @ keys.T / geometry.head_dim ** 0.5, dim=-1)  # true attention
+            w = torch.randn(num_bits, geometry.head_dim, generator=gen) / geometry.head_dim ** 0.5
+            w.requires_grad_(True)
+            opt = torch.optim.Adam([w], lr=0.02)
+            for _ in range(steps if layer >= DENSE_LAYERS else 0):
+                sim = torch.tanh(queries @ w.T) @ torch.tanh(keys @ w.T).T / num_bits  # (nq, n) in [-1, 1]
+                loss = -(target * torch.log_softmax(16 * sim, dim=-1)).sum(-1).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            weights.append(w.detach())
+        out[f"weights.{layer}"] = torch.stack(weights)
+    return out
+
+
+def run(model: str = "", selector: str = "all", num_prompts: int = 4, prompt_tokens: int = 1024,
+        out_dir: Path | None = None) -> list[Path]:
+    from safetensors.torch import save_file
+
+    path = resolve_model(model)
+    out_dir = Path(out_dir) if out_dir else default_prep_dir(path)
+    started = time.monotonic()
+    runner = ModelRunner(path)
+    geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads, runner.head_dim)
+    qk = collect(runner, calibration_texts(num_prompts), prompt_tokens)
+    print(f"calibration: {num_prompts} prompts × {prompt_tokens} tokens in {time.monotonic() - started:.0f} s", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in (("infinigen", "hata") if selector == "all" else (selector,)):
+        tensors = prepare_infinigen(qk, geometry) if name == "infinigen" else train_hata(qk, geometry)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, prep_path(out_dir, name))
+        written.append(prep_path(out_dir, name))
+        print(f"{name}: wrote {prep_path(out_dir, name)} ({time.monotonic() - started:.0f} s)", flush=True)
+    return written
