@@ -131,6 +131,8 @@ class Generate:
     stop_token_ids: list[int]
     sampling: Sampling
     stream_subject: str  # where TokenEvents go
+    selector: str = ""  # "" = dense attention; else a KV selector name (see services/decode/selectors)
+    kv_budget: float = 0.0  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,7 @@ class TokenEvent:
     error: str = ""
     kv_bytes: dict[str, int] = field(default_factory=dict)  # bytes received per KV path
     kv_wait_s: float = 0.0  # decode time spent waiting for KV to land before step 1
+    selected_share: float = 1.0  # share of cached (token, KV head) entries attended to; 1 = dense
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from shared.rpc import RequestRefused, endpoint
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
+from services.decode.selectors import Budget, PreparationMissing, default_prep_dir
 
 log = structlog.get_logger()
 
@@ -66,7 +67,7 @@ class DecodeService(ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        self.engine = DecodeEngine(self.runner, self.store)
+        self.engine = DecodeEngine(self.runner, self.store, default_prep_dir(self.runner.path))
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort))
         await nc.subscribe(self.subject("transfer_failed"), cb=self.transfer_failed)
@@ -109,6 +110,13 @@ class DecodeService(ModelWorkerService):
         if req.max_tokens < 1 or (req.transfer_mode == "full" and req.first_token < 0):
             await self._release(state)
             raise RequestRefused("bad_request", "max_tokens must be ≥ 1 and full mode needs the first token")
+        if req.selector:
+            try:
+                await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
+                Budget(req.kv_budget)
+            except (ValueError, PreparationMissing) as exc:
+                await self._release(state)
+                raise RequestRefused("bad_request", str(exc)) from None
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
@@ -147,6 +155,8 @@ class DecodeService(ModelWorkerService):
                     token = req.first_token
                     kv_wait_s = await self._wait_for_kv(state)
                     await self.in_torch(self.engine.load_from_store, rid, state.table)
+                if req.selector:
+                    self.engine.use_selection(rid, req.selector, req.kv_budget)
                 while token not in stop_ids and index + 1 < req.max_tokens:
                     index += 1
                     token = await self.in_torch(self.engine.step, rid, token, req.sampling, index)
@@ -158,12 +168,14 @@ class DecodeService(ModelWorkerService):
                 reason, error = "error", f"{type(exc).__name__}: {exc}"
                 log.warning("decode_failed", error=error)
             kv_bytes = {"full": state.grant.bytes_landed} if state.grant else {}
+            selection = self.engine.selections.get(rid)
+            selected_share = selection.selected_share if selection and selection.selected_share is not None else 1.0
             self.latency.requests.inc(status=reason)
             for path, n in kv_bytes.items():
                 self.latency.kv_bytes.inc(n, path=path)
             await self._release(state)
             if reason != "abort":
-                await self._emit(req, TokenEvent(rid, index + 1, -1, reason, error, kv_bytes, kv_wait_s))
+                await self._emit(req, TokenEvent(rid, index + 1, -1, reason, error, kv_bytes, kv_wait_s, selected_share))
             log.info("decode_done", finish_reason=reason, tokens=index + 1, kv_wait_s=round(kv_wait_s, 3))
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:

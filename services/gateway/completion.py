@@ -47,6 +47,7 @@ class CompletionRun:
     finish_reason: str = ""
     kv_bytes: dict[str, int] = field(default_factory=dict)
     kv_wait_s: float = 0.0
+    selected_share: float = 1.0
     prefill_s: float | None = None
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
@@ -79,7 +80,8 @@ class CompletionRun:
                 first, self.prefill_s = done.first_token, done.prefill_s
             await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                        Generate(job.request_id, job.transfer_mode, job.prompt_ids, first, job.max_tokens,
-                                self.stop_token_ids, sampling, subjects.stream(job.request_id)),
+                                self.stop_token_ids, sampling, subjects.stream(job.request_id),
+                                job.selector or "", job.kv_budget or 0.0),
                        Accepted, CONTROL_TIMEOUT_S)
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
@@ -90,7 +92,7 @@ class CompletionRun:
             if event.token_id >= 0:
                 yield self._stamp(event.token_id)
             if event.finish_reason:
-                self.kv_bytes, self.kv_wait_s = event.kv_bytes, event.kv_wait_s
+                self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
                 if event.finish_reason == "error":
                     raise RequestFailed(event.error)
                 self.finish_reason = event.finish_reason
@@ -146,8 +148,10 @@ class CompletionRun:
             "kv_wait_s": self.kv_wait_s,
             "prefill_s": self.prefill_s,
             "transfer_mode": self.job.transfer_mode,
+            "attention": "selective" if self.job.selector else "dense",
             "selector": self.job.selector,
             "kv_budget": self.job.kv_budget,
+            "selected_share": self.selected_share,
             "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
             "decode_worker_id": self.decode.worker_id if self.decode else None,
             "prompt_tokens": len(self.job.prompt_ids),

@@ -9,7 +9,8 @@ from typing import Any
 
 from schemas import SERVABLE_TRANSFER_MODES, TRANSFER_MODES
 
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # as in services/decode/selectors
+DEFAULT_KV_BUDGET = 0.1
 MAX_STOP_STRINGS = 4
 
 
@@ -99,6 +100,10 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, float))
                                   or not (0 < kv_budget <= 1 or (isinstance(kv_budget, int) and kv_budget >= 1))):
         raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens ≥ 1", "kv_budget")
+    if kv_budget is not None and selector is None:
+        raise ApiError(400, f"kv_budget needs a selector (one of {', '.join(SELECTORS)})", "kv_budget")
+    if selector is not None and kv_budget is None:
+        kv_budget = DEFAULT_KV_BUDGET
 
     return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
                          max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,

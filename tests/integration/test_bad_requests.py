@@ -36,6 +36,7 @@ def worker_request_counts(stack) -> dict[str, str]:
     ({**GOOD, "transfer_mode": "smartgen"}, "transfer_mode"),
     ({**GOOD, "selector": "magic"}, "selector"),
     ({**GOOD, "kv_budget": 1.5}, "kv_budget"),
+    ({**GOOD, "kv_budget": 0.1}, "kv_budget"),  # a budget needs a selector
     ({**GOOD, "prompt": "word " * 5000}, "prompt"),
 ])
 def test_bad_completion_is_400(clean_stack, body, param):

@@ -181,3 +181,25 @@ def test_natsctl_lists_the_services(clean_stack):
     for role in ("gateway", "prefill", "decode", "kvprofile", "broker"):
         assert f"smartgen-{role}" in out
     assert ".decode-" in out and out.count(".open") == 1
+
+
+@pytest.mark.parametrize("mode", ["full", "colocated"])
+def test_selector_and_budget_reach_the_decode_worker(clean_stack, mode):
+    """`selector`/`kv_budget` switch decode to selective attention: a full budget is exactly dense, a small one
+    attends to a small share of the cache and says so."""
+    url = clean_stack.gateway_url + "/v1/completions"
+    body = {"prompt": PROMPT * 4, "max_tokens": 8, "temperature": 0, "transfer_mode": mode}
+    _, dense = post_json(url, body)
+    _, whole = post_json(url, body | {"selector": "oracle", "kv_budget": 1.0})
+    assert whole["smartgen"]["token_ids"] == dense["smartgen"]["token_ids"]
+    assert dense["smartgen"]["attention"] == "dense" and whole["smartgen"]["attention"] == "selective"
+    status, small = post_json(url, body | {"selector": "quest", "kv_budget": 0.25})
+    assert status == 200, small
+    assert 0 < small["smartgen"]["selected_share"] < 0.5
+
+
+def test_selector_needing_preparation_is_refused_with_the_fix(clean_stack):
+    """infinigen without its offline preparation for the served model: 400 naming the command."""
+    status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 3, "selector": "infinigen"})
+    assert status == 400 and "prepare-selectors" in reply["error"]["message"]

@@ -1,0 +1,134 @@
+"""KV selectors and selective attention: full budget is dense, metadata is what it declares, selection is
+deterministic, and oracle keeps the most attention mass (on the real model)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas import Sampling
+from services.decode.engine import DecodeEngine
+from services.decode.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
+from shared.kvstore import KvStore
+from shared.modeling import ModelRunner
+from shared.models import make_tiny_model
+from tests.reference import prompt_ids
+from tools import prepare_selectors
+
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 8
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def prepared(request, tmp_path_factory, real_model_path) -> tuple[Path, Path]:
+    """A tiny random model of each architecture, with infinigen and hata prepared for it."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny_model(folder, tokenizer_from=real_model_path, model_type=request.param)
+    prep = folder / "prep"
+    prepare_selectors.run(str(folder), "all", num_prompts=1, prompt_tokens=256, out_dir=prep)
+    return folder, prep
+
+
+def decode(engine: DecodeEngine, ids: list[int], n: int, selector: str | None, budget: float) -> list[int]:
+    tokens = [engine.prefill_local("r", ids, Sampling())]
+    if selector:
+        engine.use_selection("r", selector, budget)
+    for i in range(1, n):
+        tokens.append(engine.step("r", tokens[-1], Sampling(), i))
+    engine.end("r")
+    return tokens
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_full_budget_reproduces_dense(prepared, selector):
+    """At 100% budget every selector decodes exactly the dense tokens (Llama and Qwen3 layouts)."""
+    folder, prep = prepared
+    runner = ModelRunner(folder)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep)
+    ids = prompt_ids(folder, PROMPT)
+    assert decode(engine, ids, 12, selector, 1.0) == decode(engine, ids, 12, None, 0)
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_small_budget_changes_the_computation(prepared, selector):
+    """The check above can fail: with 4 tokens of context kept, logits differ from dense."""
+    folder, prep = prepared
+    runner = ModelRunner(folder)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep)
+    ids = prompt_ids(folder, PROMPT)
+    engine.prefill_local("a", ids, Sampling())
+    engine.caches["b"] = copy.deepcopy(engine.caches["a"])
+    engine.use_selection("b", selector, 4)
+    dense, sparse = engine.step_logits("a", 5), engine.step_logits("b", 5)
+    assert not torch.allclose(dense, sparse, atol=1e-4)
+    assert engine.selections["b"].selected_share < 0.2
+
+
+def state_bytes(state) -> int:
+    tensors = [v for v in vars(state).values() if torch.is_tensor(v)]
+    tensors += [t for v in vars(state).values() if isinstance(v, list) for t in v if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_metadata_size_is_what_it_declares(prepared, selector):
+    """Per cached token and layer, a selector holds exactly the metadata bytes it declares."""
+    _, prep = prepared
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    sel = make_selector(selector, geometry, prep)
+    state = sel.new_state(2)
+    n = 160  # a whole number of pages
+    sel.extend(2, state, torch.randn(2, n, 16))
+    assert state_bytes(state) == pytest.approx(sel.metadata_bytes_per_token() * n)
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_selection_is_deterministic(prepared, selector):
+    """The same keys and query give the same indices, from fresh state; rows are sorted and in range."""
+    _, prep = prepared
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    keys, query = torch.randn(2, 100, 16, generator=torch.Generator().manual_seed(1)), torch.randn(4, 16)
+    picks = []
+    for _ in range(2):
+        sel = make_selector(selector, geometry, prep)
+        state = sel.new_state(3)
+        sel.extend(3, state, keys)
+        picks.append(sel.select(3, state, query, 20))
+    assert torch.equal(picks[0], picks[1])
+    idx = picks[0]
+    assert idx.shape[0] == 2 and idx.shape[1] <= 20 and int(idx.max()) < 100
+    assert torch.equal(idx, torch.sort(idx, dim=-1).values)
+
+
+def test_infinigen_without_preparation_names_the_command(tmp_path):
+    """A missing offline preparation is an error that says which command makes it."""
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(PreparationMissing, match="smartgen prepare-selectors"):
+        make_selector("infinigen", geometry, tmp_path)
+    assert make_selector("hata", geometry, tmp_path).is_trained is False  # hata falls back to random projections
+
+
+@pytest.mark.real_model
+def test_oracle_keeps_the_most_attention_mass(real_model_path, tmp_path):
+    """On SmolLM2, over the same teacher-forced steps at a 10% budget, no selector keeps more attention mass
+    than oracle."""
+    runner = ModelRunner(real_model_path)
+    prep = tmp_path / "prep"
+    prepare_selectors.run(str(real_model_path), "all", num_prompts=1, prompt_tokens=512, out_dir=prep)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep)
+    import inspect
+    import json as json_module
+
+    ids = prompt_ids(real_model_path, inspect.getsource(json_module.decoder))[:700]
+    prompt, continuation = ids[:640], ids[640:]
+    _, cache = runner.prefill(prompt)
+    mass = {}
+    for selector in SELECTORS:
+        engine.caches["r"] = copy.deepcopy(cache)
+        engine.use_selection("r", selector, 0.1, measure_mass=True)
+        for token in continuation[:6]:
+            engine.step_logits("r", token)
+        mass[selector] = engine.end("r").attention_mass
+    assert all(mass["oracle"] >= m - 1e-6 for m in mass.values()), mass
+    assert mass["oracle"] > mass["positional"] + 0.01, mass
