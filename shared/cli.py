@@ -1,7 +1,9 @@
 """The `smartgen` command.
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
-    smartgen bench transport [--json PATH]
+    smartgen bench transport|decode-step [--json PATH]
+    smartgen prepare-selectors [--selector all|infinigen|hata]
+    smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
     smartgen model prepare | path
 """
 from __future__ import annotations
@@ -27,8 +29,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
     bench = sub.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
-    bench.add_argument("what", choices=["transport"])
+    bench.add_argument("what", choices=["transport", "decode-step"])
     bench.add_argument("--json", metavar="PATH", help="also write the results here")
+    bench.add_argument("--context", type=int, default=4096, help="decode-step: context length")
+    bench.add_argument("--budget", type=float, default=0.1, help="decode-step: KV budget")
     prep = sub.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
     prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
     prep.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="model folder (default SmolLM2)")
@@ -52,9 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "up":
         sys.exit(_up(args))
     if args.command == "bench":
-        from tools.bench import transport
+        if args.what == "transport":
+            from tools.bench import transport
 
-        transport.run(args.json)
+            transport.run(args.json)
+        else:
+            from tools.bench import decode_step
+
+            decode_step.run(context=args.context, budget=args.budget, json_path=args.json)
         return
     if args.command == "eval":
         from tools.eval import fidelity

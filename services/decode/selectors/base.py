@@ -74,12 +74,6 @@ class Selector(abc.ABC):
     def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (num_kv_heads, ≤ k) of the tokens to attend to for this query; rows sorted ascending."""
 
-    # --- helpers -------------------------------------------------------------------------------
-    def group_sum(self, per_head: torch.Tensor) -> torch.Tensor:
-        """(num_heads, …) → (num_kv_heads, …): sum over the query heads that share each KV head."""
-        g = self.geometry
-        return per_head.view(g.num_kv_heads, g.group, *per_head.shape[1:]).sum(1)
-
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(num_kv_heads, n) scores → (num_kv_heads, k) indices, sorted ascending. Ties broken by position

@@ -14,7 +14,6 @@ import torch
 from services.decode.selectors.base import Geometry, LayerState, Selector, top_k
 
 NUM_BITS = 128
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
@@ -56,7 +55,7 @@ class HataSelector(Selector):
     def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
         g = self.geometry
         w = self.weights[layer].repeat_interleave(g.group, dim=0)  # (num_heads, bits, d)
-        q_codes = pack_codes(query[:, None, :], w)  # (num_heads, 1, bytes)
-        k_codes = state.codes.repeat_interleave(g.group, dim=0)  # (num_heads, n, bytes)
-        hamming = _POPCOUNT[(q_codes ^ k_codes).long()].sum(-1)  # (num_heads, n)
-        return top_k(-self.group_sum(hamming.float()), k)
+        q_codes = pack_codes(query[:, None, :], w).view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, bytes)
+        diff = q_codes ^ state.codes[:, None]  # (kv, G, n, bytes)
+        hamming = sum(((diff >> b) & 1).sum(-1, dtype=torch.int32) for b in range(8))  # (kv, G, n)
+        return top_k(-hamming.sum(1).float(), k)

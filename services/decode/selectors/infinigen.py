@@ -52,9 +52,8 @@ class InfiniGenSelector(Selector):
 
     def select(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> torch.Tensor:
         g = self.geometry
-        q = self._partial(layer, query[:, None, :], per_query_head=True)  # (num_heads, 1, c)
-        keys = state.partial_keys.repeat_interleave(g.group, dim=0)  # (num_heads, n, c)
-        logits = torch.einsum("hxc,hnc->hn", q, keys) / g.head_dim ** 0.5
-        rel = (logits - logits.amax(dim=-1, keepdim=True)).view(g.num_kv_heads, g.group, -1).amax(1)
+        q = self._partial(layer, query[:, None, :], per_query_head=True).view(g.num_kv_heads, g.group, -1)
+        logits = q @ state.partial_keys.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
+        rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
         count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
         return top_k(rel, max(1, min(k, count)))

@@ -30,6 +30,6 @@ class OracleSelector(Selector):
 
     def select(self, layer: int, state: OracleState, query: torch.Tensor, k: int) -> torch.Tensor:
         g = self.geometry
-        keys = state.keys.repeat_interleave(g.group, dim=0)  # (num_heads, n, d)
-        probs = torch.softmax(torch.einsum("hd,hnd->hn", query.float(), keys.float()) / g.head_dim ** 0.5, dim=-1)
-        return top_k(self.group_sum(probs), k)
+        q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
+        probs = torch.softmax(q @ state.keys.float().transpose(1, 2) / g.head_dim ** 0.5, dim=-1)  # (kv, G, n)
+        return top_k(probs.sum(1), k)

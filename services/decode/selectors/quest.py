@@ -14,8 +14,8 @@ from services.decode.selectors.base import LayerState, Selector, top_k
 
 class QuestState(LayerState):
     def __init__(self) -> None:
-        self.page_min: list[torch.Tensor] = []  # per page (num_kv_heads, head_dim)
-        self.page_max: list[torch.Tensor] = []
+        self.page_min: torch.Tensor | None = None  # (num_kv_heads, pages, head_dim)
+        self.page_max: torch.Tensor | None = None
 
 
 class QuestSelector(Selector):
@@ -29,14 +29,17 @@ class QuestSelector(Selector):
         return QuestState()
 
     def extend(self, layer: int, state: QuestState, keys: torch.Tensor) -> None:
-        t = self.geometry.page_tokens
-        n = keys.shape[1]
-        first = (state.num_tokens // t) * t  # recompute the last, partial page
-        del state.page_min[first // t:], state.page_max[first // t:]
-        for start in range(first, n, t):
-            page = keys[:, start: start + t].float()
-            state.page_min.append(page.amin(dim=1))
-            state.page_max.append(page.amax(dim=1))
+        t, n = self.geometry.page_tokens, keys.shape[1]
+        first = state.num_tokens // t  # the last, partial page is recomputed
+        fresh = keys[:, first * t:].float()
+        pad = (-fresh.shape[1]) % t  # pad the new partial page with its own first key (min/max unchanged)
+        if pad:
+            fresh = torch.cat([fresh, fresh[:, -1:].expand(-1, pad, -1)], dim=1)
+        pages = fresh.view(fresh.shape[0], -1, t, fresh.shape[-1])
+        lo, hi = pages.amin(dim=2), pages.amax(dim=2)
+        keep = lambda old: old[:, :first] if old is not None else lo[:, :0]  # noqa: E731
+        state.page_min = torch.cat([keep(state.page_min), lo], dim=1)
+        state.page_max = torch.cat([keep(state.page_max), hi], dim=1)
         state.num_tokens = n
 
     def select(self, layer: int, state: QuestState, query: torch.Tensor, k: int) -> torch.Tensor:
@@ -46,10 +49,9 @@ class QuestSelector(Selector):
         num_pages = min(num_full, max(0, (k - tail.shape[1]) // t))
         if num_pages == 0:
             return tail
-        lo = torch.stack(state.page_min[:num_full], dim=1).repeat_interleave(g.group, dim=0)  # (heads, pages, d)
-        hi = torch.stack(state.page_max[:num_full], dim=1).repeat_interleave(g.group, dim=0)
-        q = query.float()[:, None, :]
-        bound = torch.maximum(q * lo, q * hi).sum(-1)  # (num_heads, pages): the most q·k can be in each page
-        pages = top_k(self.group_sum(bound), num_pages)  # (num_kv_heads, num_pages)
+        lo, hi = state.page_min[:, None, :num_full], state.page_max[:, None, :num_full]  # (kv, 1, pages, d)
+        q = query.float().view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, d)
+        bound = torch.maximum(q * lo, q * hi).sum(-1)  # (kv, G, pages): the most q·k can be in each page
+        pages = top_k(bound.sum(1), num_pages)  # (num_kv_heads, num_pages)
         tokens = (pages[..., None] * t + torch.arange(t)).flatten(1)
         return torch.cat([tokens, tail], dim=1)  # ascending: full pages come before the partial one
