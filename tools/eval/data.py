@@ -61,28 +61,20 @@ def lcc_stdlib(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sam
 
 
 def needle(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    """A 5-digit pass key at a random depth in repeated filler (the passkey test of LongLoRA/RULER)."""
     rng = random.Random(seed)
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    template = ("There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+                "{context}\n\nWhat is the pass key? The pass key is")
     samples = []
     for _ in range(n):
         key = str(rng.randrange(10000, 99999))
-        parts = [filler] * (prompt_tokens // 20)
-        parts.insert(rng.randrange(len(parts) // 5, 4 * len(parts) // 5), f"The pass key is {key}. Remember it. {key} is the pass key. ")
-        context = "".join(parts)
-        template = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n{context}\n\nWhat is the pass key? The pass key is"
-        samples.append(Sample("needle", _fit_middle(tokenizer, template, context, prompt_tokens, key), [key], "string_match", 12))
+        needle_text = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        room = prompt_tokens - len(tokenizer(template.format(context=needle_text))["input_ids"])
+        parts = [filler] * max(1, room // len(tokenizer(filler)["input_ids"]))
+        parts.insert(rng.randrange(len(parts) // 5, 4 * len(parts) // 5 + 1), needle_text)
+        samples.append(Sample("needle", template.format(context="".join(parts)), [key], "string_match", 12))
     return samples
-
-
-def _fit_middle(tokenizer, template: str, context: str, prompt_tokens: int, must_keep: str) -> str:
-    prompt = template.format(context=context)
-    while len(tokenizer(prompt)["input_ids"]) > prompt_tokens:
-        cut = context.find("Here we go.", 0 if context.find(must_keep) > len(context) // 2 else len(context) // 2)
-        if cut < 0:
-            break
-        context = context[:cut] + context[cut + len("Here we go. "):]
-        prompt = template.format(context=context)
-    return prompt
 
 
 def _package_file(package: str, relative: str) -> Path | None:
@@ -123,9 +115,10 @@ def aclsum_report(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
     template = ("You are given a scientific paper. Write a one-page summary of the paper.\n\nPaper:\n{context}\n\n"
                 "Now, write a one-page summary of the paper.\n\nSummary:")
     samples = []
-    for path in papers:
+    for path in papers:  # NOTE: keeps the end of a paper that does not fit (LongBench cuts the middle)
         paper = json.loads(path.read_text())
-        body = "\n".join(s.get("text", "") for s in paper.get("body_text", []))
+        sections = paper.get("pdf_parse", {}).get("body_text") or paper.get("body_text", [])  # S2ORC layout
+        body = "\n".join(s.get("text", "") for s in sections)
         abstract = paper.get("abstract", "")
         abstract = " ".join(a.get("text", "") for a in abstract) if isinstance(abstract, list) else str(abstract)
         if body and abstract:
