@@ -33,7 +33,7 @@ def default_prep_dir(model_path: Path) -> Path:
     return Path(model_path) / PREP_DIR
 
 
-def _load_layers(path: Path, prefix: str) -> dict[int, "torch.Tensor"]:  # noqa: F821
+def _load_layers(path: Path, prefix: str) -> dict:
     from safetensors.torch import load_file
 
     return {int(k.split(".")[1]): v for k, v in load_file(path).items() if k.startswith(prefix + ".")}
