@@ -45,9 +45,10 @@ class Discover:
 
 @dataclass(frozen=True, slots=True)
 class KvLayout:
-    """Geometry of a paged KV store. Both ends of a transfer must agree on it exactly.
+    """Geometry of a KV store. Both ends of a transfer must agree on it exactly.
 
-    A page holds `page_tokens` tokens of one layer: K then V, each [num_kv_heads, page_tokens, head_dim].
+    A request's slab is (num_layers, 2, num_kv_heads, capacity, head_dim), K then V, tokens contiguous per
+    head; it is allocated in pages of `page_tokens` tokens.
     """
 
     num_layers: int
@@ -55,15 +56,15 @@ class KvLayout:
     head_dim: int
     page_tokens: int
     dtype: str  # torch dtype name, e.g. "float32"
-    page_bytes: int
+    token_bytes: int  # bytes of one token's K and V over all layers
 
 
 @dataclass(frozen=True, slots=True)
 class KvHandle:
     """Decode → gateway → prefill: where a request's KV must land on the decode node.
 
-    `page_ids` is row-major [num_layers, num_blocks]: page of (layer, block) = page_ids[layer * num_blocks + block];
-    its bytes sit at offset page_id * layout.page_bytes in the decode worker's registered region.
+    The decode worker's slab for the request starts at byte `offset` of its registered region and holds
+    `capacity` tokens (prompt plus room for the completion); see shared/kvstore.py for its layout.
     """
 
     request_id: str
@@ -71,17 +72,18 @@ class KvHandle:
     dataplane_addr: str
     ticket: int  # the decode side accepts pushes for this request only under this ticket
     layout: KvLayout
-    num_tokens: int
-    num_blocks: int
-    page_ids: list[int]
+    num_tokens: int  # prompt tokens the prefill must deliver
+    offset: int  # bytes
+    capacity: int  # tokens
 
 
 @dataclass(frozen=True, slots=True)
 class OpenKv:
-    """Gateway → decode (`decode.<id>.open`): reserve pages for a request's KV. Reply: KvHandle."""
+    """Gateway → decode (`decode.<id>.open`): reserve a slab for a request's KV. Reply: KvHandle."""
 
     request_id: str
-    num_tokens: int
+    num_tokens: int  # prompt tokens
+    max_tokens: int  # completion tokens to leave room for
     transfer_mode: str
 
 

@@ -1,14 +1,14 @@
-"""Host-memory KV cache in fixed-size pages: the buffer the data plane registers and moves.
+"""Host-memory KV cache: one contiguous slab per request inside one preallocated arena.
 
-Layout (one tensor, allocated once, reused for every request):
-    pages: (num_pages, 2, num_kv_heads, page_tokens, head_dim)   # dim 1: 0 = K, 1 = V
-A request owns a page table of shape (num_layers, num_blocks): block b of layer l holds tokens
-[b * page_tokens, (b + 1) * page_tokens) of that layer. Page p's bytes sit at p * page_bytes in `region`.
-NOTE: the store never grows or reallocates: `region` stays valid (and registered) for the process's life.
+The arena is allocated once and never moves: it is the region the data plane registers. A request's slab:
+    (num_layers, 2, num_kv_heads, capacity, head_dim)   # dim 1: 0 = K, 1 = V; tokens contiguous per head
+so a layer's K or V for one head is one run of bytes (one segment on the wire), and attention reads a
+request's cache as views of its slab, without copying. Slabs are allocated in pages of `page_tokens`
+tokens (across all layers); a page is also the unit that later transfer modes mark present or missing.
+NOTE: allocate/free come from the event loop, reads and writes from the torch thread: bookkeeping is locked.
 """
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 from dataclasses import dataclass
@@ -23,102 +23,137 @@ class OutOfPages(RuntimeError):
 
 
 @dataclass(slots=True)
-class PageTable:
+class Slab:
     request_id: str
-    num_tokens: int
-    page_ids: torch.Tensor  # (num_layers, num_blocks) int64
-
-    @property
-    def num_blocks(self) -> int:
-        return self.page_ids.shape[1]
+    first_page: int  # where the slab starts, in pages from the arena start
+    num_pages: int
+    capacity: int  # tokens the slab can hold (num_pages × page_tokens)
+    num_tokens: int = 0  # tokens written so far
 
 
 def layout_for(num_layers: int, num_kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype) -> KvLayout:
     item = torch.empty((), dtype=dtype).element_size()
     return KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_tokens=page_tokens,
-                    dtype=str(dtype).removeprefix("torch."), page_bytes=2 * num_kv_heads * page_tokens * head_dim * item)
+                    dtype=str(dtype).removeprefix("torch."), token_bytes=2 * num_layers * num_kv_heads * head_dim * item)
+
+
+def slab_rows(layout: KvLayout, offset: int, capacity: int, layer: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """Byte ranges (offset, length) of tokens [start, stop) of one layer in a slab at byte `offset` holding
+    `capacity` tokens: one range per (K|V, head), in slab order."""
+    item = layout.token_bytes // (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim)
+    row_bytes = capacity * layout.head_dim * item
+    rows = []
+    for kv in (0, 1):
+        for head in range(layout.num_kv_heads):
+            row = offset + ((layer * 2 + kv) * layout.num_kv_heads + head) * row_bytes
+            rows.append((row + start * layout.head_dim * item, (stop - start) * layout.head_dim * item))
+    return rows
 
 
 class KvStore:
     def __init__(self, layout: KvLayout, num_pages: int):
         self.layout = layout
+        self.page_bytes = layout.token_bytes * layout.page_tokens
         dtype = getattr(torch, layout.dtype)
-        self.pages = torch.zeros(num_pages, 2, layout.num_kv_heads, layout.page_tokens, layout.head_dim, dtype=dtype)
-        self.region = memoryview(self.pages.view(-1).view(torch.uint8).numpy())  # what the data plane registers
-        self._free = list(range(num_pages))  # a heap: lowest ids first, so a request's pages tend to be contiguous
-        self._tables: dict[str, PageTable] = {}
-        self._lock = threading.Lock()  # allocate/free come from the event loop, reads from the torch thread
+        item = torch.empty((), dtype=dtype).element_size()
+        self.arena = torch.zeros(num_pages * self.page_bytes // item, dtype=dtype)
+        self.region = memoryview(self.arena.view(torch.uint8).numpy())  # what the data plane registers
+        self._num_pages = num_pages
+        self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted (first page, count) extents
+        self._slabs: dict[str, Slab] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def with_capacity_mb(cls, layout: KvLayout, capacity_mb: int) -> "KvStore":
-        return cls(layout, max(1, capacity_mb * 2**20 // layout.page_bytes))
+        return cls(layout, max(1, capacity_mb * 2**20 // (layout.token_bytes * layout.page_tokens)))
 
-    # --- bookkeeping -------------------------------------------------------------------
+    # --- bookkeeping -------------------------------------------------------------------------
     @property
     def num_pages_total(self) -> int:
-        return self.pages.shape[0]
+        return self._num_pages
 
     @property
     def num_pages_free(self) -> int:
-        return len(self._free)
+        return sum(n for _, n in self._free)
 
     @property
     def num_pages_in_use(self) -> int:
-        return self.num_pages_total - len(self._free)
+        return self._num_pages - self.num_pages_free
 
     @property
     def request_ids(self) -> list[str]:
-        return list(self._tables)
+        return list(self._slabs)
 
-    def pages_needed(self, num_tokens: int) -> int:
-        return self.layout.num_layers * math.ceil(num_tokens / self.layout.page_tokens)
+    def pages_needed(self, capacity: int) -> int:
+        return math.ceil(capacity / self.layout.page_tokens)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_needed(num_tokens) <= len(self._free)
+    def can_allocate(self, capacity: int) -> bool:
+        need = self.pages_needed(capacity)
+        return any(n >= need for _, n in self._free)
 
-    def allocate(self, request_id: str, num_tokens: int) -> PageTable:
-        if num_tokens <= 0:
-            raise ValueError("num_tokens must be positive")
-        needed = self.pages_needed(num_tokens)
+    def allocate(self, request_id: str, capacity: int) -> Slab:
+        """A slab for `capacity` tokens (first fit). Raises OutOfPages, changing nothing, if none fits."""
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        need = self.pages_needed(capacity)
         with self._lock:
-            if request_id in self._tables:
-                raise ValueError(f"request {request_id} already holds pages")
-            if needed > len(self._free):
-                raise OutOfPages(f"request needs {needed} KV pages, {len(self._free)} of {self.num_pages_total} are free")
-            ids = sorted(heapq.heappop(self._free) for _ in range(needed))
-            table = PageTable(request_id, num_tokens, torch.tensor(ids, dtype=torch.int64).view(self.layout.num_layers, -1))
-            self._tables[request_id] = table
-            return table
+            if request_id in self._slabs:
+                raise ValueError(f"request {request_id} already holds a slab")
+            for i, (first, count) in enumerate(self._free):
+                if count >= need:
+                    self._free[i:i + 1] = [(first + need, count - need)] if count > need else []
+                    slab = self._slabs[request_id] = Slab(request_id, first, need, need * self.layout.page_tokens)
+                    return slab
+            raise OutOfPages(f"request needs {need} contiguous KV pages; {self.num_pages_free} of "
+                             f"{self._num_pages} are free (largest run {max((n for _, n in self._free), default=0)})")
 
-    def table(self, request_id: str) -> PageTable:
-        return self._tables[request_id]
+    def slab(self, request_id: str) -> Slab:
+        return self._slabs[request_id]
 
     def free(self, request_id: str) -> bool:
-        """Return a request's pages to the pool. Idempotent: False if it held none."""
+        """Return a request's slab to the arena. Idempotent: False if it held none."""
         with self._lock:
-            table = self._tables.pop(request_id, None)
-            if table is None:
+            slab = self._slabs.pop(request_id, None)
+            if slab is None:
                 return False
-            for page in table.page_ids.flatten().tolist():
-                heapq.heappush(self._free, page)
+            extents = sorted([*self._free, (slab.first_page, slab.num_pages)])
+            merged: list[tuple[int, int]] = []
+            for first, count in extents:
+                if merged and merged[-1][0] + merged[-1][1] == first:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + count)
+                else:
+                    merged.append((first, count))
+            self._free = merged
             return True
 
-    # --- data ----------------------------------------------------------------------------
-    def write_layer(self, table: PageTable, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store one layer. keys/values: (num_kv_heads, num_tokens, head_dim), any device."""
-        ids = table.page_ids[layer]
-        self.pages[ids, 0] = self._to_blocks(keys, table.num_blocks)
-        self.pages[ids, 1] = self._to_blocks(values, table.num_blocks)
+    # --- data ----------------------------------------------------------------------------------
+    def offset(self, slab: Slab) -> int:
+        """Byte offset of the slab in the region."""
+        return slab.first_page * self.page_bytes
 
-    def read_layer(self, table: PageTable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V, each (num_kv_heads, num_tokens, head_dim), gathered into new tensors."""
-        kv = self.pages[table.page_ids[layer]]  # (num_blocks, 2, H, T, D)
-        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.layout.num_kv_heads, -1, self.layout.head_dim)
-        return kv[0, :, : table.num_tokens], kv[1, :, : table.num_tokens]
+    def view(self, slab: Slab) -> torch.Tensor:
+        """The slab as a tensor (num_layers, 2, num_kv_heads, capacity, head_dim), sharing memory."""
+        lay = self.layout
+        per_token = lay.token_bytes // self.arena.element_size()
+        start = slab.first_page * lay.page_tokens * per_token
+        flat = self.arena[start: start + slab.capacity * per_token]
+        return flat.view(lay.num_layers, 2, lay.num_kv_heads, slab.capacity, lay.head_dim)
 
-    def _to_blocks(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        heads, n, dim = x.shape
-        padded = x.new_zeros(heads, num_blocks * self.layout.page_tokens, dim)
-        padded[:, :n] = x
-        # (H, num_blocks * T, D) → (num_blocks, H, T, D)
-        return padded.view(heads, num_blocks, self.layout.page_tokens, dim).transpose(0, 1).cpu()
+    def write_layer(self, slab: Slab, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's prompt KV. keys/values: (num_kv_heads, num_tokens, head_dim), any device."""
+        n = keys.shape[1]
+        if n > slab.capacity:
+            raise ValueError(f"{n} tokens do not fit a slab of {slab.capacity}")
+        view = self.view(slab)
+        view[layer, 0, :, :n] = keys
+        view[layer, 1, :, :n] = values
+        slab.num_tokens = max(slab.num_tokens, n)
+
+    def read_layer(self, slab: Slab, layer: int, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of one layer's K and V, each (num_kv_heads, num_tokens, head_dim)."""
+        n = slab.num_tokens if num_tokens is None else num_tokens
+        view = self.view(slab)
+        return view[layer, 0, :, :n], view[layer, 1, :, :n]
+
+    def rows(self, slab: Slab, layer: int, start: int, stop: int) -> list[tuple[int, int]]:
+        return slab_rows(self.layout, self.offset(slab), slab.capacity, layer, start, stop)

@@ -74,13 +74,6 @@ class ModelRunner:
 
         return hook
 
-    def cache_from(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        """A cache holding given per-layer K/V, each (num_kv_heads, num_tokens, head_dim)."""
-        cache = DynamicCache(config=self.config)
-        for i, (k, v) in enumerate(layers):
-            cache.update(k[None].to(self.device, self.dtype), v[None].to(self.device, self.dtype), i)
-        return cache
-
     @torch.inference_mode()
     def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
         """Append one token; returns its logits (vocab,)."""

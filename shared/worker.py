@@ -56,7 +56,7 @@ class ModelWorkerService(Service):
         self.store = KvStore.with_capacity_mb(layout, self.config.kv_cache_mb)
         self.dataplane = await self._start_dataplane(nc, micro)
         log.info("model_loaded", model=str(path), load_s=round(time.monotonic() - started, 2),
-                 kv_pages=self.store.num_pages_total, page_bytes=layout.page_bytes, dataplane=self.dataplane.address)
+                 kv_pages=self.store.num_pages_total, page_bytes=self.store.page_bytes, dataplane=self.dataplane.address)
 
     async def _start_dataplane(self, nc: Client, micro: MicroService) -> DataPlane:
         """RDMA where a device exists (or was asked for), TCP otherwise; says which, once."""

@@ -1,5 +1,5 @@
-"""Decode compute: build a request's cache (from landed pages, or by a local prefill) and step it,
-densely or with selective attention (a selector and a budget per request). Synchronous torch; no asyncio."""
+"""Decode compute: build a request's cache (its landed slab, or a local prefill) and step it, densely or
+with selective attention (a selector and a budget per request). Synchronous torch; no asyncio."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,7 +10,8 @@ from transformers.cache_utils import DynamicCache
 from schemas import Sampling
 from services.decode import selective
 from services.decode.selectors import Budget, Geometry, Selector, make_selector
-from shared.kvstore import KvStore, PageTable
+from shared.kvstore import KvStore, Slab
+from services.decode.slab_cache import SlabCache
 from shared.modeling import ModelRunner
 from shared.sampling import sample
 
@@ -35,10 +36,10 @@ class DecodeEngine:
         """Decode this request with selective attention from now on."""
         self.selections[request_id] = selective.Selection(self.selector(selector), Budget(budget), measure_mass)
 
-    def load_from_store(self, request_id: str, table: PageTable) -> None:
-        """The KV has landed in `table`'s pages: gather it into the request's cache."""
-        layers = [self.store.read_layer(table, layer) for layer in range(self.store.layout.num_layers)]
-        self.caches[request_id] = self.runner.cache_from(layers)
+    def load_from_store(self, request_id: str, slab: Slab, num_tokens: int) -> None:
+        """The prompt's KV has landed in `slab`: decode from it in place (new tokens are appended there)."""
+        slab.num_tokens = num_tokens
+        self.caches[request_id] = SlabCache(self.runner.config, self.store.view(slab), num_tokens)
 
     def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> int:
         """Colocated mode: run the prompt here. Returns the first completion token."""

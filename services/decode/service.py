@@ -1,14 +1,16 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens.
 
 Life of a request here:
-  1. `open` (full mode): reserve pages for the prompt's KV and grant a fresh ticket over exactly those
-     pages; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
-  2. The prefill node pushes the KV straight into the pages; each landed push is counted.
+  1. `open` (full mode): reserve a slab for the prompt's KV and the completion, grant a fresh ticket over
+     exactly the prompt's rows of it; reply with the KvHandle the prefill node pushes to. Unclaimed
+     reservations expire.
+  2. The prefill node pushes the KV straight into the slab; each landed push is counted.
   3. `generate`: the request is admitted and a task starts. In full mode it waits until every byte has
-     landed (or a `transfer_failed` arrives), gathers the pages into its cache and decodes densely.
+     landed (or a `transfer_failed` arrives), then decodes with the slab as its cache (no copy), densely or
+     with a selector.
      In colocated mode it runs the prefill here instead. Each token goes out on the request's stream subject.
   4. At the end, on `abort`, or on failure: revoke the ticket, wait out any frame still landing,
-     free the pages and drop the cache. The last stream event says how it ended.
+     free the slab and drop the cache. The last stream event says how it ended.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from nats.micro.service import Service as MicroService
 from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, SchemaError, TokenEvent, TransferFailed,
                      decode, encode)
 from shared.dataplane import Grant
-from shared.kvstore import OutOfPages, PageTable
+from shared.kvstore import OutOfPages, Slab
 from shared.rpc import RequestRefused, endpoint
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
@@ -42,7 +44,7 @@ class TransferError(RuntimeError):
 class DecodeRequest:
     request_id: str
     transfer_mode: str
-    table: PageTable | None = None
+    slab: Slab | None = None
     grant: Grant | None = None
     expected_bytes: int = 0
     landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all KV is here, or on failure
@@ -77,23 +79,24 @@ class DecodeService(ModelWorkerService):
         assert self.store and self.dataplane and self.runner
         if req.transfer_mode != "full":
             raise RequestRefused("bad_request", f"open is for transfer_mode 'full', not {req.transfer_mode!r}")
-        if not 0 < req.num_tokens <= self.runner.max_positions:
-            raise RequestRefused("bad_request", f"num_tokens {req.num_tokens} is outside 1..{self.runner.max_positions}")
+        if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
+            raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
+                                                f"fit 1..{self.runner.max_positions}")
         self._admit(req.request_id)
         try:
-            table = self.store.allocate(req.request_id, req.num_tokens)
+            slab = self.store.allocate(req.request_id, req.num_tokens + req.max_tokens)
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
-        page_bytes = self.store.layout.page_bytes
-        pages = table.page_ids.flatten().tolist()
-        state = DecodeRequest(req.request_id, req.transfer_mode, table, expected_bytes=len(pages) * page_bytes)
-        state.grant = Grant(secrets.randbits(63), [(p * page_bytes, (p + 1) * page_bytes) for p in pages], state.on_landed)
+        rows = [r for layer in range(self.store.layout.num_layers) for r in self.store.rows(slab, layer, 0, req.num_tokens)]
+        state = DecodeRequest(req.request_id, req.transfer_mode, slab,
+                              expected_bytes=req.num_tokens * self.store.layout.token_bytes)
+        state.grant = Grant(secrets.randbits(63), [(off, off + n) for off, n in rows], state.on_landed)
         self.dataplane.grant(state.grant)
         state.expiry = asyncio.get_running_loop().call_later(
             self.config.open_timeout_s, lambda: asyncio.ensure_future(self._expire(req.request_id)))
         self.active[req.request_id] = state
         return KvHandle(req.request_id, self.worker_id, self.dataplane.address, state.grant.ticket, self.store.layout,
-                        req.num_tokens, table.num_blocks, pages)
+                        req.num_tokens, self.store.offset(slab), slab.capacity)
 
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode == "full":
@@ -154,7 +157,7 @@ class DecodeService(ModelWorkerService):
                 else:
                     token = req.first_token
                     kv_wait_s = await self._wait_for_kv(state)
-                    await self.in_torch(self.engine.load_from_store, rid, state.table)
+                    await self.in_torch(self.engine.load_from_store, rid, state.slab, len(req.token_ids))
                 if req.selector:
                     self.engine.use_selection(rid, req.selector, req.kv_budget)
                 while token not in stop_ids and index + 1 < req.max_tokens:

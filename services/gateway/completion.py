@@ -73,7 +73,7 @@ class CompletionRun:
             if job.transfer_mode == "full":
                 assert self.prefill
                 handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
-                                    OpenKv(job.request_id, len(job.prompt_ids), job.transfer_mode), KvHandle, CONTROL_TIMEOUT_S)
+                                    OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode), KvHandle, CONTROL_TIMEOUT_S)
                 done = await call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                                   Prefill(job.request_id, job.prompt_ids, job.transfer_mode, sampling, handle),
                                   PrefillDone, self.timeout_s)

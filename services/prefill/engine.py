@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from schemas import Sampling
-from shared.kvstore import KvStore, PageTable
+from shared.kvstore import KvStore, Slab
 from shared.modeling import ModelRunner
 from shared.sampling import sample
 
@@ -13,13 +13,13 @@ class PrefillEngine:
     def __init__(self, runner: ModelRunner, store: KvStore):
         self.runner, self.store = runner, store
 
-    def run(self, table: PageTable, token_ids: Sequence[int], sampling: Sampling,
+    def run(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling,
             on_layer_stored: Callable[[int], None]) -> int:
-        """Prefill `token_ids` into `table`'s pages; `on_layer_stored(layer)` fires as each layer lands.
+        """Prefill `token_ids` into `slab`; `on_layer_stored(layer)` fires as each layer lands there.
         Returns the first completion token."""
 
         def store_layer(layer: int, keys, values) -> None:
-            self.store.write_layer(table, layer, keys, values)
+            self.store.write_layer(slab, layer, keys, values)
             on_layer_stored(layer)
 
         logits, _ = self.runner.prefill(token_ids, on_layer=store_layer)

@@ -1,12 +1,13 @@
 """Prefill worker: runs prompts and pushes their KV to the decode node while it computes.
 
 Life of a request here:
-  1. `prefill` arrives with the prompt and the decode node's KvHandle (where each page must land).
-  2. Pages are allocated in the local store; the prompt runs on the torch thread, layer by layer.
-  3. As each layer lands in local pages, its push to the decode node starts (layer-wise overlap, `full` mode).
+  1. `prefill` arrives with the prompt and the decode node's KvHandle (where its slab is).
+  2. A slab is allocated in the local store; the prompt runs on the torch thread, layer by layer.
+  3. As each layer lands in the local slab, its push to the decode node starts (layer-wise overlap, `full`
+     mode): one segment per (K|V, head), straight into the decode slab's rows.
   4. The first token is sampled and returned at once; the last layers' pushes may still be in flight.
-  5. When every push is acked, the local pages are freed. A failed push is reported to the decode node
-     (`transfer_failed`) so the waiting side learns at once; `abort` cancels pushes and frees the pages.
+  5. When every push is acked, the local slab is freed. A failed push is reported to the decode node
+     (`transfer_failed`) so the waiting side learns at once; `abort` cancels pushes and frees the slab.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import Abort, Ack, KvHandle, Prefill, PrefillDone, TransferFailed, encode, subjects
-from shared.dataplane import DataPlaneError, Lane, pair_segments
-from shared.kvstore import OutOfPages, PageTable
+from shared.dataplane import DataPlaneError, Lane, Segment
+from shared.kvstore import OutOfPages, Slab, slab_rows
 from shared.rpc import RequestRefused, endpoint
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
@@ -31,10 +32,10 @@ log = structlog.get_logger()
 
 @dataclass
 class Transfer:
-    """One request's KV on its way out: local pages, where they go, and the pushes in flight."""
+    """One request's KV on its way out: the local slab, where it goes, and the pushes in flight."""
 
     handle: KvHandle
-    table: PageTable
+    slab: Slab
     pushes: list[asyncio.Task[None]] = field(default_factory=list)
     num_bytes: int = 0
 
@@ -59,10 +60,10 @@ class PrefillService(ModelWorkerService):
         assert self.engine and self.store and self.runner
         self._check(req)
         try:
-            table = self.store.allocate(req.request_id, len(req.token_ids))
+            slab = self.store.allocate(req.request_id, len(req.token_ids))
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
-        transfer = self.active[req.request_id] = Transfer(req.handle, table)
+        transfer = self.active[req.request_id] = Transfer(req.handle, slab)
         loop = asyncio.get_running_loop()
 
         def on_layer_stored(layer: int) -> None:  # torch thread
@@ -70,7 +71,7 @@ class PrefillService(ModelWorkerService):
 
         started = loop.time()
         try:
-            first = await self.in_torch(self.engine.run, table, req.token_ids, req.sampling, on_layer_stored)
+            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored)
         except BaseException:
             await self._finish(req.request_id, cancel=True)
             raise
@@ -97,16 +98,17 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused("bad_request", f"prompt of {len(req.token_ids)} tokens exceeds the model's {self.runner.max_positions}")
         if req.handle.layout != self.store.layout:
             raise RequestRefused("bad_request", f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
-        expected_blocks = self.store.pages_needed(len(req.token_ids)) // self.store.layout.num_layers
-        if req.handle.num_blocks != expected_blocks or len(req.handle.page_ids) != expected_blocks * self.store.layout.num_layers:
-            raise RequestRefused("bad_request", "the KV handle's page table does not fit the prompt")
+        if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0:
+            raise RequestRefused("bad_request", "the KV handle's slab does not fit the prompt")
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
 
     def _start_push(self, transfer: Transfer, layer: int) -> None:
-        handle, nb = transfer.handle, transfer.handle.num_blocks
-        segments = pair_segments(transfer.table.page_ids[layer].tolist(),
-                                 handle.page_ids[layer * nb:(layer + 1) * nb], handle.layout.page_bytes)
+        assert self.store
+        handle = transfer.handle
+        src = self.store.rows(transfer.slab, layer, 0, handle.num_tokens)
+        dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, 0, handle.num_tokens)
+        segments = [Segment(s, d, length) for (s, length), (d, _) in zip(src, dst)]
         transfer.pushes.append(asyncio.create_task(self._push(transfer, segments)))
 
     async def _push(self, transfer: Transfer, segments: list) -> None:
@@ -149,7 +151,7 @@ class PrefillService(ModelWorkerService):
         if cancel:
             for task in transfer.pushes:
                 task.cancel()
-        # NOTE: pages are only reused once no push is still reading them.
+        # NOTE: the slab is only reused once no push is still reading it.
         await asyncio.gather(*transfer.pushes, return_exceptions=True)
         assert self.store
         self.store.free(request_id)

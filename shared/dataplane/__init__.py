@@ -2,8 +2,7 @@
 
 See README.md in this folder for the design. `make_dataplane(kind)` picks an implementation.
 """
-from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
-                                   pair_segments)
+from shared.dataplane.base import ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused
 
 
 def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
@@ -21,4 +20,4 @@ def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_
 
 
 __all__ = ["ChecksumMismatch", "DataPlane", "DataPlaneError", "Grant", "Lane", "Segment", "TicketRefused",
-           "pair_segments", "make_dataplane"]
+           "make_dataplane"]

@@ -116,21 +116,6 @@ def split_into_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[lis
     return [c for c in chunks if c]
 
 
-def pair_segments(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int) -> list[Segment]:
-    """Page-by-page copy list, with runs that are contiguous on both sides merged into one segment."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError("source and destination page lists differ in length")
-    segments: list[Segment] = []
-    for s, d in zip(src_pages, dst_pages):
-        s_off, d_off = s * page_bytes, d * page_bytes
-        last = segments[-1] if segments else None
-        if last and last.src + last.length == s_off and last.dst + last.length == d_off:
-            segments[-1] = Segment(last.src, last.dst, last.length + page_bytes)
-        else:
-            segments.append(Segment(s_off, d_off, page_bytes))
-    return segments
-
-
 class DataPlane(abc.ABC):
     """One per process. Both roles use the same object: it serves its region and calls peers.
 

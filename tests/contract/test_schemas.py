@@ -9,15 +9,15 @@ import pytest
 import schemas
 from schemas import SchemaError, decode, encode, messages, subjects
 
-LAYOUT = schemas.KvLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", page_bytes=24576)
+LAYOUT = schemas.KvLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=3072)
 EXAMPLES = [
     schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5),
     schemas.Discover("gateway-1"),
     LAYOUT,
-    schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 2, [0, 1, 2, 3]),
-    schemas.OpenKv("r1", 20, "full"),
+    schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 4096, 48),
+    schemas.OpenKv("r1", 20, 16, "full"),
     schemas.Sampling(0.7, 3),
-    schemas.Prefill("r1", [1, 2, 3], "full", schemas.Sampling(), schemas.KvHandle("r1", "d", "a:1", 1, LAYOUT, 3, 1, [0, 1])),
+    schemas.Prefill("r1", [1, 2, 3], "full", schemas.Sampling(), schemas.KvHandle("r1", "d", "a:1", 1, LAYOUT, 3, 0, 16)),
     schemas.PrefillDone("r1", 7, "prefill-1", 3, 0.25),
     schemas.Generate("r1", "full", [1, 2], 5, 16, [2], schemas.Sampling(), "smartgen.stream.r1", "quest", 0.1),
     schemas.Accepted("r1", "decode-1"),
@@ -67,7 +67,7 @@ def test_wrong_types_and_unknown_fields_are_refused():
     """A field of the wrong type, a bool for an int, or an unknown field is an error naming the field."""
     import msgpack
 
-    good = msgpack.unpackb(encode(schemas.OpenKv("r", 3, "full")))
+    good = msgpack.unpackb(encode(schemas.OpenKv("r", 3, 4, "full")))
     for bad, field in [({**good, "num_tokens": "3"}, "num_tokens"), ({**good, "num_tokens": True}, "num_tokens"),
                        ({**good, "extra": 1}, "extra"), ({k: v for k, v in good.items() if k != "request_id"}, "request_id")]:
         with pytest.raises(SchemaError, match=field):

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from shared.dataplane import (ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane,
-                              pair_segments)
+from shared.dataplane import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane
 from shared.dataplane import frames
 from shared.dataplane.base import split_into_chunks
 
@@ -223,12 +222,6 @@ def test_split_into_chunks_respects_the_chunk_size():
     flat = [s for c in chunks for s in c]
     assert sum(s.length for s in flat) == 600_013
     assert flat[0] == Segment(0, 100, 10) and flat[-1] == Segment(10, 0, 3)
-
-
-def test_pair_segments_merges_runs_contiguous_on_both_sides():
-    """Pages adjacent on both sides become one segment; a break on either side starts a new one."""
-    segs = pair_segments([0, 1, 2, 5, 6], [10, 11, 20, 21, 22], 100)
-    assert segs == [Segment(0, 1000, 200), Segment(200, 2000, 100), Segment(500, 2100, 200)]
 
 
 def test_grant_covers_only_its_ranges():

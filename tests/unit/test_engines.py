@@ -7,7 +7,6 @@ import torch
 from schemas import Sampling
 from services.decode.engine import DecodeEngine
 from services.prefill.engine import PrefillEngine
-from shared.dataplane import pair_segments
 from shared.kvstore import KvStore
 from shared.modeling import ModelRunner
 from tests.reference import greedy_tokens, prompt_ids
@@ -15,21 +14,22 @@ from tests.reference import greedy_tokens, prompt_ids
 PROMPT = "Once upon a time, in a valley between two mountains, there lived"
 
 
-def decode_via_pages(runner: ModelRunner, ids: list[int], n: int, corrupt: bool = False) -> list[int]:
+def decode_via_slabs(runner: ModelRunner, ids: list[int], n: int, corrupt: bool = False) -> list[int]:
     layout = runner.kv_layout(page_tokens=4)
-    src, dst = KvStore(layout, 200), KvStore(layout, 300)
-    dst.allocate("pad", 5)  # so the two sides' page ids differ
-    src_table, dst_table = src.allocate("r", len(ids)), dst.allocate("r", len(ids))
+    src, dst = KvStore(layout, 64), KvStore(layout, 64)
+    dst.allocate("pad", 5)  # so the two sides' offsets differ
+    src_slab, dst_slab = src.allocate("r", len(ids)), dst.allocate("r", len(ids) + n)
     layers_done = []
-    first = PrefillEngine(runner, src).run(src_table, ids, Sampling(), layers_done.append)
+    first = PrefillEngine(runner, src).run(src_slab, ids, Sampling(), layers_done.append)
     assert layers_done == list(range(runner.num_layers))  # every layer reported, in order
-    for layer in range(runner.num_layers):  # what the data plane does, as a memcpy
-        for s in pair_segments(src_table.page_ids[layer].tolist(), dst_table.page_ids[layer].tolist(), layout.page_bytes):
-            dst.region[s.dst: s.dst + s.length] = src.region[s.src: s.src + s.length]
+    for layer in range(runner.num_layers):  # what the prefill service pushes, as a memcpy
+        rows = zip(src.rows(src_slab, layer, 0, len(ids)), dst.rows(dst_slab, layer, 0, len(ids)))
+        for (s, length), (d, _) in rows:
+            dst.region[d: d + length] = src.region[s: s + length]
     if corrupt:
-        dst.pages[dst_table.page_ids[1], 0] += 1.0
+        dst.view(dst_slab)[1, 0] += 1.0
     engine = DecodeEngine(runner, dst)
-    engine.load_from_store("r", dst_table)
+    engine.load_from_store("r", dst_slab, len(ids))
     tokens = [first]
     for i in range(1, n):
         tokens.append(engine.step("r", tokens[-1], Sampling(), i))
@@ -37,18 +37,18 @@ def decode_via_pages(runner: ModelRunner, ids: list[int], n: int, corrupt: bool 
     return tokens
 
 
-def test_paged_transfer_reproduces_generate(tiny_model_path):
-    """Prefill → pages → copy → pages → cache → decode gives model.generate's tokens exactly."""
+def test_slab_transfer_reproduces_generate(tiny_model_path):
+    """Prefill → slab → copy of its rows → slab → cache in place → decode gives model.generate's tokens exactly."""
     runner = ModelRunner(tiny_model_path)
     ids = prompt_ids(tiny_model_path, PROMPT)
-    assert decode_via_pages(runner, ids, 20) == greedy_tokens(tiny_model_path, ids, 20)
+    assert decode_via_slabs(runner, ids, 20) == greedy_tokens(tiny_model_path, ids, 20)
 
 
 def test_corrupted_kv_changes_the_output(tiny_model_path):
     """The check above can fail: disturbing one layer's keys changes the greedy tokens."""
     runner = ModelRunner(tiny_model_path)
     ids = prompt_ids(tiny_model_path, PROMPT)
-    assert decode_via_pages(runner, ids, 20, corrupt=True) != greedy_tokens(tiny_model_path, ids, 20)
+    assert decode_via_slabs(runner, ids, 20, corrupt=True) != greedy_tokens(tiny_model_path, ids, 20)
 
 
 def test_colocated_engine_reproduces_generate(tiny_model_path):
