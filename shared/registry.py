@@ -46,6 +46,10 @@ class WorkerRegistry:
             del self._workers[wid]
         return [e.info for e in self._workers.values() if role is None or e.info.role == role]
 
+    def is_alive(self, worker_id: str) -> bool:
+        entry = self._workers.get(worker_id)
+        return entry is not None and time.monotonic() - entry.seen <= self.ttl_s
+
     def pick(self, role: str) -> WorkerInfo | None:
         """The least loaded live worker of `role` (active requests + what we sent since its heartbeat)."""
         candidates = self.alive(role)

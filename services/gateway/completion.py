@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
@@ -28,7 +28,9 @@ from shared.registry import WorkerRegistry
 from services.gateway.requests import ApiError, CompletionJob
 
 log = structlog.get_logger()
+T = TypeVar("T")
 CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
+LIVENESS_POLL_S = 0.5  # while waiting on a worker, how often to check that its heartbeats still come
 
 
 class RequestFailed(RuntimeError):
@@ -74,9 +76,10 @@ class CompletionRun:
                 assert self.prefill
                 handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
                                     OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode), KvHandle, CONTROL_TIMEOUT_S)
-                done = await call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
-                                  Prefill(job.request_id, job.prompt_ids, job.transfer_mode, sampling, handle),
-                                  PrefillDone, self.timeout_s)
+                done = await self._while_alive(
+                    call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
+                         Prefill(job.request_id, job.prompt_ids, job.transfer_mode, sampling, handle),
+                         PrefillDone, self.timeout_s), self.prefill, "prefill")
                 first, self.prefill_s = done.first_token, done.prefill_s
             await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                        Generate(job.request_id, job.transfer_mode, job.prompt_ids, first, job.max_tokens,
@@ -99,15 +102,32 @@ class CompletionRun:
                 return
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        assert self.decode
         while True:
             try:
-                msg = await asyncio.wait_for(self._sub.next_msg(timeout=None), self.timeout_s)
+                msg = await asyncio.wait_for(self._while_alive(self._sub.next_msg(timeout=None), self.decode, "decoding"),
+                                             self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
             try:
                 yield decode(TokenEvent, msg.data)
             except SchemaError as exc:
                 log.warning("bad_token_event", error=str(exc))
+
+    async def _while_alive(self, awaitable: Awaitable[T], worker: WorkerInfo, what: str) -> T:
+        """Await `awaitable`, but fail at once (within the registry's heartbeat TTL) if `worker` dies meanwhile,
+        instead of waiting out a long timeout."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
+                if done:
+                    return task.result()
+                if not self.registry.is_alive(worker.worker_id):
+                    raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats during {what}")
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _stamp(self, token_id: int) -> int:
         self.token_ids.append(token_id)
