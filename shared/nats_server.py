@@ -45,11 +45,14 @@ class NatsServer:
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-m", str(self.monitor_port),
                "-js", "-sd", self.store, *self.args]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # NOTE: the log goes to a file, not a pipe: an unread pipe fills up and blocks the server.
+        self.log_path = Path(self.store) / "nats-server.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited: {self.process.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"nats-server exited: {self.log_path.read_text(errors='replace')[-2000:]}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     if s.recv(4) == b"INFO":
@@ -67,8 +70,6 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process and self.process.stderr:
-            self.process.stderr.close()
         shutil.rmtree(self.store, ignore_errors=True)
 
     def __enter__(self) -> "NatsServer":

@@ -39,7 +39,9 @@ class DecodeEngine:
     def load_from_store(self, request_id: str, slab: Slab, num_tokens: int) -> None:
         """The prompt's KV has landed in `slab`: decode from it in place (new tokens are appended there)."""
         slab.num_tokens = num_tokens
-        self.caches[request_id] = SlabCache(self.runner.config, self.store.view(slab), num_tokens)
+        # On CPU the cache is the slab itself (views); on an accelerator, one copy to the device.
+        rows = self.store.view(slab).to(self.runner.device, self.runner.dtype)
+        self.caches[request_id] = SlabCache(self.runner.config, rows, num_tokens)
 
     def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> int:
         """Colocated mode: run the prompt here. Returns the first completion token."""

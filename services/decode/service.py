@@ -34,6 +34,7 @@ from services.decode.engine import DecodeEngine
 from services.decode.selectors import Budget, PreparationMissing, default_prep_dir
 
 log = structlog.get_logger()
+RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
 
 
 class TransferError(RuntimeError):
@@ -53,6 +54,8 @@ class DecodeRequest:
     expiry: asyncio.TimerHandle | None = None
 
     def on_landed(self, num_bytes: int) -> None:
+        if self.expiry is not None:  # the prefill is delivering: the reservation is in use
+            self.expiry.cancel()
         if self.grant is not None and self.grant.bytes_landed >= self.expected_bytes:
             self.landed.set()
 
@@ -82,6 +85,10 @@ class DecodeService(ModelWorkerService):
         if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
             raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
                                                 f"fit 1..{self.runner.max_positions}")
+        if self.store.pages_needed(req.num_tokens + req.max_tokens) > self.store.num_pages_total:
+            raise RequestRefused("bad_request", f"{req.num_tokens} + {req.max_tokens} tokens of KV exceed this worker's "
+                                                f"whole store ({self.store.num_pages_total * self.store.layout.page_tokens} "
+                                                "tokens): ask for fewer tokens or raise kv_cache_mb")
         self._admit(req.request_id)
         try:
             slab = self.store.allocate(req.request_id, req.num_tokens + req.max_tokens)
@@ -114,12 +121,16 @@ class DecodeService(ModelWorkerService):
             await self._release(state)
             raise RequestRefused("bad_request", "max_tokens must be ≥ 1 and full mode needs the first token")
         if req.selector:
+            state.task = asyncio.current_task()  # claimed: an abort meanwhile cancels this handler, not a free
             try:
                 await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
                 Budget(req.kv_budget)
             except (ValueError, PreparationMissing) as exc:
                 await self._release(state)
                 raise RequestRefused("bad_request", str(exc)) from None
+            except asyncio.CancelledError:
+                await self._release(state)
+                raise
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
@@ -217,15 +228,17 @@ class DecodeService(ModelWorkerService):
             state.expiry.cancel()
         if state.grant is not None and self.dataplane is not None:
             self.dataplane.revoke(state.grant.ticket)
-            await state.grant.wait_idle()
+            await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
         if self.engine:
-            self.engine.end(state.request_id)
+            # NOTE: queued behind any step still running for this request on the torch thread, so the slab is
+            # never freed (and reused) under a computation that still writes into it.
+            await asyncio.shield(self.in_torch(self.engine.end, state.request_id))
         if self.store:
             self.store.free(state.request_id)
 
     async def stop(self) -> None:
         for state in list(self.active.values()):
-            if state.task is not None:
+            if state.task is not None and state.task is not asyncio.current_task():
                 state.task.cancel()
                 await asyncio.gather(state.task, return_exceptions=True)
             await self._release(state)

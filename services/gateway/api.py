@@ -55,8 +55,8 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(ApiError(400, "the request body is not valid JSON"))
     try:
-        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode,
-                        gw.config.max_tokens_default)
+        default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default
+        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode, default_max)
     except ApiError as exc:
         return _error(exc)
     run = CompletionRun(gw.nc, gw.registry, job, gw.stop_token_ids, gw.config.request_timeout_s)
@@ -92,6 +92,7 @@ async def _respond(gw: "GatewayService", run: CompletionRun) -> web.Response:
 async def _stream(gw: "GatewayService", request: web.Request, run: CompletionRun) -> web.StreamResponse:
     text = TextStream(gw.tokenizer, run.job.stop)
     response: web.StreamResponse | None = None
+    sent_any = False  # the first chunk of a chat stream names the role
     try:
         async for token in run.tokens():
             if response is None:
@@ -99,7 +100,8 @@ async def _stream(gw: "GatewayService", request: web.Request, run: CompletionRun
                 await response.prepare(request)
             delta = text.add(token)
             if delta:
-                await _send(response, _chunk(gw, run, delta, None))
+                await _send(response, _chunk(gw, run, delta, None, first=not sent_any))
+                sent_any = True
             if text.is_stopped:
                 run.stop_early("stop_string")
                 break
@@ -119,7 +121,7 @@ async def _stream(gw: "GatewayService", request: web.Request, run: CompletionRun
         await response.prepare(request)
     tail = text.flush()
     await run.close()  # so the final chunk reports the final finish_reason
-    final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length")
+    final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length", first=not sent_any)
     final["usage"] = _usage(run)
     final["smartgen"] = run.summary()
     await _send(response, final)
@@ -136,12 +138,13 @@ def _usage(run: CompletionRun) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def _chunk(gw: "GatewayService", run: CompletionRun, delta: str, finish_reason: str | None) -> dict[str, Any]:
+def _chunk(gw: "GatewayService", run: CompletionRun, delta: str, finish_reason: str | None,
+           first: bool = False) -> dict[str, Any]:
     job: CompletionJob = run.job
     if job.kind == "chat":
         choice = {"index": 0, "delta": {"content": delta} if delta or finish_reason is None else {},
                   "finish_reason": finish_reason}
-        if not run.token_times_s[1:]:
+        if first:
             choice["delta"]["role"] = "assistant"
         return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
                 "model": gw.model_id, "choices": [choice]}

@@ -103,28 +103,34 @@ class CompletionRun:
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         assert self.decode
+        # Until decode's first event the prefill node matters too: decode may still be waiting on its pushes.
+        watched = [self.decode, *([self.prefill] if self.prefill else [])]
         while True:
             try:
-                msg = await asyncio.wait_for(self._while_alive(self._sub.next_msg(timeout=None), self.decode, "decoding"),
+                msg = await asyncio.wait_for(self._while_alive(self._sub.next_msg(timeout=None), watched, "decoding"),
                                              self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
+            watched = [self.decode]
             try:
                 yield decode(TokenEvent, msg.data)
             except SchemaError as exc:
                 log.warning("bad_token_event", error=str(exc))
 
-    async def _while_alive(self, awaitable: Awaitable[T], worker: WorkerInfo, what: str) -> T:
-        """Await `awaitable`, but fail at once (within the registry's heartbeat TTL) if `worker` dies meanwhile,
-        instead of waiting out a long timeout."""
+    async def _while_alive(self, awaitable: Awaitable[T], workers: WorkerInfo | list[WorkerInfo], what: str) -> T:
+        """Await `awaitable`, but fail at once (within the registry's heartbeat TTL) if one of `workers` dies
+        meanwhile, instead of waiting out a long timeout."""
+        workers = workers if isinstance(workers, list) else [workers]
         task = asyncio.ensure_future(awaitable)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
                 if done:
                     return task.result()
-                if not self.registry.is_alive(worker.worker_id):
-                    raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats during {what}")
+                for worker in workers:
+                    if not self.registry.is_alive(worker.worker_id):
+                        raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats "
+                                            f"during {what}")
         finally:
             if not task.done():
                 task.cancel()
@@ -145,7 +151,10 @@ class CompletionRun:
         self._closed = True
         unfinished = not self.finish_reason or self.finish_reason == "stop_string"
         if self._sub is not None:
-            await self._sub.unsubscribe()
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # NATS closing or reconnecting: the aborts below matter more
+                log.warning("unsubscribe_failed", error=str(exc))
         if unfinished:
             for worker in (self.decode, self.prefill):
                 if worker is None:

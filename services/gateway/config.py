@@ -12,7 +12,8 @@ class GatewayConfig(ServiceConfig):
     transfer_mode: str = "full"  # default for requests that do not say
     worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
-    max_tokens_default: int = 16
+    max_tokens_default: int = 16  # completions without max_tokens (OpenAI's default)
+    chat_max_tokens_default: int = 1024  # chat without max_tokens; the decode worker reserves KV for this many
 
     def validate(self) -> None:
         ServiceConfig.validate(self)

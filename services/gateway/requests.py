@@ -44,6 +44,7 @@ class CompletionJob:
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
               default_max_tokens: int) -> CompletionJob:
+    """`default_max_tokens` applies when the body has none (capped by the context left after the prompt)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -62,7 +63,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                             f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
-        max_tokens = min(default_max_tokens if kind == "completion" else room, room)
+        max_tokens = min(default_max_tokens, room)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= room:
         raise ApiError(400, f"max_tokens must be an integer from 1 to {room} (the context left after the prompt)",
                        "max_tokens", "context_length_exceeded" if isinstance(max_tokens, int) and max_tokens > room else None)

@@ -104,6 +104,8 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
 
     def _start_push(self, transfer: Transfer, layer: int) -> None:
+        if self.active.get(transfer.handle.request_id) is not transfer:
+            return  # aborted while the torch thread was still on it: nothing may push from a freed slab
         assert self.store
         handle = transfer.handle
         src = self.store.rows(transfer.slab, layer, 0, handle.num_tokens)
@@ -151,8 +153,10 @@ class PrefillService(ModelWorkerService):
         if cancel:
             for task in transfer.pushes:
                 task.cancel()
-        # NOTE: the slab is only reused once no push is still reading it.
+        # NOTE: the slab is only reused once no push is still reading it and the torch thread is done with it
+        # (an abort can arrive mid-prefill; the barrier job queues behind that prefill).
         await asyncio.gather(*transfer.pushes, return_exceptions=True)
+        await asyncio.shield(self.in_torch(lambda: None))
         assert self.store
         self.store.free(request_id)
 

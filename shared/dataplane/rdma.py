@@ -74,6 +74,7 @@ class _Chunk:
     wrs: list  # pyverbs SendWR
     num_bytes: int
     done: list[asyncio.Future[None]] = field(default_factory=list)
+    wr_ids: list[int] = field(default_factory=list)
 
 
 class _Link:
@@ -101,6 +102,10 @@ class _Link:
                 await self.has_work.wait()
                 continue
             chunk = self.queues[lane].popleft()
+            if all(f.done() for f in chunk.done):  # its transfer was abandoned (cancelled or timed out)
+                for wr_id in chunk.wr_ids:
+                    self.plane.forget_pending(wr_id)
+                continue  # never post it: its destination may already belong to another request
             await self.pacer.wait(chunk.num_bytes)
             if self.error:
                 for f in chunk.done:
@@ -336,6 +341,7 @@ class RdmaDataPlane(DataPlane):
                 self._pending[wr_id] = (_Pending(done, "write" if imm is not None else "read"), link, nbytes)
                 chunk.wrs.append(self._build_wr(wr_id, link, group, opcode, imm))
                 chunk.done.append(done)
+                chunk.wr_ids.append(wr_id)
                 waits.append(done)
             link.submit(lane, chunk)
         try:
@@ -361,6 +367,9 @@ class RdmaDataPlane(DataPlane):
         if is_write:
             wr.imm_data = imm
         return wr
+
+    def forget_pending(self, wr_id: int) -> None:
+        self._pending.pop(wr_id, None)
 
     # --- completions -------------------------------------------------------------------------------
     def wake_poller(self) -> None:

@@ -142,6 +142,9 @@ class _Link:
                 stats.busy_s += time.monotonic() - started
         except (OSError, ConnectionError) as exc:
             self.fail(DataPlaneError(f"data-plane link to {self.peer} lost while sending: {exc}"))
+        except Exception as exc:  # a bug must not leave waiters hanging: fail the link loudly
+            log.exception("dataplane_writer_crashed", peer=self.peer)
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} failed: {exc!r}"))
 
     async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
         loop = asyncio.get_running_loop()
@@ -195,6 +198,9 @@ class _Link:
         except FrameError as exc:
             log.warning("dataplane_bad_frame", peer=self.peer, error=str(exc))
             self.fail(DataPlaneError(f"data-plane link to {self.peer} closed after a bad frame: {exc}"))
+        except Exception as exc:  # e.g. an on_landed callback raising: fail the link instead of hanging waiters
+            log.exception("dataplane_reader_crashed", peer=self.peer)
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} failed: {exc!r}"))
 
     async def _on_push(self, header: Header, table: list[tuple[int, int]]) -> None:
         if header.payload_len != sum(n for _, n in table):
@@ -417,7 +423,12 @@ class TcpDataPlane(DataPlane):
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE, ECONNABORTED…: keep accepting rather than go deaf for good
+                log.warning("dataplane_accept_failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
             task = asyncio.create_task(self._greet(sock))
             self._unnamed.add(task)
             task.add_done_callback(self._unnamed.discard)

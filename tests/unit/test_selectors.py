@@ -132,3 +132,14 @@ def test_oracle_keeps_the_most_attention_mass(real_model_path, tmp_path):
         mass[selector] = engine.end("r").attention_mass
     assert all(mass["oracle"] >= m - 1e-6 for m in mass.values()), mass
     assert mass["oracle"] > mass["positional"] + 0.01, mass
+
+
+def test_quest_never_selects_nothing():
+    """At a page boundary with a budget under one page, quest still keeps a page (an empty selection would
+    make attention output zeros)."""
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    sel = make_selector("quest", geometry)
+    state = sel.new_state(2)
+    sel.extend(2, state, torch.randn(2, 32, 16))
+    idx = sel.select(2, state, torch.randn(4, 16), 3)
+    assert idx.shape == (2, 16)

@@ -19,13 +19,13 @@ _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 def pack_codes(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """x (h, n, d), weights (h, bits, d) → packed sign codes (h, n, bits / 8) uint8."""
-    bits = (torch.einsum("hnd,hbd->hnb", x.float(), weights) > 0).to(torch.uint8)
-    return (bits.view(*bits.shape[:-1], -1, 8) * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+    bits = (torch.einsum("hnd,hbd->hnb", x.float(), weights.to(x.device)) > 0).to(torch.uint8)
+    return (bits.view(*bits.shape[:-1], -1, 8) * _BIT_WEIGHTS.to(x.device)).sum(-1).to(torch.uint8)
 
 
 class HataState(LayerState):
-    def __init__(self, num_kv_heads: int, num_bytes: int) -> None:
-        self.codes = torch.empty(num_kv_heads, 0, num_bytes, dtype=torch.uint8)
+    def __init__(self) -> None:
+        self.codes: torch.Tensor | None = None  # (num_kv_heads, n, num_bytes) uint8
 
 
 class HataSelector(Selector):
@@ -45,11 +45,11 @@ class HataSelector(Selector):
         return self.geometry.num_kv_heads * self.num_bits / 8
 
     def new_state(self, layer: int) -> HataState:
-        return HataState(self.geometry.num_kv_heads, self.num_bits // 8)
+        return HataState()
 
     def extend(self, layer: int, state: HataState, keys: torch.Tensor) -> None:
         new = pack_codes(keys[:, state.num_tokens:], self.weights[layer])
-        state.codes = torch.cat([state.codes, new], dim=1)
+        state.codes = new if state.codes is None else torch.cat([state.codes, new], dim=1)
         state.num_tokens = keys.shape[1]
 
     def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ class InfiniGenSelector(Selector):
 
     def _partial(self, layer: int, x: torch.Tensor, per_query_head: bool) -> torch.Tensor:
         """x (h, n, d) → skewed partial channels (h, n, c); h = KV heads, or query heads if per_query_head."""
-        skew, cols = self.skew[layer], self.channels[layer]
+        skew, cols = self.skew[layer].to(x.device), self.channels[layer].to(x.device)
         if per_query_head:
             skew, cols = (t.repeat_interleave(self.geometry.group, dim=0) for t in (skew, cols))
         skewed = torch.einsum("hnd,hde->hne", x.float(), skew)

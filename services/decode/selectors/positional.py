@@ -23,10 +23,12 @@ class PositionalSelector(Selector):
 
     def extend(self, layer: int, state: LayerState, keys: torch.Tensor) -> None:
         state.num_tokens = keys.shape[1]
+        state.device = keys.device
 
     def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:
         n = state.num_tokens
         sinks = min(self.num_sinks, k, n)
-        recent = torch.arange(max(sinks, n - (k - sinks)), n)
-        indices = torch.cat([torch.arange(sinks), recent])
+        device = getattr(state, "device", None)
+        recent = torch.arange(max(sinks, n - (k - sinks)), n, device=device)
+        indices = torch.cat([torch.arange(sinks, device=device), recent])
         return indices.expand(self.geometry.num_kv_heads, -1)

@@ -45,13 +45,14 @@ class QuestSelector(Selector):
     def select(self, layer: int, state: QuestState, query: torch.Tensor, k: int) -> torch.Tensor:
         g, t, n = self.geometry, self.geometry.page_tokens, state.num_tokens
         num_full = n // t
-        tail = torch.arange(num_full * t, n).expand(g.num_kv_heads, -1)  # the partial newest page, if any
-        num_pages = min(num_full, max(0, (k - tail.shape[1]) // t))
+        device = state.page_min.device
+        tail = torch.arange(num_full * t, n, device=device).expand(g.num_kv_heads, -1)  # the partial newest page
+        num_pages = min(num_full, max(0 if tail.shape[1] else 1, (k - tail.shape[1]) // t))  # never select nothing
         if num_pages == 0:
             return tail
         lo, hi = state.page_min[:, None, :num_full], state.page_max[:, None, :num_full]  # (kv, 1, pages, d)
         q = query.float().view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, d)
         bound = torch.maximum(q * lo, q * hi).sum(-1)  # (kv, G, pages): the most q·k can be in each page
         pages = top_k(bound.sum(1), num_pages)  # (num_kv_heads, num_pages)
-        tokens = (pages[..., None] * t + torch.arange(t)).flatten(1)
+        tokens = (pages[..., None] * t + torch.arange(t, device=device)).flatten(1)
         return torch.cat([tokens, tail], dim=1)  # ascending: full pages come before the partial one
