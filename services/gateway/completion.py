@@ -156,7 +156,7 @@ class CompletionRun:
             except Exception as exc:  # NATS closing or reconnecting: the aborts below matter more
                 log.warning("unsubscribe_failed", error=str(exc))
         if unfinished:
-            for worker in (self.decode, self.prefill):
+            for worker in (self.prefill, self.decode):  # the writer stops first, then the slab it writes to is freed
                 if worker is None:
                     continue
                 try:
