@@ -9,6 +9,7 @@ import pytest
 
 from shared.dataplane.base import DataPlaneError, Grant, Lane, Segment
 from shared.dataplane.rdma import rdma_devices
+from tests.segments import random_segments
 
 pytestmark = pytest.mark.skipif(not rdma_devices(), reason="no RDMA device (run `make test-rdma` for the Soft-RoCE guest)")
 SIZE = 8 << 20
@@ -41,15 +42,6 @@ async def rdma_pair():
     await b.close()
 
 
-def random_segments(rng: random.Random, count: int, max_len: int) -> list[Segment]:
-    slots = sorted(rng.sample(range(SIZE // max_len), count))
-    segs = []
-    for slot in slots:
-        n = rng.choice([1, 7, 4096, rng.randrange(1, max_len + 1), max_len])
-        segs.append(Segment(rng.randrange(0, SIZE - n), slot * max_len + rng.randrange(0, max_len - n + 1), n))
-    return segs
-
-
 @pytest.mark.parametrize("seed", range(3))
 async def test_push_and_read_move_exact_bytes(rdma_pair, seed):
     """Random data and random scatter-gather lists arrive exactly, by RDMA WRITE and RDMA READ."""
@@ -59,13 +51,13 @@ async def test_push_and_read_move_exact_bytes(rdma_pair, seed):
     rb[:] = rng.randbytes(SIZE)
     landed = []
     b.grant(Grant(0xABCDEF0123, [(0, SIZE)], landed.append))
-    segs = random_segments(rng, 20, 300_000)
+    segs = random_segments(rng, 20, SIZE, 300_000)
     await a.push(b.address, 0xABCDEF0123, segs, Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND)
     for s in segs:
         assert rb[s.dst: s.dst + s.length] == ra[s.src: s.src + s.length]
     await asyncio.sleep(0.05)  # the receiver's notifications arrive on its own CQ
     assert sum(landed) == sum(s.length for s in segs)
-    reads = random_segments(rng, 40, 100_000)
+    reads = random_segments(rng, 40, SIZE, 100_000)
     expected = bytes(rb)
     await a.read(b.address, 1, reads)
     for s in reads:

@@ -11,6 +11,7 @@ import pytest
 from shared.dataplane import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane
 from shared.dataplane import frames
 from shared.dataplane.base import split_into_chunks
+from tests.segments import random_segments
 
 SIZE = 4 << 20
 
@@ -31,16 +32,6 @@ async def planes(request):
     yield a, b, ra, rb
     await a.close()
     await b.close()
-
-
-def random_segments(rng: random.Random, count: int, size: int, max_len: int) -> list[Segment]:
-    """Non-overlapping destinations (so the expected result is well defined), sources anywhere (may overlap)."""
-    slots = sorted(rng.sample(range(size // max_len), count))
-    segs = []
-    for slot in slots:
-        n = rng.choice([1, 7, 4096, rng.randrange(1, max_len + 1), max_len])
-        segs.append(Segment(rng.randrange(0, size - n), slot * max_len + rng.randrange(0, max_len - n + 1), n))
-    return segs
 
 
 @pytest.mark.parametrize("seed", range(4))
