@@ -52,6 +52,8 @@ class DecodeRequest:
     failure: str = ""
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
+    is_claimed: bool = False  # `generate` has taken the request and is preparing to run it
+    is_aborted: bool = False
 
     def on_landed(self, num_bytes: int) -> None:
         if self.expiry is not None:  # the prefill is delivering: the reservation is in use
@@ -108,7 +110,7 @@ class DecodeService(ModelWorkerService):
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode == "full":
             state = self.active.get(req.request_id)
-            if state is None or state.task is not None:
+            if state is None or state.task is not None or state.is_claimed:
                 raise RequestRefused("not_found", f"no open KV reservation for request {req.request_id}")
             if state.expiry:
                 state.expiry.cancel()
@@ -121,16 +123,18 @@ class DecodeService(ModelWorkerService):
             await self._release(state)
             raise RequestRefused("bad_request", "max_tokens must be ≥ 1 and full mode needs the first token")
         if req.selector:
-            state.task = asyncio.current_task()  # claimed: an abort meanwhile cancels this handler, not a free
+            # NOTE: claimed while we wait on the torch thread, so an abort now only flags the request (it must
+            # not cancel this handler: nats runs an endpoint's handlers in one long-lived task).
+            state.is_claimed = True
             try:
                 await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
                 Budget(req.kv_budget)
             except (ValueError, PreparationMissing) as exc:
                 await self._release(state)
                 raise RequestRefused("bad_request", str(exc)) from None
-            except asyncio.CancelledError:
+            if state.is_aborted:
                 await self._release(state)
-                raise
+                raise RequestRefused("not_found", f"request {req.request_id} was aborted")
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
@@ -140,6 +144,8 @@ class DecodeService(ModelWorkerService):
             log.info("request_aborted", reason=req.reason)
             if state.task is not None:
                 state.task.cancel()
+            elif state.is_claimed:
+                state.is_aborted = True  # `generate` is mid-way; it releases the request itself
             else:
                 await self._release(state)
         return Ack()
@@ -216,7 +222,7 @@ class DecodeService(ModelWorkerService):
 
     async def _expire(self, request_id: str) -> None:
         state = self.active.get(request_id)
-        if state is not None and state.task is None:
+        if state is not None and state.task is None and not state.is_claimed:
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
@@ -238,7 +244,7 @@ class DecodeService(ModelWorkerService):
 
     async def stop(self) -> None:
         for state in list(self.active.values()):
-            if state.task is not None and state.task is not asyncio.current_task():
+            if state.task is not None:
                 state.task.cancel()
                 await asyncio.gather(state.task, return_exceptions=True)
             await self._release(state)
