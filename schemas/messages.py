@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLES = ("gateway", "prefill", "decode", "kvprofile", "broker")
-
 # Transfer modes the system knows. Issue-by-issue, more of them become servable;
 # `SERVABLE_TRANSFER_MODES` is what a request may ask for today.
 TRANSFER_MODES = ("colocated", "full", "partial", "quantized", "smartgen", "auto")

@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass
 from typing import TypeVar
 
+from schemas.subjects import is_token
+
 C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
 
@@ -41,6 +43,8 @@ class ServiceConfig:
             raise ConfigError(f"admin_port {self.admin_port} is not a TCP port")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
+        if self.worker_id and not is_token(self.worker_id):
+            raise ConfigError(f"worker_id {self.worker_id!r} must be letters, digits, '-' or '_' (it is part of NATS subjects)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
 

@@ -87,10 +87,6 @@ class KvStore:
     def pages_needed(self, capacity: int) -> int:
         return math.ceil(capacity / self.layout.page_tokens)
 
-    def can_allocate(self, capacity: int) -> bool:
-        need = self.pages_needed(capacity)
-        return any(n >= need for _, n in self._free)
-
     def allocate(self, request_id: str, capacity: int) -> Slab:
         """A slab for `capacity` tokens (first fit). Raises OutOfPages, changing nothing, if none fits."""
         if capacity <= 0:

@@ -46,6 +46,11 @@ class Counter(_Metric):
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
+    def by_first_label(self) -> dict[str, float]:
+        """{first label value: count}, e.g. {"full": 1024.0} for kv_bytes by path (for /stats)."""
+        with self._lock:
+            return {key[0]: v for key, v in self._values.items()}
+
     def value(self, **labels: str) -> float:
         return self._values.get(tuple(str(labels[n]) for n in self.label_names), 0.0)
 

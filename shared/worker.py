@@ -120,7 +120,7 @@ class ModelWorkerService(Service):
             "kv_requests_holding_pages": store.request_ids if store else [],
             "leases_open": len(self.dataplane.grants) if self.dataplane else 0,
             "dataplane": {"address": self.dataplane.address, **self.dataplane.stats()} if self.dataplane else None,
-            "kv_bytes": {k[0]: v for k, v in self.latency.kv_bytes._values.items()},
+            "kv_bytes": self.latency.kv_bytes.by_first_label(),
         }
 
 

@@ -65,4 +65,4 @@ class GatewayService(Service):
 
     def stats(self) -> dict[str, Any]:
         return {"model": self.model_id, "workers": {r: len(self.registry.alive(r)) for r in ("prefill", "decode", "broker", "kvprofile")},
-                "requests_done": {k[0]: v for k, v in self.latency.requests._values.items()}}
+                "requests_done": self.latency.requests.by_first_label()}

@@ -30,6 +30,14 @@ def prepared(request, tmp_path_factory, real_model_path) -> tuple[Path, Path]:
     return folder, prep
 
 
+@pytest.fixture(scope="module")
+def engine(prepared) -> tuple[DecodeEngine, list[int]]:
+    """A decode engine on the prepared tiny model, and a prompt for it."""
+    folder, prep = prepared
+    runner = ModelRunner(folder)
+    return DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep), prompt_ids(folder, PROMPT)
+
+
 def decode(engine: DecodeEngine, ids: list[int], n: int, selector: str | None, budget: float) -> list[int]:
     tokens = [engine.prefill_local("r", ids, Sampling())]
     if selector:
@@ -41,28 +49,24 @@ def decode(engine: DecodeEngine, ids: list[int], n: int, selector: str | None, b
 
 
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_full_budget_reproduces_dense(prepared, selector):
+def test_full_budget_reproduces_dense(engine, selector):
     """At 100% budget every selector decodes exactly the dense tokens (Llama and Qwen3 layouts)."""
-    folder, prep = prepared
-    runner = ModelRunner(folder)
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep)
-    ids = prompt_ids(folder, PROMPT)
+    engine, ids = engine
     assert decode(engine, ids, 12, selector, 1.0) == decode(engine, ids, 12, None, 0)
 
 
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_small_budget_changes_the_computation(prepared, selector):
+def test_small_budget_changes_the_computation(engine, selector):
     """The check above can fail: with 4 tokens of context kept, logits differ from dense."""
-    folder, prep = prepared
-    runner = ModelRunner(folder)
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), prep)
-    ids = prompt_ids(folder, PROMPT)
+    engine, ids = engine
     engine.prefill_local("a", ids, Sampling())
     engine.caches["b"] = copy.deepcopy(engine.caches["a"])
     engine.use_selection("b", selector, 4)
     dense, sparse = engine.step_logits("a", 5), engine.step_logits("b", 5)
     assert not torch.allclose(dense, sparse, atol=1e-4)
     assert engine.selections["b"].selected_share < 0.2
+    engine.end("a")
+    engine.end("b")
 
 
 def state_bytes(state) -> int:

@@ -66,3 +66,10 @@ def test_text_stream_holds_back_a_possible_stop_string(tiny_model_path):
     assert stream.is_stopped and out == "Hello world, this is "
     free = TextStream(tok, stop=[])
     assert "".join(free.add(i) for i in ids) + free.flush() == "Hello world, this is the end. More"
+
+
+def test_worker_id_must_fit_in_a_subject():
+    """A worker id with a dot or space would break its NATS subjects: refused with the reason."""
+    with pytest.raises(ConfigError, match="worker_id"):
+        load_config(ModelWorkerConfig, ["--worker-id", "decode.1"], {})
+    assert load_config(ModelWorkerConfig, ["--worker-id", "decode-1"], {}).worker_id == "decode-1"

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from schemas import Sampling
 from services.decode.engine import DecodeEngine
 from services.decode.selectors import default_prep_dir
 from shared.kvstore import KvStore
@@ -30,7 +29,6 @@ from shared.models import resolve_model
 from tools.eval import data
 from tools.eval.metrics import task_score
 
-GREEDY = Sampling()
 
 
 def _teacher_forced(engine: DecodeEngine, rid: str, continuation: list[int]) -> torch.Tensor:
