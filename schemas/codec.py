@@ -36,6 +36,11 @@ def decode(cls: type[T], data: bytes) -> T:
     return _from_plain(cls, raw, cls.__name__)
 
 
+def from_plain(cls: type[T], value: Any) -> T:
+    """A message from plain data (e.g. a JSON body), validated like `decode` does."""
+    return _from_plain(cls, value, cls.__name__)
+
+
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Transfer modes the system knows. Issue-by-issue, more of them become servable;
-# `SERVABLE_TRANSFER_MODES` is what a request may ask for today.
+# Transfer modes (DESIGN.md, "Transfer modes"). `auto` resolves, in the broker, to `smartgen` or `full`.
 TRANSFER_MODES = ("colocated", "full", "partial", "quantized", "smartgen", "auto")
-SERVABLE_TRANSFER_MODES = ("colocated", "full")
+SERVABLE_TRANSFER_MODES = TRANSFER_MODES
+SELECTIVE_MODES = ("partial", "smartgen")  # decode attends selectively while part of the KV is still remote
+DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector (InfiniGen, HATA, Quest); smartgen pushes them whole
+# The three paths of `smartgen`; a request may switch any off for ablation (`ablate`).
+SMARTGEN_PATHS = ("proactive", "parallel", "background")
+# A transfer plan's states, in order; `failed` and `expired` can follow any state before `released`.
+PLAN_STATES = ("opening", "transferring", "all_local", "released", "failed", "expired")
 
 # KV paths, as counted in `kv_bytes` and `smartgen_kv_transfer_bytes_total{path}`.
-KV_PATHS = ("full", "proactive", "on_demand", "background")
+KV_PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,9 @@ class WorkerInfo:
     kv_pages_free: int = 0
     kv_pages_total: int = 0
     started_unix: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # prefill: measured prompt rate (moving average); 0 = not measured yet
+    send_rate_gbps: float = 0.0  # model workers: the rate their data plane achieved while sending; 0 = unknown
+    plans: list[PlanRegistration] = field(default_factory=list)  # decode: its live transfer plans (for the broker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,24 @@ class KvHandle:
     num_tokens: int  # prompt tokens the prefill must deliver
     offset: int  # bytes
     capacity: int  # tokens
+    aux_offset: int = 0  # bytes: where selector metadata or quantized codes land (see shared/kvstore.py)
+    aux_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Prefill → gateway → decode: where the KV that was not pushed can be read, and for how long.
+
+    The prefill node keeps the request's slab (at `offset`, holding `capacity` tokens) under a lease that the
+    decode node extends (`keep`) and ends (`release`) once every entry is local or the request is over.
+    """
+
+    prefill_worker_id: str
+    dataplane_addr: str
+    ticket: int  # grants reads of the slab's prompt rows
+    offset: int  # bytes
+    capacity: int  # tokens
+    lease_s: float  # the lease ends this long after the last `keep`
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +109,33 @@ class OpenKv:
     num_tokens: int  # prompt tokens
     max_tokens: int  # completion tokens to leave room for
     transfer_mode: str
+    selector: str = ""  # partial, smartgen, auto: the selector whose metadata must land (sizes the aux area)
+    kv_bits: int = 0  # quantized: 2 or 4
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Broker → gateway → prefill and decode: how one request's KV moves (DESIGN.md, "The three transfer paths").
+
+    Blocks are (layer, page) pairs: tokens [page·page_tokens, (page+1)·page_tokens) of one layer, K and V of
+    every KV head. `push_blocks` is a bitmap over num_layers × num_pages (layer-major, bit i of byte i // 8
+    is block i, LSB first) of what the prefill pushes while it computes.
+    """
+
+    request_id: str
+    mode: str  # full, partial, quantized or smartgen (auto is resolved here)
+    broker_worker_id: str
+    num_pages: int  # pages of the prompt per layer
+    push_blocks: bytes = b""
+    num_push_blocks: int = 0
+    profile: str = ""  # the profile that ordered the blocks ("" where none is used)
+    profile_version: int = 0
+    profile_source: str = ""  # "calibration", "online", or "positional" (the fallback when none is stored)
+    link_gbps: float = 0.0  # the link estimate the plan was sized with
+    prefill_tokens_per_s: float = 0.0  # the prefill rate estimate it was sized with
+    parallel: bool = True  # path 2: fetch remote entries while gathering local ones (False: one after the other)
+    background: bool = False  # path 3: speculative transfer of the rest
+    reason: str = ""  # why this mode (auto) and this push budget, in words
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +155,9 @@ class Prefill:
     transfer_mode: str
     sampling: Sampling
     handle: KvHandle
+    plan: TransferPlan | None = None  # every mode but colocated
+    selector: str = ""  # partial, smartgen: the prefill computes this selector's metadata for every token
+    kv_bits: int = 0  # quantized
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +169,7 @@ class PrefillDone:
     prefill_worker_id: str
     num_prompt_tokens: int
     prefill_s: float  # compute time of the prefill forward pass
+    source: KvSource | None = None  # partial, smartgen: the KV left on the prefill node
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +188,12 @@ class Generate:
     stop_token_ids: list[int]
     sampling: Sampling
     stream_subject: str  # where TokenEvents go
-    selector: str = ""  # "" = dense attention; else a KV selector name (see services/decode/selectors)
+    selector: str = ""  # "" = dense attention; else a KV selector name (see shared/selectors)
     kv_budget: float = 0.0  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1
+    plan: TransferPlan | None = None
+    source: KvSource | None = None  # partial, smartgen
+    kv_bits: int = 0  # quantized
+    prefill_worker_id: str = ""  # who prefilled (every mode but colocated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +220,11 @@ class TokenEvent:
     kv_bytes: dict[str, int] = field(default_factory=dict)  # bytes received per KV path
     kv_wait_s: float = 0.0  # decode time spent waiting for KV to land before step 1
     selected_share: float = 1.0  # share of cached (token, KV head) entries attended to; 1 = dense
+    local_share: float = 1.0  # share of the entries attention read that were already on the decode node
+    on_demand_wait_s: float = 0.0  # decode time spent waiting on on-demand reads, all steps
+    step_local_share: list[float] = field(default_factory=list)  # per decode step (token 2 on)
+    step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network
+    all_local_step: int = -1  # the step after which every entry was local (-1: never, or no remote KV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +241,173 @@ class TransferFailed:
 
     request_id: str
     error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Decode → prefill (`prefill.<id>.release`): every entry is local, or the request is over: free its KV."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeepLease:
+    """Decode → prefill (`prefill.<id>.keep`, published): still reading this request's KV; extend its lease."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPlan:
+    """Gateway → broker (`broker.<id>.open`): plan a request's transfer. Reply: TransferPlan."""
+
+    request_id: str
+    mode: str  # as asked (auto allowed)
+    model: str
+    selector: str
+    num_tokens: int  # prompt tokens
+    layout: KvLayout
+    aux_bytes: int  # the decode node's aux area: metadata (selective modes) or codes (quantized)
+    prefill_worker_id: str
+    decode_worker_id: str
+    ablate: list[str] = field(default_factory=list)  # SMARTGEN_PATHS switched off
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Decode → broker (`broker.<id>.progress`) after each decode step. Reply: BackgroundBatch."""
+
+    request_id: str
+    step: int
+    backlog_blocks: int  # blocks the broker sent earlier that are not local yet
+    num_missing: int  # (layer, KV head, token) entries still remote
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundBatch:
+    """Broker → decode: the next blocks to move on the background lane (flat layer·num_pages + page), most
+    important first; empty when the speculative queue is empty or the decode node is still busy."""
+
+    request_id: str
+    blocks: list[int]
+    remaining: int  # blocks left in the speculative queue after this batch
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEvent:
+    """Decode or gateway → broker (`broker.<id>.event`, published): a plan moved to `state`."""
+
+    request_id: str
+    state: str  # one of PLAN_STATES
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRegistration:
+    """Inside decode heartbeats: a live plan and what is local, so a restarted broker rebuilds its state."""
+
+    plan: TransferPlan
+    state: str
+    model: str
+    selector: str
+    prefill_worker_id: str
+    decode_worker_id: str
+    num_tokens: int
+    num_layers: int
+    page_tokens: int
+    local_blocks: bytes  # bitmap like TransferPlan.push_blocks: blocks wholly on the decode node
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileQuery:
+    """Anyone → kvprofile (`kvprofile.<id>.get`): the profile for a request like this. Reply: Profile."""
+
+    model: str
+    selector: str
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """KV-profile → requester (and the value stored in the bucket): positional importance I[layer, block].
+
+    `importance` is float32, row-major (num_layers, num_blocks): for relative block b of layer l (tokens
+    [b·N/M, (b+1)·N/M) of an N-token prompt), the share of its tokens a selector picked per decode step and
+    KV head, averaged over calibration prompts (and, online, over served requests).
+    """
+
+    key: str
+    model: str
+    selector: str
+    bucket: int  # prompts of up to this many tokens (and more than the previous bucket)
+    version: int
+    num_layers: int
+    num_blocks: int
+    importance: bytes
+    source: str  # "calibration" or "online"
+    num_prompts: int = 0
+    num_updates: int = 0  # online refreshes applied since the build
+    updated_unix: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileInfo:
+    """KV-profile → requester, and on `smartgen.profile.updated`: a profile changed (or was deleted)."""
+
+    key: str
+    version: int
+    source: str
+    num_prompts: int = 0
+    num_updates: int = 0
+    updated_unix: float = 0.0
+    deleted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BuildProfile:
+    """CLI or admin → kvprofile (`kvprofile.<id>.build`): calibrate a profile. Reply: ProfileInfo."""
+
+    selector: str
+    prompt_tokens: int
+    num_prompts: int = 4
+    decode_steps: int = 16
+    kv_budget: float = 0.1
+    progress_subject: str = ""  # where BuildProgress events go ("" = none)
+
+
+@dataclass(frozen=True, slots=True)
+class BuildProgress:
+    """KV-profile → `progress_subject` of a build: prompts done so far."""
+
+    done: int
+    total: int
+    stage: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileKey:
+    """Anyone → kvprofile (`kvprofile.<id>.delete`, `kvprofile.<id>.show`): one stored profile."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionStats:
+    """Decode → kvprofile (`smartgen.profile.stats`, published) after a selective request: what it selected.
+
+    `selected` is float32 (num_layers, num_blocks): tokens of each relative block picked, summed over steps
+    and KV heads; `offered` is float32 (num_blocks,): steps × KV heads × tokens in the block, the most it
+    could have been. selected / offered is the request's own importance.
+    """
+
+    model: str
+    selector: str
+    num_tokens: int
+    num_layers: int
+    num_blocks: int
+    selected: bytes
+    offered: bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,9 @@ Event plane (pub/sub):
     smartgen.heartbeat.<role>                 WorkerInfo, every heartbeat_s
     smartgen.discover                         Discover: "send your heartbeat now"
     smartgen.stream.<request_id>              TokenEvent, decode → gateway
+    smartgen.profile.stats                    SelectionStats, decode → kvprofile (online profiling)
+    smartgen.profile.updated                  ProfileInfo, kvprofile → broker (drop cached profiles)
+    smartgen.profile.progress.<build_id>      BuildProgress, kvprofile → whoever asked for the build
 Data-plane set-up (RDMA only; TCP dials the advertised address directly):
     smartgen.dataplane.<worker_id>.connect    RdmaEndpoint ↔ RdmaEndpoint
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 PREFIX = "smartgen"
 DISCOVER = f"{PREFIX}.discover"
 HEARTBEATS = f"{PREFIX}.heartbeat.*"
+PROFILE_STATS = f"{PREFIX}.profile.stats"
+PROFILE_UPDATED = f"{PREFIX}.profile.updated"
 
 
 def heartbeat(role: str) -> str:
@@ -26,6 +31,10 @@ def worker(role: str, worker_id: str, verb: str) -> str:
 
 def dataplane_connect(worker_id: str) -> str:
     return f"{PREFIX}.dataplane.{worker_id}.connect"
+
+
+def profile_progress(build_id: str) -> str:
+    return f"{PREFIX}.profile.progress.{build_id}"
 
 
 def stream(request_id: str) -> str:

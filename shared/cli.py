@@ -3,6 +3,7 @@
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
     smartgen bench transport|decode-step [--json PATH]
     smartgen prepare-selectors [--selector all|infinigen|hata]
+    smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
     smartgen model prepare | path
 """
@@ -39,6 +40,14 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--num-prompts", type=int, default=4)
     prep.add_argument("--prompt-tokens", type=int, default=1024)
     prep.add_argument("--out", help="write here instead of <model>/smartgen-selectors")
+    prof = sub.add_parser("profile", help="positional importance profiles in a running stack's kvprofile service")
+    prof.add_argument("action", choices=["build", "list", "show", "delete"])
+    prof.add_argument("key", nargs="?", help="show/delete: the profile key (see `smartgen profile list`)")
+    prof.add_argument("--selector", default="quest")
+    prof.add_argument("--prompt-tokens", type=int, default=2048, help="calibration prompt length (sets the bucket)")
+    prof.add_argument("--num-prompts", type=int, default=4)
+    prof.add_argument("--decode-steps", type=int, default=16)
+    prof.add_argument("--kv-budget", type=float, default=0.1)
     ev = sub.add_parser("eval", help="quality evaluations; each accepts --json PATH")
     ev.add_argument("what", choices=["fidelity"])
     ev.add_argument("--selector", nargs="+", default=["oracle", "infinigen", "hata", "quest", "positional"])
@@ -70,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
 
         fidelity.run(args)
         return
+    if args.command == "profile":
+        from tools import profiles
+
+        sys.exit(profiles.run(args))
     if args.command == "prepare-selectors":
         from tools import prepare_selectors
 

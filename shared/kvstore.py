@@ -4,7 +4,10 @@ The arena is allocated once and never moves: it is the region the data plane reg
     (num_layers, 2, num_kv_heads, capacity, head_dim)   # dim 1: 0 = K, 1 = V; tokens contiguous per head
 so a layer's K or V for one head is one run of bytes (one segment on the wire), and attention reads a
 request's cache as views of its slab, without copying. Slabs are allocated in pages of `page_tokens`
-tokens (across all layers); a page is also the unit that later transfer modes mark present or missing.
+tokens (across all layers); a page of one layer is also the block that the selective transfer modes
+push, queue and mark present. A slab may end in an *aux area* of raw bytes, right after its rows: the
+selector metadata (shared/selectors/metadata.py) or the quantized codes (shared/quantization.py) that
+travel ahead of, or instead of, the KV itself.
 NOTE: allocate/free come from the event loop, reads and writes from the torch thread: bookkeeping is locked.
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ class Slab:
     request_id: str
     first_page: int  # where the slab starts, in pages from the arena start
     num_pages: int
-    capacity: int  # tokens the slab can hold (num_pages × page_tokens)
+    capacity: int  # tokens the slab can hold (a whole number of pages)
+    aux_bytes: int = 0  # bytes of the aux area after the rows (0 = none)
     num_tokens: int = 0  # tokens written so far
 
 
@@ -84,21 +88,23 @@ class KvStore:
     def request_ids(self) -> list[str]:
         return list(self._slabs)
 
-    def pages_needed(self, capacity: int) -> int:
-        return math.ceil(capacity / self.layout.page_tokens)
+    def pages_needed(self, capacity: int, aux_bytes: int = 0) -> int:
+        return math.ceil(capacity / self.layout.page_tokens) + math.ceil(aux_bytes / self.page_bytes)
 
-    def allocate(self, request_id: str, capacity: int) -> Slab:
-        """A slab for `capacity` tokens (first fit). Raises OutOfPages, changing nothing, if none fits."""
-        if capacity <= 0:
-            raise ValueError("capacity must be positive")
-        need = self.pages_needed(capacity)
+    def allocate(self, request_id: str, capacity: int, aux_bytes: int = 0) -> Slab:
+        """A slab for `capacity` tokens and `aux_bytes` of aux area (first fit). Raises OutOfPages, changing
+        nothing, if none fits."""
+        if capacity <= 0 or aux_bytes < 0:
+            raise ValueError("capacity must be positive and aux_bytes not negative")
+        need = self.pages_needed(capacity, aux_bytes)
+        token_capacity = math.ceil(capacity / self.layout.page_tokens) * self.layout.page_tokens
         with self._lock:
             if request_id in self._slabs:
                 raise ValueError(f"request {request_id} already holds a slab")
             for i, (first, count) in enumerate(self._free):
                 if count >= need:
                     self._free[i:i + 1] = [(first + need, count - need)] if count > need else []
-                    slab = self._slabs[request_id] = Slab(request_id, first, need, need * self.layout.page_tokens)
+                    slab = self._slabs[request_id] = Slab(request_id, first, need, token_capacity, aux_bytes)
                     return slab
             raise OutOfPages(f"request needs {need} contiguous KV pages; {self.num_pages_free} of "
                              f"{self._num_pages} are free (largest run {max((n for _, n in self._free), default=0)})")
@@ -134,6 +140,15 @@ class KvStore:
         start = slab.first_page * lay.page_tokens * per_token
         flat = self.arena[start: start + slab.capacity * per_token]
         return flat.view(lay.num_layers, 2, lay.num_kv_heads, slab.capacity, lay.head_dim)
+
+    def aux_offset(self, slab: Slab) -> int:
+        """Byte offset of the slab's aux area in the region."""
+        return self.offset(slab) + slab.capacity * self.layout.token_bytes
+
+    def aux(self, slab: Slab) -> torch.Tensor:
+        """The slab's aux area as a uint8 tensor, sharing memory."""
+        start = self.aux_offset(slab)
+        return self.arena.view(torch.uint8)[start: start + slab.aux_bytes]
 
     def write_layer(self, slab: Slab, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one layer's prompt KV. keys/values: (num_kv_heads, num_tokens, head_dim), any device."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +26,19 @@ class WorkerRegistry:
         self.ttl_s = ttl_s
         self._workers: dict[str, _Entry] = {}
 
-    async def follow(self, nc: Client, asker: str) -> None:
-        """Keep this registry current from every service's heartbeats, and ask for one from each now."""
+    async def follow(self, nc: Client, asker: str, on_info: Callable[[WorkerInfo], None] | None = None) -> None:
+        """Keep this registry current from every service's heartbeats, and ask for one from each now.
+        `on_info` sees every heartbeat too (the broker reads plan registrations from them)."""
 
         async def on_heartbeat(msg: Any) -> None:
             try:
-                self.update(decode(WorkerInfo, msg.data))
+                info = decode(WorkerInfo, msg.data)
             except SchemaError as exc:
                 log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
+                return
+            self.update(info)
+            if on_info is not None:
+                on_info(info)
 
         await nc.subscribe(subjects.HEARTBEATS, cb=on_heartbeat)
         await nc.publish(subjects.DISCOVER, encode(Discover(asker)))
@@ -45,6 +51,9 @@ class WorkerRegistry:
         for wid in [w for w, e in self._workers.items() if now - e.seen > self.ttl_s]:
             del self._workers[wid]
         return [e.info for e in self._workers.values() if role is None or e.info.role == role]
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers[worker_id].info if self.is_alive(worker_id) else None
 
     def is_alive(self, worker_id: str) -> bool:
         entry = self._workers.get(worker_id)

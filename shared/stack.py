@@ -35,6 +35,7 @@ class Stack:
         self.spec = spec
         self.nats: NatsServer | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        self._envs: dict[str, tuple[str, dict[str, str]]] = {}
         self._log = None
 
     @property
@@ -58,8 +59,10 @@ class Stack:
                 "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **self.spec.env}
         if self.spec.model:
             base["SMARTGEN_MODEL"] = self.spec.model
-        self._spawn("broker", "broker", base)
-        self._spawn("kvprofile", "kvprofile", base)
+        # NOTE: stable ids for the singletons, so a restarted broker answers on the subjects live plans name
+        self._spawn("broker", "broker", {"SMARTGEN_WORKER_ID": "broker-0", **base})
+        self._spawn("kvprofile", "kvprofile", {"SMARTGEN_WORKER_ID": "kvprofile-0", **base,
+                                               "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
         for i in range(self.spec.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
         for i in range(self.spec.num_decode):
@@ -69,8 +72,21 @@ class Stack:
 
     def _spawn(self, name: str, role: str, env: dict[str, str]) -> None:
         out = self._log if self._log else None
+        self._envs[name] = (role, env)
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=REPO_ROOT, env=env,
                                                 stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+    def restart(self, name: str, timeout_s: float = 15.0) -> None:
+        """Stop one service (SIGTERM, then SIGKILL) and start it again with the same settings."""
+        process = self.processes[name]
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._spawn(name, *self._envs[name])
 
     def dead(self) -> list[str]:
         return [name for name, p in self.processes.items() if p.poll() is not None]

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from services.decode import selective
-from services.decode.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
-from services.decode.selectors.hata import NUM_BITS
-from services.decode.selectors.infinigen import RATIO
+from shared.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
+from shared.selectors.hata import NUM_BITS
+from shared.selectors.infinigen import RATIO
 from shared.modeling import ModelRunner
 from shared.models import resolve_model
 

@@ -1,20 +1,43 @@
-"""Transfer broker. In this build it knows the live workers (from heartbeats, so a restarted broker
-rebuilds its picture within one heartbeat) and answers for them; transfer plans, leases and the
-speculative queue arrive with the SmartGen work (issue 5). It never touches KV bytes.
+"""Transfer broker: one transfer plan per request, its state, its speculative queue, and the lane policy.
+It decides; prefill and decode move the bytes. It never touches KV.
+
+Life of a plan here:
+  1. `open` (gateway, after decode reserved the slab): resolve `auto`, size the proactive push from the
+     measured link rate and prefill rate (prefill heartbeats), order the blocks by the profile for
+     (model, selector, length bucket) — positional when none is stored — and keep the rest as the
+     speculative queue. State `opening`.
+  2. `progress` (decode, after every step): `transferring`; the reply carries the next background batch
+     (see plans.py for the lane policy).
+  3. `event` (decode): `all_local` when every entry is on the decode node (the prefill's lease ends),
+     `released` when the request is over; `failed` from either side. Untouched plans expire.
+  4. Decode heartbeats repeat every live plan with what is local, so a restarted broker rebuilds its table.
 """
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
 from typing import Any
 
+import numpy as np
+import structlog
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import ListQuery, WorkerList
+from schemas import (BackgroundBatch, ListQuery, OpenPlan, PlanEvent, PlanRegistration, Progress, SchemaError,
+                     TransferPlan, WorkerInfo, WorkerList, decode)
+from shared.profiles import unpack_bits
 from shared.registry import WorkerRegistry
-from shared.rpc import endpoint
+from shared.rpc import RequestRefused, endpoint
 from shared.runtime import Service
 from services.broker.config import BrokerConfig
+from services.broker.planner import LinkEstimate, choose_mode, plan_transfer, smartgen_order
+from services.broker.plans import FINAL_STATES, Plan, PlanBook, PlanStateError
+from services.broker.profiles import ProfileCache
+
+log = structlog.get_logger()
+EXPIRY_CHECK_S = 1.0
 
 
 class BrokerService(Service):
@@ -24,22 +47,137 @@ class BrokerService(Service):
     def __init__(self, config: BrokerConfig):
         super().__init__(config)
         self.registry = WorkerRegistry(config.worker_ttl_s)
-        self.transfers: dict[str, dict[str, Any]] = {}  # request_id → plan (filled from issue 5 on)
+        self.book = PlanBook(config.speculative_ratio, config.plan_ttl_s)
+        self.profiles = ProfileCache(self.registry, config.profile_ttl_s)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.plans_opened = self.metrics.counter("smartgen_transfer_plans_total", "Transfer plans opened", ["mode"])
+        self.plans_restored = self.metrics.counter("smartgen_transfer_plans_restored_total",
+                                                   "Plans rebuilt from decode heartbeats")
+        self.metrics.gauge("smartgen_transfer_plans_live", "Live transfer plans", lambda: len(self.book.live))
 
     async def start(self, nc: Client, micro: MicroService) -> None:
-        await self.add_endpoints(micro, workers=endpoint(ListQuery, self.workers))
-        await self.registry.follow(nc, self.worker_id)
+        await self.add_endpoints(micro, open=endpoint(OpenPlan, self.open), progress=endpoint(Progress, self.progress),
+                                 workers=endpoint(ListQuery, self.workers))
+        await nc.subscribe(self.subject("event"), cb=self.event)
+        await self.profiles.follow(nc)
+        await self.registry.follow(nc, self.worker_id, on_info=self._on_heartbeat)
+        self._spawn(self._expire_loop())
+
+    # --- handlers ------------------------------------------------------------------------
+    async def open(self, req: OpenPlan) -> TransferPlan:
+        self._check(req)
+        link = self._link_estimate(req.prefill_worker_id)
+        mode, reason = (choose_mode(req, link) if req.mode == "auto" else (req.mode, ""))
+        profile = None
+        if mode == "smartgen":
+            profile = await self.profiles.get(req.model, req.selector, req.num_tokens, req.layout.num_layers)
+        planned = plan_transfer(req, mode, profile.importance if profile else None, link, self.worker_id,
+                                profile.label if profile else ("", 0, ""), reason)
+        self.book.add(Plan(planned.plan, req.prefill_worker_id, req.decode_worker_id, req.num_tokens,
+                           deque(planned.queue)))
+        self.plans_opened.inc(mode=mode)
+        log.info("plan_opened", mode=mode, asked=req.mode, push_blocks=planned.plan.num_push_blocks,
+                 queue=len(planned.queue), link_gbps=round(link.gbps, 4), link_source=link.source,
+                 profile=planned.plan.profile_source or None)
+        return planned.plan
+
+    async def progress(self, req: Progress) -> BackgroundBatch:
+        blocks, remaining = self.book.next_batch(req.request_id, req.backlog_blocks)
+        return BackgroundBatch(req.request_id, blocks, remaining)
+
+    async def event(self, msg: Any) -> None:
+        try:
+            ev = decode(PlanEvent, msg.data)
+            plan = self.book.advance(ev.request_id, ev.state, ev.reason)
+        except (SchemaError, PlanStateError) as exc:
+            log.warning("bad_plan_event", subject=msg.subject, error=str(exc))
+            return
+        if plan is not None:
+            log.info("plan_state", request_id=ev.request_id, state=ev.state, reason=ev.reason or None)
 
     async def workers(self, query: ListQuery) -> WorkerList:
         return WorkerList([w for w in self.registry.alive() if w.worker_id.startswith(query.prefix)])
 
+    # --- internals -------------------------------------------------------------------------
+    def _check(self, req: OpenPlan) -> None:
+        if req.mode not in ("full", "partial", "quantized", "smartgen", "auto"):
+            raise RequestRefused("bad_request", f"the broker plans disaggregated modes, not {req.mode!r}")
+        if req.num_tokens < 1 or req.layout.num_layers < 1 or req.layout.page_tokens < 1 or req.aux_bytes < 0:
+            raise RequestRefused("bad_request", "a plan needs a prompt, a layout and a non-negative aux area")
+        if req.mode in ("partial", "smartgen", "auto") and not req.selector:
+            raise RequestRefused("bad_request", f"transfer_mode {req.mode!r} needs a selector")
+        if self.book.get(req.request_id) is not None:
+            raise RequestRefused("bad_request", f"request {req.request_id} already has a plan")
+
+    def _link_estimate(self, prefill_worker_id: str) -> LinkEstimate:
+        """The prefill worker's measured send rate and prompt rate, where it has measured them."""
+        info = self.registry.get(prefill_worker_id)
+        measured_gbps = info.send_rate_gbps if info else 0.0
+        rate = info.prefill_tokens_per_s if info and info.prefill_tokens_per_s > 0 else self.config.default_prefill_tokens_per_s
+        if measured_gbps > 0:
+            return LinkEstimate(measured_gbps, rate, "measured")
+        assumed = self.config.link_gbps or self.config.default_link_gbps
+        return LinkEstimate(assumed, rate, "configured" if self.config.link_gbps else "default")
+
+    def _on_heartbeat(self, info: WorkerInfo) -> None:
+        for reg in info.plans:
+            plan = self.book.get(reg.plan.request_id)
+            if plan is not None:
+                plan.touched = time.monotonic()  # a plan its decode node still registers does not expire
+            elif reg.state not in FINAL_STATES:
+                self._spawn(self._restore(reg))
+
+    async def _restore(self, reg: PlanRegistration) -> None:
+        """Rebuild a plan this broker does not know (it restarted): its queue is the profile order minus what
+        the decode node already holds."""
+        p = reg.plan
+        if self.book.get(p.request_id) is not None:
+            return
+        queue: list[int] = []
+        if p.background:
+            profile = await self.profiles.get(reg.model, reg.selector, reg.num_tokens, reg.num_layers)
+            order = smartgen_order(profile.importance, reg.num_tokens, reg.page_tokens)
+            local = unpack_bits(reg.local_blocks, (reg.num_layers * p.num_pages,))
+            queue = [int(b) for b in order if not local[b]]
+        if self.book.get(p.request_id) is not None:
+            return
+        plan = self.book.add(Plan(p, reg.prefill_worker_id, reg.decode_worker_id, reg.num_tokens, deque(queue),
+                                  state=reg.state))
+        plan.reason = "restored from a decode heartbeat"
+        self.plans_restored.inc()
+        log.info("plan_restored", request_id=p.request_id, state=reg.state, queue=len(queue))
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            for rid in self.book.expire():
+                log.warning("plan_expired", request_id=rid)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- admin -----------------------------------------------------------------------------
     def admin_routes(self) -> list[web.RouteDef]:
         async def transfers(_: web.Request) -> web.Response:
-            return web.json_response({"transfers": list(self.transfers.values())})
+            return web.json_response({"live": [p.summary() for p in self.book.live.values()],
+                                      "recent": list(self.book.history)})
 
         return [web.get("/transfers", transfers)]
 
     def stats(self) -> dict[str, Any]:
         alive = self.registry.alive()
+        live = list(self.book.live.values())
         return {"workers": {role: sum(w.role == role for w in alive) for role in ("gateway", "prefill", "decode", "kvprofile")},
-                "transfers_open": len(self.transfers)}
+                "transfers_open": len(live),
+                "transfers_by_state": {s: sum(p.state == s for p in live) for s in ("opening", "transferring", "all_local")},
+                "transfers_finished": dict(self.book.num_by_final_state),
+                "profile_fallbacks": self.profiles.num_fallbacks,
+                "speculative_ratio": self.config.speculative_ratio}
+

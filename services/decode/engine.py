@@ -1,5 +1,6 @@
-"""Decode compute: build a request's cache (its landed slab, or a local prefill) and step it, densely or
-with selective attention (a selector and a budget per request). Synchronous torch; no asyncio."""
+"""Decode compute: build a request's cache (its landed slab, dequantized codes, or a local prefill) and step
+it, densely or with selective attention (a selector and a budget per request, its metadata restored from
+what the prefill node pushed or built from local keys). Synchronous torch; no asyncio."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,11 +10,14 @@ from transformers.cache_utils import DynamicCache
 
 from schemas import Sampling
 from services.decode import selective
-from services.decode.selectors import Budget, Geometry, Selector, make_selector
-from shared.kvstore import KvStore, Slab
+from services.decode.remote import RemoteKv
 from services.decode.slab_cache import SlabCache
+from shared.kvstore import KvStore, Slab
 from shared.modeling import ModelRunner
+from shared.quantization import QuantLayout
 from shared.sampling import sample
+from shared.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
+from shared.selectors.metadata import MetadataLayout
 
 
 class DecodeEngine:
@@ -32,9 +36,25 @@ class DecodeEngine:
             self._selectors[name] = make_selector(name, self.geometry, self.prep_dir)
         return self._selectors[name]
 
-    def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False) -> None:
-        """Decode this request with selective attention from now on."""
-        self.selections[request_id] = selective.Selection(self.selector(selector), Budget(budget), measure_mass)
+    def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False,
+                      slab: Slab | None = None, remote: RemoteKv | None = None, count_blocks: int = 0) -> None:
+        """Decode this request with selective attention from now on. The selector's state for the cached
+        tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given,
+        else from the keys in the cache. `count_blocks` > 0 counts selections per relative block."""
+        sel = selective.Selection(self.selector(selector), Budget(budget), measure_mass, remote=remote)
+        cache = self.caches[request_id]
+        num_tokens = cache.get_seq_length()
+        layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens) if slab is not None else None
+        for layer in range(DENSE_LAYERS, self.runner.num_layers):
+            if layout is not None:
+                tensors = [t.to(self.runner.device) for t in layout.read(self.store.aux(slab), layer)]
+                sel.states[layer] = sel.selector.restore(layer, tensors, num_tokens)
+            else:
+                state = sel.states[layer] = sel.selector.new_state(layer)
+                sel.selector.extend(layer, state, cache.layers[layer].keys[0])
+        if count_blocks:
+            sel.count_blocks(self.runner.num_layers, num_tokens, count_blocks)
+        self.selections[request_id] = sel
 
     def load_from_store(self, request_id: str, slab: Slab, num_tokens: int) -> None:
         """The prompt's KV has landed in `slab`: decode from it in place (new tokens are appended there)."""
@@ -42,6 +62,16 @@ class DecodeEngine:
         # On CPU the cache is the slab itself (views); on an accelerator, one copy to the device.
         rows = self.store.view(slab).to(self.runner.device, self.runner.dtype)
         self.caches[request_id] = SlabCache(self.runner.config, rows, num_tokens)
+
+    def load_quantized(self, request_id: str, slab: Slab, num_tokens: int, bits: int) -> None:
+        """The prompt's KV landed as low-bit codes in `slab`'s aux area: dequantize them into its rows, then
+        decode from the slab as in full mode."""
+        lay = self.store.layout
+        quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits)
+        aux, rows = self.store.aux(slab), self.store.view(slab)
+        for layer in range(lay.num_layers):
+            quant.dequantize(aux, layer, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
+        self.load_from_store(request_id, slab, num_tokens)
 
     def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> int:
         """Colocated mode: run the prompt here. Returns the first completion token."""
@@ -55,11 +85,19 @@ class DecodeEngine:
 
     def step_logits(self, request_id: str, token: int):
         """One decode step; the logits (vocab,) of the next token."""
-        selective.activate(self.selections.get(request_id))
+        selection = self.selections.get(request_id)
+        remote = selection.remote if selection else None
+        if remote is not None:
+            remote.begin_step()
+        selective.activate(selection)
         try:
             return self.runner.step(self.caches[request_id], token)
         finally:
             selective.activate(None)
+            if remote is not None:
+                remote.end_step()
+            if selection is not None:
+                selection.num_steps += 1
 
     def end(self, request_id: str) -> selective.Selection | None:
         self.caches.pop(request_id, None)

@@ -6,19 +6,31 @@ or a step without a selection context it is plain SDPA, bit for bit. For a decod
 and attends to them only. Attention is order-invariant and RoPE is already in the cached keys, so the
 gathered tokens need no re-positioning.
 
+When part of the KV is still on the prefill node (`Selection.remote`, the partial and smartgen modes), the
+selected indices split into local and remote (path 2): the remote read starts first, the local entries are
+gathered while it is in flight, then the remote positions are filled in from the slab where the read
+landed them. The gathered tensor is then exactly what an all-local gather gives (same values, same order),
+so transfer never changes tokens.
+
 NOTE: the context is a module global set around one forward pass. Only the engine's single torch thread
 runs the model, so there is never more than one active selection.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from services.decode.selectors import DENSE_LAYERS, Budget, LayerState, Selector
+from shared.profiles import token_blocks
+from shared.selectors import DENSE_LAYERS, Budget, LayerState, Selector
+
+if TYPE_CHECKING:
+    from services.decode.remote import RemoteKv
 
 ATTENTION_NAME = "smartgen_selective"
 
@@ -33,10 +45,25 @@ class Selection:
     states: dict[int, LayerState] = field(default_factory=dict)
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (speculation)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    remote: "RemoteKv | None" = None  # the KV still on the prefill node; None once every entry is local
+    block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
+    block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
+    num_steps: int = 0
     mass_sum: float = 0.0
     num_selections: int = 0
     num_selected: int = 0
     num_candidates: int = 0
+
+    def count_blocks(self, num_layers: int, num_prompt_tokens: int, num_blocks: int) -> None:
+        """Also count which relative blocks of the prompt each step selects (for online profiles)."""
+        self.block_of_token = token_blocks(num_prompt_tokens, num_blocks)
+        self.block_counts = np.zeros((num_layers, num_blocks), dtype=np.float32)
+
+    def _count(self, layer: int, idx: torch.Tensor) -> None:
+        assert self.block_of_token is not None and self.block_counts is not None
+        picked = idx.cpu().numpy().ravel()
+        picked = picked[picked < self.block_of_token.size]
+        self.block_counts[layer] += np.bincount(self.block_of_token[picked], minlength=self.block_counts.shape[1])
 
     @property
     def attention_mass(self) -> float | None:
@@ -61,16 +88,18 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     sel, layer = ACTIVE, module.layer_idx
     if CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see tools/prepare_selectors.py)
         CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
-    if sel is None or query.shape[2] != 1 or query.shape[0] != 1 or layer < DENSE_LAYERS:
+    if sel is None or query.shape[2] != 1 or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     keys, values = key[0], value[0]
     n = keys.shape[1]
     k = sel.budget.tokens(n)
-    if k >= n:  # the whole cache: exactly dense
-        sel.num_selections += 1
-        sel.mass_sum += 1.0
-        sel.num_selected += n * keys.shape[0]
-        sel.num_candidates += n * keys.shape[0]
+    if layer < DENSE_LAYERS or k >= n:  # the whole cache: exactly dense
+        _ensure_local(sel, layer, None)
+        if layer >= DENSE_LAYERS:
+            sel.num_selections += 1
+            sel.mass_sum += 1.0
+            sel.num_selected += n * keys.shape[0]
+            sel.num_candidates += n * keys.shape[0]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     state = sel.states.get(layer)
     if state is None:
@@ -79,19 +108,37 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     q = query[0, :, 0]  # (H, d)
     probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
     idx = sel.selector.select(layer, state, probe, k)  # (H_kv, k')
-    group = query.shape[1] // keys.shape[0]
+    pending = sel.remote.fetch(layer, idx) if sel.remote is not None else None
+    if pending is not None and not pending.owner.parallel:
+        pending.wait()  # path 2 switched off: fetch first, then gather
     gather = idx[..., None].expand(-1, -1, keys.shape[-1])
-    k_sel = torch.gather(keys, 1, gather).repeat_interleave(group, dim=0)  # (H, k', d)
-    v_sel = torch.gather(values, 1, gather).repeat_interleave(group, dim=0)
+    k_sel, v_sel = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)  # (H_kv, k', d)
+    if pending is not None and pending.owner.parallel:
+        pending.wait()  # the local entries above were gathered while the remote read was in flight
+        rows, cols = pending.remote.nonzero(as_tuple=True)
+        k_sel[rows, cols] = keys[rows, idx[rows, cols]]  # the remote entries, now landed in the slab
+        v_sel[rows, cols] = values[rows, idx[rows, cols]]
+    group = query.shape[1] // keys.shape[0]
+    k_sel, v_sel = k_sel.repeat_interleave(group, dim=0), v_sel.repeat_interleave(group, dim=0)  # (H, k', d)
     out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
     sel.num_selected += idx.numel()
     sel.num_candidates += n * idx.shape[0]
+    if sel.block_counts is not None:
+        sel._count(layer, idx)
     if sel.measure_mass:
         probs = torch.softmax((q[:, None, :] @ keys.repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
         kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
         sel.mass_sum += float(kept.mean())
     sel.num_selections += 1
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ensure_local(sel: Selection, layer: int, idx: torch.Tensor | None) -> None:
+    """Dense attention over a partly remote cache: read every missing entry of the layer first."""
+    if sel.remote is not None:
+        pending = sel.remote.fetch(layer, idx)
+        if pending is not None:
+            pending.wait()
 
 
 def _speculated_query(sel: Selection, module, layer: int) -> torch.Tensor:

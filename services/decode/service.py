@@ -1,16 +1,22 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens.
 
 Life of a request here:
-  1. `open` (full mode): reserve a slab for the prompt's KV and the completion, grant a fresh ticket over
-     exactly the prompt's rows of it; reply with the KvHandle the prefill node pushes to. Unclaimed
-     reservations expire.
-  2. The prefill node pushes the KV straight into the slab; each landed push is counted.
-  3. `generate`: the request is admitted and a task starts. In full mode it waits until every byte has
-     landed (or a `transfer_failed` arrives), then decodes with the slab as its cache (no copy), densely or
-     with a selector.
-     In colocated mode it runs the prefill here instead. Each token goes out on the request's stream subject.
-  4. At the end, on `abort`, or on failure: revoke the ticket, wait out any frame still landing,
-     free the slab and drop the cache. The last stream event says how it ended.
+  1. `open`: reserve a slab for the prompt's KV and the completion, plus an aux area for what travels ahead
+     of or instead of the KV (selector metadata, quantized codes); grant a fresh ticket over exactly those
+     bytes; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
+  2. The prefill node pushes into the slab during its prefill (the plan says what); landed bytes are counted.
+  3. `generate`: the request is admitted and a task starts. It waits until everything its plan pushes has
+     landed (or a `transfer_failed` arrives), then:
+       full       decodes in place on the slab (no copy), densely or with a selector;
+       quantized  dequantizes the codes into the slab first;
+       partial,   restores the selector's metadata and decodes selectively while part of the KV is still on
+       smartgen   the prefill node: each step reads the missing selected entries on demand (path 2) and, in
+                  smartgen, the broker feeds the rest to the background lane (path 3). Once every entry is
+                  local, remote reads stop and the prefill node's lease is released.
+     colocated runs the prefill here instead. Each token goes out on the request's stream subject.
+  4. At the end, on `abort`, or on failure: stop reading, release the prefill's lease, tell the broker,
+     revoke the ticket, wait out any frame still landing, free the slab and drop the cache. The last
+     stream event says how it ended and what moved on which path.
 """
 from __future__ import annotations
 
@@ -19,22 +25,30 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, SchemaError, TokenEvent, TransferFailed,
-                     decode, encode)
+from schemas import (SELECTIVE_MODES, Abort, Accepted, Ack, BackgroundBatch, Generate, KeepLease, KvHandle, OpenKv,
+                     PlanEvent, PlanRegistration, Progress, Release, SchemaError, SelectionStats, TokenEvent,
+                     TransferFailed, decode, encode, subjects)
 from shared.dataplane import Grant
 from shared.kvstore import OutOfPages, Slab
-from shared.rpc import RequestRefused, endpoint
+from shared.profiles import NUM_BLOCKS, pack_bits, tokens_per_block, unpack_bits
+from shared.quantization import QuantLayout
+from shared.rpc import RemoteError, RequestRefused, call, endpoint
+from shared.selectors import Budget, PreparationMissing, default_prep_dir
+from shared.selectors.metadata import MetadataLayout
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
-from services.decode.selectors import Budget, PreparationMissing, default_prep_dir
+from services.decode.remote import RemoteKv
 
 log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
+CONTROL_TIMEOUT_S = 5.0  # release, progress: bookkeeping calls
+BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
 
 
 class TransferError(RuntimeError):
@@ -44,21 +58,34 @@ class TransferError(RuntimeError):
 @dataclass
 class DecodeRequest:
     request_id: str
-    transfer_mode: str
+    transfer_mode: str  # as opened; `generate` may resolve auto to full or smartgen
+    num_tokens: int = 0
     slab: Slab | None = None
     grant: Grant | None = None
-    expected_bytes: int = 0
-    landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all KV is here, or on failure
+    expected_bytes: int = 0  # what the plan pushes; known from `generate` on
+    landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
     failure: str = ""
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
     is_claimed: bool = False  # `generate` has taken the request and is preparing to run it
     is_aborted: bool = False
+    req: Generate | None = None
+    remote: RemoteKv | None = None  # partial, smartgen: the KV still on the prefill node
+    plan_state: str = "opening"
+    is_released: bool = False  # the prefill node's lease is ended (or there never was one)
+    all_local_step: int = -1
+    backlog: int = 0  # background blocks handed out by the broker and not read yet
+    helpers: list[asyncio.Task[Any]] = field(default_factory=list)  # lease keeper, background reader
+    background: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)
+    progress_call: asyncio.Task[None] | None = None
 
     def on_landed(self, num_bytes: int) -> None:
         if self.expiry is not None:  # the prefill is delivering: the reservation is in use
             self.expiry.cancel()
-        if self.grant is not None and self.grant.bytes_landed >= self.expected_bytes:
+        self.check_landed()
+
+    def check_landed(self) -> None:
+        if self.grant is not None and self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
             self.landed.set()
 
 
@@ -82,46 +109,48 @@ class DecodeService(ModelWorkerService):
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenKv) -> KvHandle:
         assert self.store and self.dataplane and self.runner
-        if req.transfer_mode != "full":
-            raise RequestRefused("bad_request", f"open is for transfer_mode 'full', not {req.transfer_mode!r}")
+        if req.transfer_mode not in ("full", "quantized", "auto", *SELECTIVE_MODES):
+            raise RequestRefused("bad_request", f"open is for disaggregated transfer modes, not {req.transfer_mode!r}")
         if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
             raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
                                                 f"fit 1..{self.runner.max_positions}")
-        if self.store.pages_needed(req.num_tokens + req.max_tokens) > self.store.num_pages_total:
+        aux_bytes = await self._aux_bytes(req)
+        capacity = req.num_tokens + req.max_tokens
+        if self.store.pages_needed(capacity, aux_bytes) > self.store.num_pages_total:
             raise RequestRefused("bad_request", f"{req.num_tokens} + {req.max_tokens} tokens of KV exceed this worker's "
                                                 f"whole store ({self.store.num_pages_total * self.store.layout.page_tokens} "
                                                 "tokens): ask for fewer tokens or raise kv_cache_mb")
         self._admit(req.request_id)
         try:
-            slab = self.store.allocate(req.request_id, req.num_tokens + req.max_tokens)
+            slab = self.store.allocate(req.request_id, capacity, aux_bytes)
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
         rows = [r for layer in range(self.store.layout.num_layers) for r in self.store.rows(slab, layer, 0, req.num_tokens)]
-        state = DecodeRequest(req.request_id, req.transfer_mode, slab,
-                              expected_bytes=req.num_tokens * self.store.layout.token_bytes)
-        state.grant = Grant(secrets.randbits(63), [(off, off + n) for off, n in rows], state.on_landed)
+        aux_at = self.store.aux_offset(slab)
+        ranges = [(off, off + n) for off, n in rows] + ([(aux_at, aux_at + aux_bytes)] if aux_bytes else [])
+        state = DecodeRequest(req.request_id, req.transfer_mode, req.num_tokens, slab)
+        state.grant = Grant(secrets.randbits(63), ranges, state.on_landed)
         self.dataplane.grant(state.grant)
         state.expiry = asyncio.get_running_loop().call_later(
             self.config.open_timeout_s, lambda: asyncio.ensure_future(self._expire(req.request_id)))
         self.active[req.request_id] = state
         return KvHandle(req.request_id, self.worker_id, self.dataplane.address, state.grant.ticket, self.store.layout,
-                        req.num_tokens, self.store.offset(slab), slab.capacity)
+                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes)
 
     async def generate(self, req: Generate) -> Accepted:
-        if req.transfer_mode == "full":
+        if req.transfer_mode == "colocated":
+            self._admit(req.request_id)
+            state = self.active[req.request_id] = DecodeRequest(req.request_id, req.transfer_mode)
+        else:
             state = self.active.get(req.request_id)
             if state is None or state.task is not None or state.is_claimed:
                 raise RequestRefused("not_found", f"no open KV reservation for request {req.request_id}")
             if state.expiry:
                 state.expiry.cancel()
-        elif req.transfer_mode == "colocated":
-            self._admit(req.request_id)
-            state = self.active[req.request_id] = DecodeRequest(req.request_id, req.transfer_mode)
-        else:
-            raise RequestRefused("bad_request", f"decode serves transfer modes full and colocated, not {req.transfer_mode!r}")
-        if req.max_tokens < 1 or (req.transfer_mode == "full" and req.first_token < 0):
+        problem = self._problem(state, req)
+        if problem:
             await self._release(state)
-            raise RequestRefused("bad_request", "max_tokens must be ≥ 1 and full mode needs the first token")
+            raise RequestRefused("bad_request", problem)
         if req.selector:
             # NOTE: claimed while we wait on the torch thread, so an abort now only flags the request (it must
             # not cancel this handler: nats runs an endpoint's handlers in one long-lived task).
@@ -135,6 +164,10 @@ class DecodeService(ModelWorkerService):
             if state.is_aborted:
                 await self._release(state)
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+        state.req = req
+        if state.grant is not None:
+            state.expected_bytes = self._pushed_bytes(state, req)
+            state.check_landed()
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
@@ -168,35 +201,143 @@ class DecodeService(ModelWorkerService):
         kv_wait_s, index, reason, error = 0.0, 0, "length", ""
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
-                if state.transfer_mode == "colocated":
+                if req.transfer_mode == "colocated":
                     token = await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling)
                     await self._emit(req, TokenEvent(rid, 0, token))
                 else:
                     token = req.first_token
                     kv_wait_s = await self._wait_for_kv(state)
-                    await self.in_torch(self.engine.load_from_store, rid, state.slab, len(req.token_ids))
-                if req.selector:
-                    self.engine.use_selection(rid, req.selector, req.kv_budget)
+                    await self._load(state, req)
+                if req.selector and rid not in self.engine.selections:
+                    await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, None, None,
+                                        NUM_BLOCKS)
                 while token not in stop_ids and index + 1 < req.max_tokens:
                     index += 1
                     token = await self.in_torch(self.engine.step, rid, token, req.sampling, index)
                     await self._emit(req, TokenEvent(rid, index, token))
+                    await self._after_step(state, index)
                 reason = "stop" if token in stop_ids else "length"
             except asyncio.CancelledError:
                 reason = "abort"
             except Exception as exc:
                 reason, error = "error", f"{type(exc).__name__}: {exc}"
                 log.warning("decode_failed", error=error)
-            kv_bytes = {"full": state.grant.bytes_landed} if state.grant else {}
-            selection = self.engine.selections.get(rid)
-            selected_share = selection.selected_share if selection and selection.selected_share is not None else 1.0
+            final = self._final_event(state, req, index + 1, reason, error, kv_wait_s)
             self.latency.requests.inc(status=reason)
-            for path, n in kv_bytes.items():
+            for path, n in final.kv_bytes.items():
                 self.latency.kv_bytes.inc(n, path=path)
-            await self._release(state)
+            self._publish_selection_stats(state, req)
+            await self._release(state, "failed" if reason in ("error", "abort") else "released", error or reason)
             if reason != "abort":
-                await self._emit(req, TokenEvent(rid, index + 1, -1, reason, error, kv_bytes, kv_wait_s, selected_share))
-            log.info("decode_done", finish_reason=reason, tokens=index + 1, kv_wait_s=round(kv_wait_s, 3))
+                await self._emit(req, final)
+            log.info("decode_done", finish_reason=reason, tokens=index + 1, kv_wait_s=round(kv_wait_s, 3),
+                     local_share=round(final.local_share, 3), all_local_step=state.all_local_step)
+
+    async def _load(self, state: DecodeRequest, req: Generate) -> None:
+        """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
+        assert self.engine and self.store and state.slab is not None and self.dataplane
+        rid, n = req.request_id, len(req.token_ids)
+        if req.transfer_mode == "quantized":
+            await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
+        else:
+            await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
+        if req.transfer_mode not in SELECTIVE_MODES:
+            self._plan_event(state, "all_local")
+            return
+        assert req.plan is not None and req.source is not None
+        pushed = unpack_bits(req.plan.push_blocks, (self.store.layout.num_layers, req.plan.num_pages))
+        state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
+                                self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
+                                self.config.kv_timeout_s, _background_read_bytes(req.plan.link_gbps))
+        remote = None if state.remote.is_all_local else state.remote
+        await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
+                            NUM_BLOCKS)
+        state.plan_state = "transferring"
+        if remote is None:
+            await self._all_local(state, 0)
+            return
+        state.helpers.append(asyncio.create_task(self._keep_lease(state)))
+        if req.plan.background:
+            state.helpers.append(asyncio.create_task(self._read_background(state)))
+
+    async def _after_step(self, state: DecodeRequest, step: int) -> None:
+        remote = state.remote
+        if remote is None or state.is_released:
+            return
+        if remote.is_all_local:
+            await self._all_local(state, step)
+        elif state.progress_call is None or state.progress_call.done():
+            state.progress_call = asyncio.create_task(self._progress(state, step))
+
+    async def _progress(self, state: DecodeRequest, step: int) -> None:
+        """Tell the broker a step is done; queue the background batch it answers with."""
+        assert self.nc and state.req and state.req.plan and state.remote
+        plan = state.req.plan
+        try:
+            batch = await call(self.nc, subjects.worker("broker", plan.broker_worker_id, "progress"),
+                               Progress(state.request_id, step, state.backlog, state.remote.num_missing),
+                               BackgroundBatch, CONTROL_TIMEOUT_S)
+        except RemoteError as exc:
+            log.warning("broker_progress_failed", error=exc.message)
+            return
+        if batch.blocks and not state.is_released:
+            state.backlog += len(batch.blocks)
+            state.background.put_nowait(batch.blocks)
+
+    async def _read_background(self, state: DecodeRequest) -> None:
+        assert state.remote is not None
+        while True:
+            blocks = await state.background.get()
+            try:
+                await state.remote.read_blocks(blocks)
+            except Exception as exc:  # the on-demand path still serves every step; the failure shows there if real
+                log.warning("background_read_failed", error=str(exc))
+                return
+            finally:
+                state.backlog -= len(blocks)
+
+    async def _keep_lease(self, state: DecodeRequest) -> None:
+        assert self.nc and state.req and state.req.source
+        source = state.req.source
+        while not state.is_released:
+            await self.nc.publish(subjects.worker("prefill", source.prefill_worker_id, "keep"),
+                                  encode(KeepLease(state.request_id)))
+            await asyncio.sleep(source.lease_s / 3)
+
+    async def _all_local(self, state: DecodeRequest, step: int) -> None:
+        """Every entry is on this node: stop remote reads and end the prefill's lease."""
+        sel = self.engine.selections.get(state.request_id) if self.engine else None
+        if sel is not None:
+            sel.remote = None  # NOTE: between steps, so no attention call is using it
+        state.all_local_step = step
+        log.info("kv_all_local", step=step)
+        await self._end_remote(state, "all_local")
+        self._plan_event(state, "all_local")
+
+    async def _end_remote(self, state: DecodeRequest, reason: str) -> None:
+        """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent."""
+        if state.is_released:
+            return
+        state.is_released = True
+        for task in state.helpers:
+            task.cancel()
+        await asyncio.gather(*state.helpers, return_exceptions=True)
+        if state.remote is not None:
+            await state.remote.close(RELEASE_TIMEOUT_S)
+        source = state.req.source if state.req else None
+        if source is not None and self.nc is not None:
+            try:
+                await call(self.nc, subjects.worker("prefill", source.prefill_worker_id, "release"),
+                           Release(state.request_id, reason), Ack, CONTROL_TIMEOUT_S)
+            except RemoteError as exc:
+                log.warning("release_failed", prefill_worker_id=source.prefill_worker_id, error=exc.message)
+
+    def _plan_event(self, state: DecodeRequest, plan_state: str, reason: str = "") -> None:
+        state.plan_state = plan_state
+        plan = state.req.plan if state.req else None
+        if plan is not None and self.nc is not None:
+            event = PlanEvent(state.request_id, plan_state, reason)
+            asyncio.ensure_future(self.nc.publish(subjects.worker("broker", plan.broker_worker_id, "event"), encode(event)))
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:
         loop = asyncio.get_running_loop()
@@ -213,6 +354,97 @@ class DecodeService(ModelWorkerService):
         assert self.nc
         await self.nc.publish(req.stream_subject, encode(event))
 
+    def _final_event(self, state: DecodeRequest, req: Generate, index: int, reason: str, error: str,
+                     kv_wait_s: float) -> TokenEvent:
+        landed = state.grant.bytes_landed if state.grant else 0
+        aux = state.slab.aux_bytes if state.slab and req.transfer_mode in SELECTIVE_MODES else 0
+        if req.transfer_mode in ("full", "quantized"):
+            kv_bytes = {req.transfer_mode: landed}
+        elif req.transfer_mode in SELECTIVE_MODES:
+            remote = state.remote
+            kv_bytes = {"metadata": min(aux, landed), "proactive": max(0, landed - aux),
+                        "on_demand": remote.bytes_on_demand if remote else 0,
+                        "background": remote.bytes_background if remote else 0}
+        else:
+            kv_bytes = {}
+        selection = self.engine.selections.get(req.request_id) if self.engine else None
+        share = selection.selected_share if selection and selection.selected_share is not None else 1.0
+        remote = state.remote
+        return TokenEvent(req.request_id, index, -1, reason, error, kv_bytes, kv_wait_s, share,
+                          local_share=remote.local_share if remote else 1.0,
+                          on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
+                          step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
+                          step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
+                          all_local_step=state.all_local_step)
+
+    def _publish_selection_stats(self, state: DecodeRequest, req: Generate) -> None:
+        """Online profiling: what this request selected, per layer and relative block of its prompt."""
+        sel = self.engine.selections.get(req.request_id) if self.engine else None
+        if sel is None or sel.block_counts is None or not sel.num_steps or self.nc is None or not self.runner:
+            return
+        n = len(req.token_ids)
+        offered = tokens_per_block(n, NUM_BLOCKS) * sel.num_steps * self.runner.num_kv_heads
+        stats = SelectionStats(self.runner.name, req.selector, n, self.runner.num_layers, NUM_BLOCKS,
+                               sel.block_counts.astype(np.float32).tobytes(), offered.astype(np.float32).tobytes())
+        asyncio.ensure_future(self.nc.publish(subjects.PROFILE_STATS, encode(stats)))
+
+    # --- sizes ------------------------------------------------------------------------------
+    async def _aux_bytes(self, req: OpenKv) -> int:
+        """The aux area a mode needs: selector metadata (selective modes and auto) or low-bit codes."""
+        assert self.engine and self.store
+        lay = self.store.layout
+        if req.transfer_mode == "quantized":
+            try:
+                return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, req.num_tokens, req.kv_bits).nbytes
+            except ValueError as exc:
+                raise RequestRefused("bad_request", str(exc)) from None
+        if req.transfer_mode in (*SELECTIVE_MODES, "auto"):
+            if not req.selector:
+                raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
+            try:
+                selector = await self.in_torch(self.engine.selector, req.selector)
+            except (ValueError, PreparationMissing) as exc:
+                raise RequestRefused("bad_request", str(exc)) from None
+            return MetadataLayout(selector, lay.num_layers, req.num_tokens).nbytes
+        return 0
+
+    def _pushed_bytes(self, state: DecodeRequest, req: Generate) -> int:
+        """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
+        assert self.store and state.slab is not None
+        lay, n = self.store.layout, state.num_tokens
+        if req.transfer_mode == "full":
+            return n * lay.token_bytes
+        if req.transfer_mode == "quantized":
+            return state.slab.aux_bytes
+        assert req.plan is not None
+        pushed = unpack_bits(req.plan.push_blocks, (lay.num_layers, req.plan.num_pages))
+        tokens = np.minimum(lay.page_tokens, n - np.arange(req.plan.num_pages) * lay.page_tokens)  # per page
+        return state.slab.aux_bytes + int((pushed * tokens).sum()) * lay.token_bytes // lay.num_layers
+
+    def _problem(self, state: DecodeRequest, req: Generate) -> str:
+        """Why `generate` cannot run this request as asked ("" if it can)."""
+        if req.max_tokens < 1:
+            return "max_tokens must be ≥ 1"
+        if req.transfer_mode == "colocated":
+            return ""
+        if req.first_token < 0:
+            return f"{req.transfer_mode} mode needs the first token from the prefill"
+        if req.transfer_mode not in ("full", "quantized", *SELECTIVE_MODES):
+            return f"decode serves transfer modes colocated, full, quantized, partial and smartgen, not {req.transfer_mode!r}"
+        opened = state.transfer_mode
+        if opened != req.transfer_mode and not (opened == "auto" and req.transfer_mode in ("full", "smartgen")):
+            return f"the KV was reserved for {opened!r}, not {req.transfer_mode!r}"
+        if len(req.token_ids) != state.num_tokens:
+            return "the prompt does not match the reservation's token count"
+        if req.transfer_mode in SELECTIVE_MODES:
+            if not req.selector or req.plan is None or req.source is None or req.plan.mode != req.transfer_mode:
+                return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
+            if req.plan.num_pages != -(-state.num_tokens // self.store.layout.page_tokens):  # type: ignore[union-attr]
+                return "the transfer plan does not describe this prompt's blocks"
+        if req.transfer_mode == "quantized" and req.kv_bits not in (2, 4):
+            return "quantized transfer needs kv_bits 2 or 4"
+        return ""
+
     # --- cleanup ----------------------------------------------------------------------------
     def _admit(self, request_id: str) -> None:
         if request_id in self.active:
@@ -226,12 +458,15 @@ class DecodeService(ModelWorkerService):
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
-    async def _release(self, state: DecodeRequest) -> None:
+    async def _release(self, state: DecodeRequest, plan_state: str = "failed", reason: str = "") -> None:
         """Free everything a request holds. Idempotent."""
         if self.active.get(state.request_id) is state:
             del self.active[state.request_id]
         if state.expiry:
             state.expiry.cancel()
+        await self._end_remote(state, reason or plan_state)
+        if state.plan_state not in ("released", "failed"):
+            self._plan_event(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
             self.dataplane.revoke(state.grant.ticket)
             await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
@@ -242,6 +477,22 @@ class DecodeService(ModelWorkerService):
         if self.store:
             self.store.free(state.request_id)
 
+    def load_info(self) -> dict[str, Any]:
+        return {**super().load_info(), "plans": [r for r in map(self._registration, list(self.active.values())) if r]}
+
+    def _registration(self, state: DecodeRequest) -> PlanRegistration | None:
+        """A live plan as the broker should know it (repeated in every heartbeat)."""
+        req = state.req
+        if req is None or req.plan is None or not self.runner or not self.store or state.plan_state in ("released", "failed"):
+            return None
+        lay = self.store.layout
+        if state.remote is not None:
+            local = state.remote.local_blocks()
+        else:
+            local = np.full((lay.num_layers, req.plan.num_pages), state.plan_state == "all_local")
+        return PlanRegistration(req.plan, state.plan_state, self.runner.name, req.selector, req.prefill_worker_id,
+                                self.worker_id, state.num_tokens, lay.num_layers, lay.page_tokens, pack_bits(local))
+
     async def stop(self) -> None:
         for state in list(self.active.values()):
             if state.task is not None:
@@ -249,3 +500,10 @@ class DecodeService(ModelWorkerService):
                 await asyncio.gather(state.task, return_exceptions=True)
             await self._release(state)
         await super().stop()
+
+
+def _background_read_bytes(link_gbps: float) -> int:
+    """Background reads occupy the link ~BACKGROUND_READ_S each, so an on-demand read waits at most that long."""
+    if link_gbps <= 0:
+        return 256 << 10
+    return int(min(256 << 10, max(8 << 10, link_gbps * 1e9 / 8 * BACKGROUND_READ_S)))

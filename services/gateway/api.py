@@ -56,7 +56,8 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
         return _error(ApiError(400, "the request body is not valid JSON"))
     try:
         default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default
-        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode, default_max)
+        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode, default_max,
+                        gw.config.default_selector)
     except ApiError as exc:
         return _error(exc)
     run = CompletionRun(gw.nc, gw.registry, job, gw.stop_token_ids, gw.config.request_timeout_s)

@@ -1,13 +1,15 @@
 """One request's trip through the system, seen from the gateway.
 
-  1. Pick a decode worker (and, unless colocated, a prefill worker): least loaded first.
+  1. Pick a decode worker (and, unless colocated, a prefill worker and the broker): least loaded first.
   2. Subscribe to the request's stream subject before anything can be published on it.
-  3. full: `decode.open` reserves pages and returns the KvHandle → `prefill.prefill` runs the prompt,
-     pushing KV straight to those pages, and returns token 1 → `decode.generate` continues from it.
+  3. Disaggregated modes: `decode.open` reserves the slab (and its aux area) and returns the KvHandle →
+     `broker.open` returns the TransferPlan (resolving `auto`) → `prefill.prefill` runs the prompt, pushing
+     what the plan says straight to those pages, and returns token 1 (and, for partial and smartgen, the
+     KvSource of what stayed behind) → `decode.generate` continues from it.
      colocated: `decode.generate` does both phases itself.
   4. Tokens arrive on the stream; each is stamped on arrival here (what a client sees).
   5. `close()` always runs: if the request did not finish (client gone, stop string, error), both workers
-     get `abort` so nothing stays allocated.
+     get `abort` and the broker hears the plan failed, so nothing stays allocated.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from typing import Any, TypeVar
 import structlog
 from nats.aio.client import Client
 
-from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, Prefill, PrefillDone, Sampling, SchemaError,
-                     TokenEvent, WorkerInfo, decode, subjects)
+from schemas import (SELECTIVE_MODES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
+                     PrefillDone, Sampling, SchemaError, TokenEvent, TransferPlan, WorkerInfo, decode, encode, subjects)
 from shared.rpc import RemoteError, call
 from shared.timeline import Timeline
 from shared.registry import WorkerRegistry
@@ -50,9 +52,15 @@ class CompletionRun:
     kv_bytes: dict[str, int] = field(default_factory=dict)
     kv_wait_s: float = 0.0
     selected_share: float = 1.0
+    final: TokenEvent | None = None  # the stream's last event (transfer figures)
     prefill_s: float | None = None
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
+    broker: WorkerInfo | None = None
+    plan: TransferPlan | None = None
+    mode: str = ""  # the mode that ran (auto resolved)
+    selector: str = ""  # the selector that ran ("" = dense)
+    decode_layers: int = 0  # from the KvHandle, to report the plan's block count
     _sub: Any = None
     _closed: bool = False
 
@@ -65,26 +73,23 @@ class CompletionRun:
     async def tokens(self) -> AsyncIterator[int]:
         """Yield completion token ids as they arrive. Raises ApiError before the first token, RequestFailed after."""
         job = self.job
+        self.mode, self.selector = job.transfer_mode, job.selector or ""
         self.decode = self._pick("decode")
         if job.transfer_mode != "colocated":
-            self.prefill = self._pick("prefill")
+            self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed)
-        first = -1
+        first, done = -1, None
         try:
-            if job.transfer_mode == "full":
-                assert self.prefill
-                handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
-                                    OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode), KvHandle, CONTROL_TIMEOUT_S)
-                done = await self._while_alive(
-                    call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
-                         Prefill(job.request_id, job.prompt_ids, job.transfer_mode, sampling, handle),
-                         PrefillDone, self.timeout_s), self.prefill, "prefill")
+            if job.transfer_mode != "colocated":
+                done = await self._prefill(sampling)
                 first, self.prefill_s = done.first_token, done.prefill_s
             await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
-                       Generate(job.request_id, job.transfer_mode, job.prompt_ids, first, job.max_tokens,
+                       Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
                                 self.stop_token_ids, sampling, subjects.stream(job.request_id),
-                                job.selector or "", job.kv_budget or 0.0),
+                                self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
+                                done.source if done else None, job.kv_bits,
+                                self.prefill.worker_id if self.prefill else ""),
                        Accepted, CONTROL_TIMEOUT_S)
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
@@ -95,11 +100,34 @@ class CompletionRun:
             if event.token_id >= 0:
                 yield self._stamp(event.token_id)
             if event.finish_reason:
+                self.final = event
                 self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
                 if event.finish_reason == "error":
                     raise RequestFailed(event.error)
                 self.finish_reason = event.finish_reason
                 return
+
+    async def _prefill(self, sampling: Sampling) -> PrefillDone:
+        """decode.open → broker.open → prefill.prefill: the slab, the plan, then the prompt with its pushes."""
+        job = self.job
+        assert self.decode and self.prefill and self.broker
+        wants_metadata = job.transfer_mode in (*SELECTIVE_MODES, "auto")
+        handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
+                            OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
+                                   self.selector if wants_metadata else "", job.kv_bits), KvHandle, CONTROL_TIMEOUT_S)
+        self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
+                               OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
+                                        len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
+                                        self.decode.worker_id, job.ablate), TransferPlan, CONTROL_TIMEOUT_S)
+        self.mode, self.decode_layers = self.plan.mode, handle.layout.num_layers
+        if job.transfer_mode == "auto" and self.mode == "full":
+            self.selector = ""  # the whole KV arrives in time: attend densely
+        selective = self.mode in SELECTIVE_MODES
+        return await self._while_alive(
+            call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
+                 Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
+                         self.selector if selective else "", job.kv_bits),
+                 PrefillDone, self.timeout_s), self.prefill, "prefill")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         assert self.decode
@@ -156,31 +184,52 @@ class CompletionRun:
             except Exception as exc:  # NATS closing or reconnecting: the aborts below matter more
                 log.warning("unsubscribe_failed", error=str(exc))
         if unfinished:
+            reason = self.finish_reason or "client_gone"
             for worker in (self.prefill, self.decode):  # the writer stops first, then the slab it writes to is freed
                 if worker is None:
                     continue
                 try:
                     await call(self.nc, subjects.worker(worker.role, worker.worker_id, "abort"),
-                               Abort(self.job.request_id, self.finish_reason or "client_gone"), Ack, CONTROL_TIMEOUT_S)
+                               Abort(self.job.request_id, reason), Ack, CONTROL_TIMEOUT_S)
                 except RemoteError as exc:
                     log.warning("abort_failed", worker_id=worker.worker_id, error=str(exc))
+            if self.plan is not None:
+                try:
+                    await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
+                                          encode(PlanEvent(self.job.request_id, "failed", f"aborted: {reason}")))
+                except Exception as exc:  # NATS closing: the broker expires the plan instead
+                    log.warning("plan_event_failed", error=str(exc))
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
 
     def summary(self) -> dict[str, Any]:
         """The `smartgen` object of the response."""
         t = Timeline.of(self.token_times_s)
+        final, plan = self.final, self.plan
         return {
             "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s,
             "token_times_s": [round(x, 6) for x in self.token_times_s],
             "kv_bytes": self.kv_bytes,
             "kv_wait_s": self.kv_wait_s,
             "prefill_s": self.prefill_s,
-            "transfer_mode": self.job.transfer_mode,
-            "attention": "selective" if self.job.selector else "dense",
-            "selector": self.job.selector,
-            "kv_budget": self.job.kv_budget,
+            "transfer_mode": self.mode or self.job.transfer_mode,
+            "requested_mode": self.job.transfer_mode,
+            "attention": "selective" if self.selector else "dense",
+            "selector": self.selector or None,
+            "kv_budget": self.job.kv_budget if self.selector else None,
+            "kv_bits": self.job.kv_bits or None,
+            "ablate": self.job.ablate,
             "selected_share": self.selected_share,
+            "local_share": final.local_share if final else None,
+            "on_demand_wait_s": final.on_demand_wait_s if final else None,
+            "step_local_share": final.step_local_share if final else [],
+            "step_wait_s": final.step_wait_s if final else [],
+            "all_local_step": final.all_local_step if final and final.all_local_step >= 0 else None,
+            "plan": {"mode": plan.mode, "reason": plan.reason, "profile": plan.profile or None,
+                     "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
+                     "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
+                     "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
+                     "parallel": plan.parallel, "background": plan.background} if plan else None,
             "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
             "decode_worker_id": self.decode.worker_id if self.decode else None,
             "prompt_tokens": len(self.job.prompt_ids),

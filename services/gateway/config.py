@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 from schemas import SERVABLE_TRANSFER_MODES
+from services.gateway.requests import SELECTORS
 from shared.config import ConfigError, ServiceConfig
 
 
@@ -10,6 +11,7 @@ class GatewayConfig(ServiceConfig):
     model: str = ""  # where the tokenizer and chat template come from; "" = the cached default SmolLM2
     served_model_name: str = ""  # the id clients send as `model`; "" = the model folder's name
     transfer_mode: str = "full"  # default for requests that do not say
+    default_selector: str = "quest"  # for partial, smartgen and auto requests that name no selector
     worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
     max_tokens_default: int = 16  # completions without max_tokens (OpenAI's default)
@@ -19,5 +21,7 @@ class GatewayConfig(ServiceConfig):
         ServiceConfig.validate(self)
         if self.transfer_mode not in SERVABLE_TRANSFER_MODES:
             raise ConfigError(f"transfer_mode {self.transfer_mode!r}: use one of {', '.join(SERVABLE_TRANSFER_MODES)}")
+        if self.default_selector not in SELECTORS:
+            raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
         if not 0 <= self.gateway_port < 65536:
             raise ConfigError(f"gateway_port {self.gateway_port} is not a TCP port")

@@ -7,10 +7,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import SERVABLE_TRANSFER_MODES, TRANSFER_MODES
+from schemas import SELECTIVE_MODES, SMARTGEN_PATHS, TRANSFER_MODES
 
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # as in services/decode/selectors
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # as in shared/selectors
 DEFAULT_KV_BUDGET = 0.1
+KV_BITS = (2, 4)
 MAX_STOP_STRINGS = 4
 
 
@@ -38,13 +39,16 @@ class CompletionJob:
     transfer_mode: str
     selector: str | None
     kv_budget: float | None
+    kv_bits: int = 0  # quantized
+    ablate: list[str] = field(default_factory=list)  # smartgen paths switched off
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
-              default_max_tokens: int) -> CompletionJob:
-    """`default_max_tokens` applies when the body has none (capped by the context left after the prompt)."""
+              default_max_tokens: int, default_selector: str = "quest") -> CompletionJob:
+    """`default_max_tokens` applies when the body has none (capped by the context left after the prompt);
+    `default_selector` when a selective mode (partial, smartgen, auto) names none."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -91,9 +95,6 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     mode = body.get("transfer_mode", default_mode)
     if mode not in TRANSFER_MODES:
         raise ApiError(400, f"transfer_mode {mode!r} is not one of {', '.join(TRANSFER_MODES)}", "transfer_mode")
-    if mode not in SERVABLE_TRANSFER_MODES:
-        raise ApiError(400, f"transfer_mode {mode!r} is not available in this build; use one of "
-                            f"{', '.join(SERVABLE_TRANSFER_MODES)}", "transfer_mode")
     selector = body.get("selector")
     if selector is not None and selector not in SELECTORS:
         raise ApiError(400, f"selector {selector!r} is not one of {', '.join(SELECTORS)}", "selector")
@@ -101,15 +102,29 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, float))
                                   or not (0 < kv_budget <= 1 or (isinstance(kv_budget, int) and kv_budget >= 1))):
         raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens ≥ 1", "kv_budget")
+    if selector is None and (mode in SELECTIVE_MODES or mode == "auto"):
+        selector = default_selector
     if kv_budget is not None and selector is None:
         raise ApiError(400, f"kv_budget needs a selector (one of {', '.join(SELECTORS)})", "kv_budget")
     if selector is not None and kv_budget is None:
         kv_budget = DEFAULT_KV_BUDGET
+    if selector is not None and mode == "quantized":
+        raise ApiError(400, "quantized transfer decodes densely over the dequantized KV; drop the selector", "selector")
+    kv_bits = body.get("kv_bits", KV_BITS[0] if mode == "quantized" else None)
+    if kv_bits is not None and (mode != "quantized" or not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
+                                or kv_bits not in KV_BITS):
+        raise ApiError(400, f"kv_bits is for transfer_mode 'quantized' and must be one of {KV_BITS}", "kv_bits")
+    ablate = body.get("ablate", [])
+    if not isinstance(ablate, list) or not all(isinstance(p, str) and p in SMARTGEN_PATHS for p in ablate):
+        raise ApiError(400, f"ablate must be a list of paths to switch off, from {', '.join(SMARTGEN_PATHS)}", "ablate")
+    if ablate and mode not in ("smartgen", "auto"):
+        raise ApiError(400, "ablate switches off paths of transfer_mode 'smartgen' (or 'auto')", "ablate")
 
     return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
                          max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,
                          transfer_mode=mode, selector=selector,
-                         kv_budget=float(kv_budget) if kv_budget is not None else None)
+                         kv_budget=float(kv_budget) if kv_budget is not None else None,
+                         kv_bits=kv_bits or 0, ablate=sorted(set(ablate)))
 
 
 def _completion_prompt(prompt: Any, tokenizer) -> list[int]:

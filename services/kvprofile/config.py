@@ -1,8 +1,21 @@
 from dataclasses import dataclass
 
-from shared.config import ServiceConfig
+from shared.config import ConfigError, ServiceConfig
 
 
 @dataclass(slots=True)
 class KvProfileConfig(ServiceConfig):
     bucket: str = "smartgen_profiles"  # JetStream key-value bucket holding the profiles
+    online_weight: float = 0.05  # each served request moves a profile at most this far toward what it selected
+    model: str = ""  # the model calibration runs on (loaded on the first build); "" = the cached default SmolLM2
+    device: str = "cpu"
+    dtype: str = "auto"
+    torch_threads: int = 0
+    page_tokens: int = 16
+
+    def validate(self) -> None:
+        ServiceConfig.validate(self)
+        if not 0 < self.online_weight <= 1:
+            raise ConfigError("online_weight must be in (0, 1]")
+        if not self.bucket.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"bucket {self.bucket!r}: use letters, digits, '-' and '_'")

@@ -1,20 +1,40 @@
-"""KV-profile service. In this build it owns the JetStream key-value bucket where positional importance
-profiles live and lists what it holds; building, serving and refreshing profiles arrive with the SmartGen
-work (issue 5).
+"""KV-profile service: positional importance profiles per (model, selector, prompt-length bucket).
+
+Life of a profile:
+  1. `build` (CLI `smartgen profile build`, or POST /profiles/build): calibrate on the torch thread
+     (engine.py), store as version 1 (or the next version) in the JetStream bucket, announce it on
+     `smartgen.profile.updated`. Progress goes to the builder's progress subject.
+  2. `get` (the broker, per request): the profile of the request's bucket, or `not_found` (the broker then
+     falls back to positional).
+  3. Online: decode workers publish what each selective request selected (`smartgen.profile.stats`); each
+     observation moves the stored profile by at most `online_weight` (creating an `online` profile when
+     none exists), under the next version, announced like a build.
+  4. `delete` removes one. Everything stored survives this process: it lives in the NATS server.
 """
 from __future__ import annotations
 
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import nats.js.errors
+import numpy as np
+import structlog
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import ListQuery, ProfileList
-from shared.rpc import endpoint
+from schemas import (Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
+                     ProfileQuery, SchemaError, SelectionStats, decode, encode, from_plain, subjects)
+from shared.profiles import NUM_BLOCKS, blend, bucket_for, importance_of, observed_importance, profile_key
+from shared.rpc import RequestRefused, endpoint
 from shared.runtime import Service
+from shared.selectors import SELECTORS
 from services.kvprofile.config import KvProfileConfig
+from services.kvprofile.engine import ProfileBuilder
+from services.kvprofile.store import ProfileStore
+
+log = structlog.get_logger()
 
 
 class KvProfileService(Service):
@@ -23,30 +43,186 @@ class KvProfileService(Service):
 
     def __init__(self, config: KvProfileConfig):
         super().__init__(config)
-        self.kv: Any = None
+        self.store: ProfileStore | None = None
+        self.builder = ProfileBuilder(config.model, config.device, config.dtype, config.page_tokens, config.torch_threads)
+        # NOTE: calibration runs torch on this one thread; handlers never call torch directly
+        self.torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.builds_running = 0
+        self.online_updates = self.metrics.counter("smartgen_profile_online_updates_total",
+                                                   "Selection statistics applied to stored profiles")
+        self.builds = self.metrics.counter("smartgen_profile_builds_total", "Profile builds by outcome", ["status"])
 
     async def start(self, nc: Client, micro: MicroService) -> None:
-        js = nc.jetstream()
-        self.kv = await js.create_key_value(bucket=self.config.bucket, history=5)
-        await self.add_endpoints(micro, list=endpoint(ListQuery, self.list))
+        self.store = await ProfileStore.open(nc.jetstream(), self.config.bucket)
+        await self.add_endpoints(micro, get=endpoint(ProfileQuery, self.get), list=endpoint(ListQuery, self.list),
+                                 show=endpoint(ProfileKey, self.show), build=endpoint(BuildProfile, self.build),
+                                 delete=endpoint(ProfileKey, self.delete))
+        await nc.subscribe(subjects.PROFILE_STATS, cb=self.on_stats)
 
-    async def keys(self) -> list[str]:
-        try:
-            return sorted(await self.kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+    # --- handlers ------------------------------------------------------------------------
+    async def get(self, query: ProfileQuery) -> Profile:
+        if query.num_tokens < 1:
+            raise RequestRefused("bad_request", "num_tokens must be positive")
+        return await self.show(ProfileKey(profile_key(query.model, query.selector, bucket_for(query.num_tokens))))
+
+    async def show(self, query: ProfileKey) -> Profile:
+        assert self.store
+        profile = await self.store.get(query.key)
+        if profile is None:
+            raise RequestRefused("not_found", f"no profile {query.key!r}: build one with `smartgen profile build`")
+        return profile
 
     async def list(self, query: ListQuery) -> ProfileList:
-        return ProfileList(self.config.bucket, [k for k in await self.keys() if k.startswith(query.prefix)])
+        assert self.store
+        return ProfileList(self.config.bucket, [k for k in await self.store.keys() if k.startswith(query.prefix)])
+
+    async def delete(self, query: ProfileKey) -> Ack:
+        assert self.store
+        if not await self.store.delete(query.key):
+            raise RequestRefused("not_found", f"no profile {query.key!r}")
+        log.info("profile_deleted", key=query.key)
+        await self._announce(ProfileInfo(query.key, 0, "", deleted=True))
+        return Ack()
+
+    async def build(self, req: BuildProfile) -> ProfileInfo:
+        assert self.store and self.nc
+        if req.selector not in SELECTORS:
+            raise RequestRefused("bad_request", f"selector {req.selector!r} is not one of {', '.join(SELECTORS)}")
+        if not (16 <= req.prompt_tokens and 1 <= req.num_prompts <= 64 and 1 <= req.decode_steps <= 512
+                and 0 < req.kv_budget <= 1):
+            raise RequestRefused("bad_request", "a build needs prompt_tokens ≥ 16, 1–64 prompts, 1–512 decode steps "
+                                                "and a kv_budget fraction in (0, 1]")
+        loop = asyncio.get_running_loop()
+        nc = self.nc
+
+        def on_progress(done: int, total: int, stage: str) -> None:  # torch thread
+            if req.progress_subject:
+                loop.call_soon_threadsafe(asyncio.ensure_future,
+                                          nc.publish(req.progress_subject, encode(BuildProgress(done, total, stage))))
+
+        started = time.monotonic()
+        self.builds_running += 1
+        try:
+            importance, num_prompts = await loop.run_in_executor(
+                self.torch_thread, self.builder.build, req.selector, req.prompt_tokens, req.num_prompts,
+                req.decode_steps, req.kv_budget, NUM_BLOCKS, on_progress)
+        except (ValueError, FileNotFoundError) as exc:  # unknown selector, missing preparation or model
+            self.builds.inc(status="refused")
+            raise RequestRefused("bad_request", str(exc)) from None
+        finally:
+            self.builds_running -= 1
+        model = self.builder.model_name
+        key = profile_key(model, req.selector, bucket_for(req.prompt_tokens))
+        async with self._lock(key):
+            old = await self.store.get(key)
+            profile = Profile(key, model, req.selector, bucket_for(req.prompt_tokens), (old.version if old else 0) + 1,
+                              importance.shape[0], importance.shape[1], importance.astype(np.float32).tobytes(),
+                              "calibration", num_prompts, 0, time.time())
+            await self.store.put(profile)
+        self.builds.inc(status="ok")
+        log.info("profile_built", key=key, version=profile.version, prompts=num_prompts,
+                 build_s=round(time.monotonic() - started, 1))
+        info = _info(profile)
+        await self._announce(info)
+        return info
+
+    async def on_stats(self, msg: Any) -> None:
+        """Online profiling: fold one request's selections into its bucket's profile, bounded by online_weight."""
+        assert self.store
+        try:
+            stats = decode(SelectionStats, msg.data)
+            selected = np.frombuffer(stats.selected, dtype=np.float32).reshape(stats.num_layers, stats.num_blocks)
+            offered = np.frombuffer(stats.offered, dtype=np.float32).reshape(stats.num_blocks)
+        except (SchemaError, ValueError) as exc:
+            log.warning("bad_selection_stats", error=str(exc))
+            return
+        if stats.selector not in SELECTORS or stats.num_tokens < 1:
+            log.warning("bad_selection_stats", error=f"selector {stats.selector!r}, {stats.num_tokens} tokens")
+            return
+        observed, seen = observed_importance(selected, offered)
+        key = profile_key(stats.model, stats.selector, bucket_for(stats.num_tokens))
+        async with self._lock(key):
+            old = await self.store.get(key)
+            if old is not None and (old.num_layers, old.num_blocks) != selected.shape:
+                log.warning("selection_stats_mismatch", key=key, stored=(old.num_layers, old.num_blocks),
+                            got=selected.shape)
+                return
+            if old is None:
+                importance, version, source, prompts, updates = observed, 1, "online", 0, 1
+            else:
+                importance = blend(importance_of(old), observed, seen, self.config.online_weight)
+                version, source, prompts, updates = old.version + 1, old.source, old.num_prompts, old.num_updates + 1
+            profile = Profile(key, stats.model, stats.selector, bucket_for(stats.num_tokens), version,
+                              stats.num_layers, stats.num_blocks, importance.astype(np.float32).tobytes(), source,
+                              prompts, updates, time.time())
+            await self.store.put(profile)
+        self.online_updates.inc()
+        await self._announce(_info(profile))
+
+    # --- internals -------------------------------------------------------------------------
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    async def _announce(self, info: ProfileInfo) -> None:
+        if self.nc is not None:
+            await self.nc.publish(subjects.PROFILE_UPDATED, encode(info))
 
     def is_ready(self) -> bool:
-        return super().is_ready() and self.kv is not None
+        return super().is_ready() and self.store is not None
 
+    async def stop(self) -> None:
+        self.torch_thread.shutdown(wait=False, cancel_futures=True)
+
+    # --- admin -----------------------------------------------------------------------------
     def admin_routes(self) -> list[web.RouteDef]:
         async def profiles(_: web.Request) -> web.Response:
-            return web.json_response({"bucket": self.config.bucket, "profiles": await self.keys()})
+            assert self.store
+            listed = [await self.store.get(k) for k in await self.store.keys()]
+            return web.json_response({"bucket": self.config.bucket,
+                                      "profiles": [vars_of(_info(p)) for p in listed if p is not None]})
 
-        return [web.get("/profiles", profiles)]
+        async def show(request: web.Request) -> web.Response:
+            try:
+                profile = await self.show(ProfileKey(request.match_info["key"]))
+            except RequestRefused as exc:
+                return web.json_response({"error": exc.message}, status=404)
+            rows = importance_of(profile)
+            return web.json_response({**vars_of(_info(profile)), "model": profile.model, "selector": profile.selector,
+                                      "bucket": profile.bucket, "num_layers": profile.num_layers,
+                                      "num_blocks": profile.num_blocks,
+                                      "importance": [[round(float(x), 5) for x in row] for row in rows]})
+
+        async def build(request: web.Request) -> web.Response:
+            try:
+                req = from_plain(BuildProfile, await request.json())
+                info = await self.build(req)
+            except ValueError as exc:  # not JSON, or not a BuildProfile (SchemaError names the field)
+                return web.json_response({"error": f"bad build request: {exc}"}, status=400)
+            except RequestRefused as exc:
+                return web.json_response({"error": exc.message}, status=400)
+            return web.json_response(vars_of(info))
+
+        async def delete(request: web.Request) -> web.Response:
+            try:
+                await self.delete(ProfileKey(request.match_info["key"]))
+            except RequestRefused as exc:
+                return web.json_response({"error": exc.message}, status=404)
+            return web.json_response({"deleted": request.match_info["key"]})
+
+        return [web.get("/profiles", profiles), web.get("/profiles/{key}", show), web.post("/profiles/build", build),
+                web.delete("/profiles/{key}", delete)]
 
     def stats(self) -> dict[str, Any]:
-        return {"bucket": self.config.bucket, "ready": self.is_ready()}
+        return {"bucket": self.config.bucket, "ready": self.is_ready(), "builds_running": self.builds_running,
+                "online_updates": self.online_updates.value(), "online_weight": self.config.online_weight}
+
+
+def _info(profile: Profile) -> ProfileInfo:
+    return ProfileInfo(profile.key, profile.version, profile.source, profile.num_prompts, profile.num_updates,
+                       profile.updated_unix)
+
+
+def vars_of(info: ProfileInfo) -> dict[str, Any]:
+    return {f: getattr(info, f) for f in info.__slots__}  # type: ignore[attr-defined]
+

@@ -1,33 +1,46 @@
 """Prefill worker: runs prompts and pushes their KV to the decode node while it computes.
 
 Life of a request here:
-  1. `prefill` arrives with the prompt and the decode node's KvHandle (where its slab is).
-  2. A slab is allocated in the local store; the prompt runs on the torch thread, layer by layer.
-  3. As each layer lands in the local slab, its push to the decode node starts (layer-wise overlap, `full`
-     mode): one segment per (K|V, head), straight into the decode slab's rows.
-  4. The first token is sampled and returned at once; the last layers' pushes may still be in flight.
-  5. When every push is acked, the local slab is freed. A failed push is reported to the decode node
-     (`transfer_failed`) so the waiting side learns at once; `abort` cancels pushes and frees the slab.
+  1. `prefill` arrives with the prompt, the decode node's KvHandle (where its slab is) and the broker's
+     TransferPlan. A slab is allocated in the local store; the prompt runs on the torch thread, layer by layer.
+  2. As each layer lands in the local slab, its pushes start (layer-wise overlap), by mode:
+       full       the layer's K/V, one segment per (K|V, head), straight into the decode slab's rows;
+       quantized  the layer's low-bit codes (computed on the torch thread), into the decode slab's aux area;
+       partial,   the layer's selector metadata for every token, then the plan's blocks of this layer
+       smartgen   (path 1: layers 0–1 and the most important profile blocks).
+  3. The first token is sampled and returned at once; the last layers' pushes may still be in flight.
+  4. full, quantized: when every push is acked, the local slab is freed.
+     partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease the decode
+     node extends (`keep`); it is freed on `release` (every entry is local, or the request ended), on
+     `abort`, or when the lease expires.
+  5. A failed push is reported to the decode node (`transfer_failed`) so the waiting side learns at once.
 """
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import Abort, Ack, KvHandle, Prefill, PrefillDone, TransferFailed, encode, subjects
-from shared.dataplane import DataPlaneError, Lane, Segment
+from schemas import (SELECTIVE_MODES, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release,
+                     SchemaError, TransferFailed, TransferPlan, decode, encode, subjects)
+from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.kvstore import OutOfPages, Slab, slab_rows
+from shared.profiles import unpack_bits
 from shared.rpc import RequestRefused, endpoint
+from shared.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
-from services.prefill.engine import PrefillEngine
+from services.prefill.engine import LayerEncoder, PrefillEngine
 
 log = structlog.get_logger()
+RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
+RELEASE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -36,8 +49,14 @@ class Transfer:
 
     handle: KvHandle
     slab: Slab
+    mode: str
+    plan: TransferPlan | None
     pushes: list[asyncio.Task[None]] = field(default_factory=list)
     num_bytes: int = 0
+    aux_ranges: list[tuple[int, int]] = field(default_factory=list)  # per layer: (offset in aux, length); may be empty
+    push_pages: np.ndarray | None = None  # (num_layers, num_pages) bool, selective modes
+    read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
+    lease: asyncio.TimerHandle | None = None
 
 
 class PrefillService(ModelWorkerService):
@@ -48,22 +67,34 @@ class PrefillService(ModelWorkerService):
         super().__init__(config)
         self.engine: PrefillEngine | None = None
         self.active: dict[str, Transfer] = {}
+        self.prefill_tokens_per_s = 0.0
+        self.leases_expired = self.metrics.counter("smartgen_kv_leases_expired_total",
+                                                   "Prefill-held KV freed because its lease ran out")
 
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        self.engine = PrefillEngine(self.runner, self.store)
-        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill), abort=endpoint(Abort, self.abort))
+        self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path))
+        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill), abort=endpoint(Abort, self.abort),
+                                 release=endpoint(Release, self.release))
+        await nc.subscribe(self.subject("keep"), cb=self.keep)
 
     # --- handlers ------------------------------------------------------------------------
     async def prefill(self, req: Prefill) -> PrefillDone:
         assert self.engine and self.store and self.runner
         self._check(req)
+        n = len(req.token_ids)
+        aux_bytes = req.handle.aux_bytes if req.transfer_mode != "full" else 0  # auto → full leaves decode's unused
         try:
-            slab = self.store.allocate(req.request_id, len(req.token_ids))
+            slab = self.store.allocate(req.request_id, n, aux_bytes)
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
-        transfer = self.active[req.request_id] = Transfer(req.handle, slab)
+        transfer = self.active[req.request_id] = Transfer(req.handle, slab, req.transfer_mode, req.plan)
+        try:
+            encode_layer = await self._encoder(req, transfer)
+        except BaseException:
+            await self._finish(req.request_id, cancel=True)
+            raise
         loop = asyncio.get_running_loop()
 
         def on_layer_stored(layer: int) -> None:  # torch thread
@@ -71,25 +102,47 @@ class PrefillService(ModelWorkerService):
 
         started = loop.time()
         try:
-            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored)
+            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored, encode_layer)
         except BaseException:
             await self._finish(req.request_id, cancel=True)
             raise
         prefill_s = loop.time() - started
-        log.info("prefill_done", tokens=len(req.token_ids), prefill_s=round(prefill_s, 3),
-                 tokens_per_s=round(len(req.token_ids) / prefill_s, 1))
+        rate = n / prefill_s
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+            (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
+        log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
+                 mode=req.transfer_mode)
+        source = self._keep_for_reads(transfer) if req.transfer_mode in SELECTIVE_MODES else None
         asyncio.create_task(self._await_pushes(req.request_id))
-        return PrefillDone(req.request_id, first, self.worker_id, len(req.token_ids), prefill_s)
+        return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source)
 
     async def abort(self, req: Abort) -> Ack:
         await self._finish(req.request_id, cancel=True)
         return Ack()
 
+    async def release(self, req: Release) -> Ack:
+        transfer = self.active.get(req.request_id)
+        if transfer is not None:
+            log.info("kv_released", request_id=req.request_id, reason=req.reason)
+            await self._finish(req.request_id, cancel=True)
+        return Ack()
+
+    async def keep(self, msg: Any) -> None:
+        try:
+            req = decode(KeepLease, msg.data)
+        except SchemaError as exc:
+            log.warning("bad_message", subject=msg.subject, error=str(exc))
+            return
+        transfer = self.active.get(req.request_id)
+        if transfer is not None and transfer.lease is not None:
+            self._arm_lease(transfer)
+
     # --- internals -------------------------------------------------------------------------
     def _check(self, req: Prefill) -> None:
         assert self.store and self.runner
-        if req.transfer_mode != "full":
-            raise RequestRefused("bad_request", f"prefill serves transfer_mode 'full', not {req.transfer_mode!r}")
+        if req.transfer_mode not in ("full", "quantized", *SELECTIVE_MODES):
+            raise RequestRefused("bad_request", f"prefill serves transfer modes full, quantized, partial and smartgen, "
+                                                f"not {req.transfer_mode!r}")
         if req.request_id in self.active:
             raise RequestRefused("bad_request", f"request {req.request_id} is already being prefilled here")
         if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
@@ -98,30 +151,105 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused("bad_request", f"prompt of {len(req.token_ids)} tokens exceeds the model's {self.runner.max_positions}")
         if req.handle.layout != self.store.layout:
             raise RequestRefused("bad_request", f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
-        if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0:
+        if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:
             raise RequestRefused("bad_request", "the KV handle's slab does not fit the prompt")
+        if req.transfer_mode in SELECTIVE_MODES:
+            if req.plan is None or req.plan.mode != req.transfer_mode or not req.selector:
+                raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs its plan and a selector")
+            num_pages = -(-len(req.token_ids) // self.store.layout.page_tokens)
+            if req.plan.num_pages != num_pages or len(req.plan.push_blocks) != -(-self.store.layout.num_layers * num_pages // 8):
+                raise RequestRefused("bad_request", "the transfer plan does not describe this prompt's blocks")
+        if req.transfer_mode == "quantized" and req.kv_bits not in (2, 4):
+            raise RequestRefused("bad_request", "quantized transfer needs kv_bits 2 or 4")
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
+
+    async def _encoder(self, req: Prefill, transfer: Transfer) -> LayerEncoder | None:
+        """What the torch thread computes per layer besides storing it, and where that lands in the aux area."""
+        assert self.engine and self.store
+        n, layers = len(req.token_ids), self.store.layout.num_layers
+        if req.transfer_mode == "quantized":
+            layout, encode_layer = self.engine.quantizer(transfer.slab, req.kv_bits, n)
+            ranges = [layout.layer_range(layer) for layer in range(layers)]
+        elif req.transfer_mode in SELECTIVE_MODES:
+            try:
+                layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n)
+            except (ValueError, PreparationMissing) as exc:
+                raise RequestRefused("bad_request", str(exc)) from None
+            ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
+            assert req.plan is not None
+            transfer.push_pages = unpack_bits(req.plan.push_blocks, (layers, req.plan.num_pages))
+        else:
+            return None
+        if layout.nbytes != req.handle.aux_bytes:
+            raise RequestRefused("bad_request", f"the decode node reserved {req.handle.aux_bytes} aux bytes; this "
+                                                f"request needs {layout.nbytes} (different selector preparation?)")
+        transfer.aux_ranges = ranges
+        return encode_layer
 
     def _start_push(self, transfer: Transfer, layer: int) -> None:
         if self.active.get(transfer.handle.request_id) is not transfer:
             return  # aborted while the torch thread was still on it: nothing may push from a freed slab
-        assert self.store
-        handle = transfer.handle
-        src = self.store.rows(transfer.slab, layer, 0, handle.num_tokens)
-        dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, 0, handle.num_tokens)
-        segments = [Segment(s, d, length) for (s, length), (d, _) in zip(src, dst)]
-        transfer.pushes.append(asyncio.create_task(self._push(transfer, segments)))
+        for path, segments in self._layer_pushes(transfer, layer):
+            transfer.pushes.append(asyncio.create_task(self._push(transfer, segments, path)))
 
-    async def _push(self, transfer: Transfer, segments: list) -> None:
+    def _layer_pushes(self, transfer: Transfer, layer: int) -> list[tuple[str, list[Segment]]]:
+        """What this layer sends during prefill, per the mode (see the life cycle above), by KV path."""
+        assert self.store
+        handle, n = transfer.handle, transfer.handle.num_tokens
+        pushes = []
+        if transfer.aux_ranges and transfer.aux_ranges[layer][1]:
+            at, length = transfer.aux_ranges[layer]
+            aux = [Segment(self.store.aux_offset(transfer.slab) + at, handle.aux_offset + at, length)]
+            pushes.append(("quantized" if transfer.mode == "quantized" else "metadata", aux))
+        if transfer.mode == "full":
+            runs = [(0, n)]
+        elif transfer.push_pages is not None:
+            runs = _page_runs(transfer.push_pages[layer], self.store.layout.page_tokens, n)
+        else:
+            runs = []
+        rows = []
+        for start, stop in runs:
+            src = self.store.rows(transfer.slab, layer, start, stop)
+            dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, start, stop)
+            rows += [Segment(s, d, length) for (s, length), (d, _) in zip(src, dst)]
+        if rows:
+            pushes.append(("full" if transfer.mode == "full" else "proactive", rows))
+        return pushes
+
+    async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
         assert self.dataplane
         handle = transfer.handle
-        # full mode: the decode node waits for every byte, so these go on the ON_DEMAND lane
+        # the decode node waits for every pushed byte before its first step, so these go on the ON_DEMAND lane
         await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments, Lane.ON_DEMAND),
                                self.config.push_timeout_s)
         n = sum(s.length for s in segments)
         transfer.num_bytes += n
-        self.latency.kv_bytes.inc(n, path="full")
+        self.latency.kv_bytes.inc(n, path=path)
+
+    def _keep_for_reads(self, transfer: Transfer) -> KvSource:
+        """Selective modes: the slab stays under a lease, readable with a fresh ticket over its prompt rows."""
+        assert self.store and self.dataplane
+        layers, n = self.store.layout.num_layers, transfer.handle.num_tokens
+        rows = [r for layer in range(layers) for r in self.store.rows(transfer.slab, layer, 0, n)]
+        transfer.read_grant = Grant(secrets.randbits(63), [(off, off + length) for off, length in rows])
+        self.dataplane.grant(transfer.read_grant)
+        self._arm_lease(transfer)
+        return KvSource(self.worker_id, self.dataplane.address, transfer.read_grant.ticket,
+                        self.store.offset(transfer.slab), transfer.slab.capacity, self.config.lease_s)
+
+    def _arm_lease(self, transfer: Transfer) -> None:
+        if transfer.lease is not None:
+            transfer.lease.cancel()
+        rid = transfer.handle.request_id
+        transfer.lease = asyncio.get_running_loop().call_later(
+            self.config.lease_s, lambda: asyncio.ensure_future(self._expire(rid, transfer)))
+
+    async def _expire(self, request_id: str, transfer: Transfer) -> None:
+        if self.active.get(request_id) is transfer:
+            log.warning("lease_expired", request_id=request_id, lease_s=self.config.lease_s)
+            self.leases_expired.inc()
+            await self._finish(request_id, cancel=True)
 
     async def _await_pushes(self, request_id: str) -> None:
         transfer = self.active.get(request_id)
@@ -131,15 +259,18 @@ class PrefillService(ModelWorkerService):
             try:
                 # NOTE: every layer's push task exists by now: prefill returned after the last layer.
                 await asyncio.gather(*transfer.pushes)
-                log.info("kv_pushed", kv_bytes=transfer.num_bytes)
+                log.info("kv_pushed", kv_bytes=transfer.num_bytes, mode=transfer.mode)
                 self.latency.requests.inc(status="ok")
             except (DataPlaneError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("kv_push_failed", error=str(exc))
                 self.latency.requests.inc(status="transfer_failed")
                 await self._report_failure(transfer.handle, f"KV push failed: {exc}")
+                await self._finish(request_id, cancel=True)
+                return
             except asyncio.CancelledError:
-                pass
-            await self._finish(request_id, cancel=True)
+                return
+            if transfer.read_grant is None:  # full, quantized: everything has left
+                await self._finish(request_id, cancel=False)
 
     async def _report_failure(self, handle: KvHandle, error: str) -> None:
         if self.nc is not None:
@@ -150,22 +281,42 @@ class PrefillService(ModelWorkerService):
         transfer = self.active.pop(request_id, None)
         if transfer is None:
             return
+        if transfer.lease is not None:
+            transfer.lease.cancel()
         if cancel:
             for task in transfer.pushes:
                 task.cancel()
-        # NOTE: the slab is only reused once no push is still reading it and the torch thread is done with it
-        # (an abort can arrive mid-prefill; the barrier job queues behind that prefill).
+        # NOTE: the slab is only reused once no push or read is still touching it and the torch thread is done
+        # with it (an abort can arrive mid-prefill; the barrier job queues behind that prefill).
         await asyncio.gather(*transfer.pushes, return_exceptions=True)
+        if transfer.read_grant is not None and self.dataplane is not None:
+            self.dataplane.revoke(transfer.read_grant.ticket)
+            await asyncio.wait_for(transfer.read_grant.wait_idle(), RELEASE_TIMEOUT_S)
         await asyncio.shield(self.in_torch(lambda: None))
         assert self.store
         self.store.free(request_id)
 
+    def load_info(self) -> dict[str, Any]:
+        return {**super().load_info(), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2)}
+
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
-        stats["leases_open"] = len(self.active)  # a prefill holds KV for a request until its pushes finish
+        stats["leases_open"] = len(self.active)  # a prefill holds KV for a request until its pushes or reads finish
+        stats["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
+        stats["leases_expired"] = self.leases_expired.value()
         return stats
 
     async def stop(self) -> None:
         for request_id in list(self.active):
             await self._finish(request_id, cancel=True)
         await super().stop()
+
+
+def _page_runs(pages: np.ndarray, page_tokens: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges [start, stop) covering the runs of consecutive True pages."""
+    idx = np.flatnonzero(pages)
+    if not idx.size:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts, ends = idx[np.r_[0, breaks]], idx[np.r_[breaks - 1, idx.size - 1]] + 1
+    return [(int(a) * page_tokens, min(num_tokens, int(b) * page_tokens)) for a, b in zip(starts, ends)]

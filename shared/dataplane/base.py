@@ -161,9 +161,10 @@ class DataPlane(abc.ABC):
         (checksums verified); raises DataPlaneError otherwise."""
 
     @abc.abstractmethod
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
-        """Caller side: copy the peer's `src` ranges into local `dst` ranges, on the peer's ON_DEMAND lane.
-        Returns when they have landed and verified; raises DataPlaneError otherwise."""
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+        """Caller side: copy the peer's `src` ranges into local `dst` ranges; the data comes back on `lane`
+        (on-demand fetches, or speculative background transfer). Returns when they have landed and verified;
+        raises DataPlaneError otherwise."""
 
     def pause_background(self) -> None:
         """Stop starting BACKGROUND chunks on every link (ON_DEMAND goes on). Idempotent."""
@@ -180,6 +181,11 @@ class DataPlane(abc.ABC):
         self.link_gbps = gbps
         for link in self.links.values():
             link.pacer.set_gbps(gbps)
+
+    def send_rate_gbps(self) -> float:
+        """The rate this process's data lanes achieved while they were sending (bytes / busy time, paced or
+        not), 10⁹ bit/s; 0.0 before anything was sent or where the transport cannot tell."""
+        return 0.0
 
     def stats(self) -> dict[str, object]:
         return {}

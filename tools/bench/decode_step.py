@@ -14,11 +14,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from services.decode.engine import DecodeEngine
-from services.decode.selectors import SELECTORS, PreparationMissing, default_prep_dir
+from shared.selectors import SELECTORS, PreparationMissing, default_prep_dir
 from shared.kvstore import KvStore
 from shared.modeling import ModelRunner
 from shared.models import resolve_model
-from tools.eval.data import stdlib_files
+from shared.workloads import stdlib_files
 
 
 def run(model: str = "", context: int = 4096, budget: float = 0.1, steps: int = 16, json_path: str | None = None) -> dict:

@@ -22,11 +22,11 @@ import torch
 from transformers import AutoTokenizer
 
 from services.decode.engine import DecodeEngine
-from services.decode.selectors import default_prep_dir
+from shared.selectors import default_prep_dir
 from shared.kvstore import KvStore
 from shared.modeling import ModelRunner
 from shared.models import resolve_model
-from tools.eval import data
+from shared import workloads
 from tools.eval.metrics import task_score
 
 
@@ -81,7 +81,7 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
         progress(f"fidelity: document {d + 1}/{num_docs} ({time.monotonic() - started:.0f} s)")
 
     # 2. task scores: free-running greedy answers, dense and selective, scored with LongBench's metrics
-    samples = [s for t in tasks for s in data.TASKS[t](tokenizer, num_docs, prompt_tokens)]
+    samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, num_docs, prompt_tokens)]
     answers: dict[object, list[str]] = {"dense": [], **{c: [] for c in configs}}
     for i, sample in enumerate(samples):
         ids = tokenizer(sample.prompt)["input_ids"]

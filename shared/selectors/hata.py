@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.decode.selectors.base import Geometry, LayerState, Selector, top_k
+from shared.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
 
 NUM_BITS = 128
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -25,7 +25,7 @@ def pack_codes(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 class HataState(LayerState):
     def __init__(self) -> None:
-        self.codes: torch.Tensor | None = None  # (num_kv_heads, n, num_bytes) uint8
+        self.codes = Rows()  # (num_kv_heads, n, num_bits / 8) uint8
 
 
 class HataSelector(Selector):
@@ -44,18 +44,29 @@ class HataSelector(Selector):
     def metadata_bytes_per_token(self) -> float:
         return self.geometry.num_kv_heads * self.num_bits / 8
 
+    def metadata_specs(self, num_tokens: int) -> MetadataSpec:
+        return [((self.geometry.num_kv_heads, num_tokens, self.num_bits // 8), torch.uint8)]
+
     def new_state(self, layer: int) -> HataState:
         return HataState()
 
     def extend(self, layer: int, state: HataState, keys: torch.Tensor) -> None:
-        new = pack_codes(keys[:, state.num_tokens:], self.weights[layer])
-        state.codes = new if state.codes is None else torch.cat([state.codes, new], dim=1)
+        state.codes.append(pack_codes(keys[:, state.num_tokens:], self.weights[layer]))
         state.num_tokens = keys.shape[1]
+
+    def export(self, state: HataState) -> list[torch.Tensor]:
+        return [state.codes.data]
+
+    def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> HataState:
+        state = HataState()
+        state.codes.append(tensors[0])
+        state.num_tokens = num_tokens
+        return state
 
     def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
         g = self.geometry
         w = self.weights[layer].repeat_interleave(g.group, dim=0)  # (num_heads, bits, d)
         q_codes = pack_codes(query[:, None, :], w).view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, bytes)
-        diff = q_codes ^ state.codes[:, None]  # (kv, G, n, bytes)
+        diff = q_codes ^ state.codes.data[:, None]  # (kv, G, n, bytes)
         hamming = sum(((diff >> b) & 1).sum(-1, dtype=torch.int32) for b in range(8))  # (kv, G, n)
         return top_k(-hamming.sum(1).float(), k)

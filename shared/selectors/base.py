@@ -4,6 +4,10 @@ A selector keeps per-layer *metadata* for every cached token (what the prefill n
 KV itself: partial keys, hash codes, page bounds, or nothing) and, each step, turns the current query into
 token indices per KV head under a budget. Layers 0–1 are always dense (the engine never asks).
 
+Metadata crosses the network: the prefill node builds a layer's state from the prompt's keys (`extend`),
+`export`s it as tensors of the shapes `metadata_specs` declares, and the decode node `restore`s the same
+state from those bytes before decoding, so both ends select exactly as if the keys were local.
+
 Shapes: keys (num_kv_heads, num_tokens, head_dim); query (num_heads, head_dim) for one decode position;
 indices (num_kv_heads, k) int64, each row sorted. Query heads h·G … h·G+G-1 share KV head h (G = group size).
 """
@@ -15,7 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector (InfiniGen, HATA and Quest all do so)
+from schemas import DENSE_LAYERS
+
+# (shape, dtype) of each tensor a layer's metadata exports, in order
+MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,32 @@ class Geometry:
         return self.num_heads // self.num_kv_heads
 
 
+class Rows:
+    """A (heads, n, …) tensor that grows along dim 1. Capacity doubles, so appending one decoded token's
+    metadata per step costs O(1) amortized instead of a copy of everything held."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self.num_rows = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        """A view of the rows held so far (empty tensor before the first append)."""
+        assert self._buf is not None, "no rows yet"
+        return self._buf[:, : self.num_rows]
+
+    def append(self, rows: torch.Tensor) -> None:
+        n, m = self.num_rows, rows.shape[1]
+        if self._buf is None or n + m > self._buf.shape[1]:
+            capacity = max(n + m, 2 * (self._buf.shape[1] if self._buf is not None else 0), 16)
+            grown = rows.new_empty((rows.shape[0], capacity, *rows.shape[2:]))
+            if self._buf is not None:
+                grown[:, :n] = self._buf[:, :n]
+            self._buf = grown
+        self._buf[:, n: n + m] = rows
+        self.num_rows = n + m
+
+
 class LayerState:
     """A selector's metadata for one layer of one request; grows as tokens are cached."""
 
@@ -63,12 +96,25 @@ class Selector(abc.ABC):
         """Bytes of metadata this selector keeps (and the prefill node pushes) per cached token, per layer."""
 
     @abc.abstractmethod
+    def metadata_specs(self, num_tokens: int) -> MetadataSpec:
+        """The tensors `export` returns for a layer holding `num_tokens` tokens."""
+
+    @abc.abstractmethod
     def new_state(self, layer: int) -> LayerState:
         """Empty metadata for one layer of a new request."""
 
     @abc.abstractmethod
     def extend(self, layer: int, state: LayerState, keys: torch.Tensor) -> None:
-        """Add metadata for keys[:, state.num_tokens:] (all keys cached so far are passed) and advance."""
+        """Add metadata for keys[:, state.num_tokens:] (all keys cached so far are passed; only the new ones
+        are read) and advance."""
+
+    @abc.abstractmethod
+    def export(self, state: LayerState) -> list[torch.Tensor]:
+        """The layer's metadata as tensors matching `metadata_specs(state.num_tokens)` (views where possible)."""
+
+    @abc.abstractmethod
+    def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> LayerState:
+        """The state `export` came from, rebuilt from its tensors (copied: the caller's buffer may be reused)."""
 
     @abc.abstractmethod
     def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:

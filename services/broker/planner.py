@@ -1,0 +1,101 @@
+"""What a request's transfer plan says: which mode (for `auto`), which blocks the prefill pushes while it
+computes, and in what order the rest follows. Pure arithmetic over the profile; no I/O.
+
+The budget (DESIGN.md, path 1): pushes may take as long as the prefill itself, so
+    bytes that fit = link rate × T_prefill,   T_prefill = N / measured prefill rate,
+i.e. n_push ≈ N_blocks · T_prefill / T_full. The selector metadata is pushed first (decode cannot select
+without it), then layers 0–1 in full (they stay dense), then profile blocks in importance order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas import DENSE_LAYERS, OpenPlan, TransferPlan
+from shared.profiles import pack_bits, page_importance
+
+AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    gbps: float  # 10⁹ bit/s
+    prefill_tokens_per_s: float
+    source: str  # "measured" or "default"
+
+
+@dataclass
+class PlannedTransfer:
+    plan: TransferPlan
+    queue: list[int]  # the speculative queue: blocks (flat layer·num_pages + page) not pushed, most important first
+
+
+def transfer_seconds(num_bytes: float, gbps: float) -> float:
+    return num_bytes * 8 / (gbps * 1e9)
+
+
+def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
+    """`auto`: (mode, reason). Full transfer wins when it fits behind the prefill (fast link, short prompt):
+    it keeps attention dense and costs nothing extra; otherwise selective transfer with SmartGen's paths."""
+    t_prefill = req.num_tokens / link.prefill_tokens_per_s
+    t_full = transfer_seconds(req.num_tokens * req.layout.token_bytes, link.gbps)
+    ratio = t_full / t_prefill
+    facts = (f"full transfer {t_full:.3g} s vs prefill {t_prefill:.3g} s (R = {ratio:.2f}) on a {link.gbps:.3g} Gbit/s "
+             f"link ({link.source}) for {req.num_tokens} tokens")
+    if ratio <= AUTO_MARGIN:
+        return "full", f"{facts}: the whole KV fits behind the prefill"
+    return "smartgen", f"{facts}: full transfer would stall decoding"
+
+
+def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link: LinkEstimate, broker_id: str,
+                  profile: tuple[str, int, str] = ("", 0, ""), reason: str = "") -> PlannedTransfer:
+    """The plan for `mode` (already resolved). `importance` (num_layers, M) orders blocks for smartgen."""
+    lay = req.layout
+    num_pages = math.ceil(req.num_tokens / lay.page_tokens)
+    num_blocks = lay.num_layers * num_pages
+    base = dict(request_id=req.request_id, mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
+                link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
+                parallel="parallel" not in req.ablate)
+    if mode in ("full", "quantized"):
+        return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])
+
+    block_bytes = lay.page_tokens * lay.token_bytes / lay.num_layers  # one layer's K and V of one page
+    t_prefill = req.num_tokens / link.prefill_tokens_per_s
+    fits = max(0.0, link.gbps * 1e9 / 8 * t_prefill - req.aux_bytes)
+    budget = min(num_blocks, int(fits // block_bytes))
+    if mode == "partial":  # the baseline: the prompt's first pages (every layer), in memory order
+        order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
+        pushed = order[:budget]
+        why = f"partial: the first {budget} of {num_blocks} blocks in memory order fit behind the prefill"
+        queue: list[int] = []
+        use_background = False
+    else:
+        order = smartgen_order(importance, req.num_tokens, lay.page_tokens)
+        dense = DENSE_LAYERS * num_pages  # layers 0–1 lead the order
+        if "proactive" in req.ablate:
+            pushed = order[:0]
+            why = "smartgen without the proactive path: metadata only"
+        else:
+            pushed = order[:max(budget, dense)]
+            why = (f"smartgen: metadata, layers 0–1, then {max(0, budget - dense)} profile blocks "
+                   f"({len(pushed)} of {num_blocks} blocks) fit behind the prefill")
+        use_background = "background" not in req.ablate
+        queue = [int(b) for b in order[len(pushed):]] if use_background else []
+    flags = np.zeros(num_blocks, dtype=bool)
+    flags[pushed] = True
+    name, version, source = profile
+    plan = TransferPlan(**base, push_blocks=pack_bits(flags), num_push_blocks=int(flags.sum()), profile=name,
+                        profile_version=version, profile_source=source, background=use_background,
+                        reason="; ".join(r for r in (reason, why) if r))
+    return PlannedTransfer(plan, queue)
+
+
+def smartgen_order(importance: np.ndarray | None, num_tokens: int, page_tokens: int) -> np.ndarray:
+    """Every block, flat (layer·num_pages + page): layers 0–1 first (in page order), then the rest by
+    decreasing page importance; ties by position, so the order is deterministic."""
+    scores = page_importance(importance, num_tokens, page_tokens)  # (L, P)
+    scores[:DENSE_LAYERS] = np.inf
+    flat = -scores.ravel()
+    return np.argsort(flat, kind="stable")

@@ -1,0 +1,217 @@
+"""The part of one request's KV that is still on the prefill node, and the reads that bring it over
+(paths 2 and 3 of DESIGN.md). The decode node owns this picture; the broker only schedules.
+
+Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks before decoding
+starts, on-demand reads mark exactly the entries a step selected, background reads mark whole blocks.
+Tokens decoded here are always local. Threads:
+  - the torch thread calls `fetch` inside attention and waits on the returned `Pending` (never on the loop);
+  - the event loop runs every read, marks presence once bytes have landed, and runs `read_blocks` and `close`.
+NOTE: presence only turns True after the bytes are in the slab, so a stale False costs a duplicate read,
+never a wrong value.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from schemas import KvLayout, KvSource
+from shared.dataplane import DataPlane, Lane, Segment
+
+
+class RemoteReadError(RuntimeError):
+    """KV that decoding needs could not be read from the prefill node."""
+
+
+@dataclass
+class Pending:
+    """An on-demand read in flight, started by `fetch`."""
+
+    future: concurrent.futures.Future[None]
+    remote: torch.Tensor | None  # (H_kv, k) bool: which selected entries it brings (None: a whole layer)
+    timeout_s: float
+    owner: "RemoteKv"
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RemoteReadError(f"an on-demand read took longer than {self.timeout_s:g} s") from None
+        except Exception as exc:
+            raise RemoteReadError(f"on-demand read failed: {exc}") from exc
+        finally:
+            self.owner.step_wait_s += time.perf_counter() - started
+
+
+@dataclass
+class RemoteKv:
+    dataplane: DataPlane
+    loop: asyncio.AbstractEventLoop
+    source: KvSource
+    layout: KvLayout
+    dst_offset: int  # the decode slab's byte offset in this process's region
+    dst_capacity: int  # tokens
+    num_tokens: int  # prompt tokens (the only ones that can be remote)
+    pushed: np.ndarray  # (num_layers, num_pages) bool: blocks pushed during prefill (already landed)
+    parallel: bool = True  # gather local entries while the remote read is in flight
+    read_timeout_s: float = 30.0
+    background_read_bytes: int = 64 << 10  # one background read; small, so an on-demand read never waits long
+    bytes_on_demand: int = 0
+    bytes_background: int = 0
+    step_local_share: list[float] = field(default_factory=list)
+    step_wait: list[float] = field(default_factory=list)
+    step_wait_s: float = 0.0  # this step so far (torch thread)
+    num_read_local: int = 0  # entries attention read that were local, all steps
+    num_read_remote: int = 0
+    is_closed: bool = False
+
+    def __post_init__(self) -> None:
+        lay = self.layout
+        self.num_kv_heads, self.page_tokens = lay.num_kv_heads, lay.page_tokens
+        self.num_pages = self.pushed.shape[1]
+        item = lay.token_bytes // (2 * lay.num_layers * lay.num_kv_heads * lay.head_dim)
+        self.token_bytes = lay.head_dim * item  # one token of one head's K (or V)
+        rows = np.arange(lay.num_layers * 2 * lay.num_kv_heads).reshape(lay.num_layers, 2, lay.num_kv_heads)
+        self.src_rows = self.source.offset + rows * self.source.capacity * self.token_bytes  # (L, K|V, H) bytes
+        self.dst_rows = self.dst_offset + rows * self.dst_capacity * self.token_bytes
+        padded = np.repeat(self.pushed, self.page_tokens, axis=1)[:, : self.num_tokens]  # (L, N)
+        self.present = np.repeat(padded[:, None], self.num_kv_heads, axis=1)  # (L, H, N)
+        self.missing_per_layer = (~self.present).sum(axis=(1, 2))
+        self.num_missing = int(self.missing_per_layer.sum())
+        self._step_local = self._step_remote = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._on_demand_busy = 0
+        self._on_demand_idle = asyncio.Event()
+        self._on_demand_idle.set()
+
+    # --- torch thread ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._step_local = self._step_remote = 0
+        self.step_wait_s = 0.0
+
+    def end_step(self) -> None:
+        self.num_read_local += self._step_local
+        self.num_read_remote += self._step_remote
+        total = self._step_local + self._step_remote
+        self.step_local_share.append(self._step_local / total if total else 1.0)
+        self.step_wait.append(self.step_wait_s)
+
+    def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
+        """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
+        selected token indices, or None for every token (dense layers). None if all are local."""
+        if self.is_closed:
+            raise RemoteReadError("the request's remote KV was released")
+        present = self.present[layer]
+        if idx is None:
+            remote = ~present
+            wanted = remote.size
+        else:
+            idx_np = idx.cpu().numpy()
+            remote = np.zeros(idx_np.shape, dtype=bool)
+            in_prompt = idx_np < self.num_tokens  # decoded tokens are local
+            rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
+            remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
+            wanted = idx_np.size
+        num_remote = int(remote.sum()) if self.missing_per_layer[layer] else 0
+        self._step_remote += num_remote
+        self._step_local += wanted - num_remote
+        if not num_remote:
+            return None
+        heads = []
+        for h in range(self.num_kv_heads):
+            tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
+            if tokens.size:
+                heads.append((h, tokens))
+        future = asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
+        return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
+
+    # --- event loop ------------------------------------------------------------------------
+    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
+        segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
+        self._on_demand_busy += 1
+        self._on_demand_idle.clear()
+        try:
+            await self._read(segments, Lane.ON_DEMAND)
+            for h, tokens in heads:
+                self._mark(layer, h, tokens)
+            self.bytes_on_demand += sum(s.length for s in segments)
+        finally:
+            self._on_demand_busy -= 1
+            if not self._on_demand_busy:
+                self._on_demand_idle.set()
+
+    async def read_blocks(self, blocks: list[int]) -> None:
+        """Path 3: move these (layer, page) blocks on the background lane, a small read at a time, never while
+        an on-demand read of this request is waiting."""
+        units = []  # (layer, head, tokens, its K and V segments): marked present only once both have landed
+        for block in blocks:
+            layer, page = divmod(block, self.num_pages)
+            tokens = np.arange(page * self.page_tokens, min(self.num_tokens, (page + 1) * self.page_tokens))
+            for h in range(self.num_kv_heads):
+                if not self.present[layer, h, tokens].all():
+                    units.append((layer, h, tokens, self._segments(layer, h, tokens)))
+        while units:
+            group, size = [], 0
+            while units and (not group or size + sum(s.length for s in units[0][3]) <= self.background_read_bytes):
+                group.append(units.pop(0))
+                size += sum(s.length for s in group[-1][3])
+            await self._on_demand_idle.wait()
+            if self.is_closed:
+                return
+            await self._read([s for *_, segs in group for s in segs], Lane.BACKGROUND)
+            for layer, h, tokens, _ in group:
+                self._mark(layer, h, tokens)
+            self.bytes_background += size
+
+    async def _read(self, segments: list[Segment], lane: Lane) -> None:
+        if self.is_closed:
+            raise RemoteReadError("the request's remote KV was released")
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self.dataplane.read(self.source.dataplane_addr, self.source.ticket, segments, lane)
+        finally:
+            self._tasks.discard(task)
+
+    def _segments(self, layer: int, head: int, tokens: np.ndarray) -> list[Segment]:
+        """Runs of consecutive tokens → one K and one V segment each (slab rows are token-contiguous)."""
+        breaks = np.flatnonzero(np.diff(tokens) != 1) + 1
+        starts, stops = tokens[np.r_[0, breaks]], tokens[np.r_[breaks - 1, tokens.size - 1]] + 1
+        tb = self.token_bytes
+        return [Segment(int(self.src_rows[layer, kv, head] + a * tb), int(self.dst_rows[layer, kv, head] + a * tb),
+                        int((b - a) * tb))
+                for kv in (0, 1) for a, b in zip(starts.tolist(), stops.tolist())]
+
+    def _mark(self, layer: int, head: int, tokens: np.ndarray) -> None:
+        row = self.present[layer, head]
+        fresh = int((~row[tokens]).sum())
+        row[tokens] = True
+        self.missing_per_layer[layer] -= fresh
+        self.num_missing -= fresh
+
+    @property
+    def is_all_local(self) -> bool:
+        return self.num_missing == 0
+
+    @property
+    def local_share(self) -> float:
+        total = self.num_read_local + self.num_read_remote
+        return self.num_read_local / total if total else 1.0
+
+    def local_blocks(self) -> np.ndarray:
+        """(num_layers, num_pages) bool: blocks wholly on this node."""
+        n_pad = self.num_pages * self.page_tokens - self.num_tokens
+        full = np.pad(self.present.all(axis=1), ((0, 0), (0, n_pad)), constant_values=True)
+        return full.reshape(full.shape[0], self.num_pages, self.page_tokens).all(axis=2)
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """No new reads; wait until every read in flight has settled (their bytes land in the slab)."""
+        self.is_closed = True
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)

@@ -1,0 +1,106 @@
+"""Low-bit KV for the `quantized` transfer mode, in the spirit of HACK (2- or 4-bit codes, asymmetric per
+partition: x ≈ scale·q + min, partitions of Π = 64 values).
+
+Per layer and KV head, as HACK partitions them:
+  K  per token: one partition over the head_dim channels of each (token, head)   — QKᵀ runs along d
+  V  per channel: partitions of Π tokens along the sequence for each (channel, head) — PV runs along tokens
+  the first `sinks` tokens (attention sinks) stay in fp16, unquantized
+Scales and minimums are fp16. The prefill node quantizes each layer as it is computed and pushes only these
+bytes; the decode node dequantizes them into its fp32/bf16 slab on arrival and decodes densely.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shared.packed import PackedTensors
+
+PARTITION = 64  # Π, values per quantization partition
+SINK_TOKENS = 4  # HACK's default: the first tokens keep 16 bits
+BITS = (2, 4)
+
+
+class QuantLayout:
+    """The bytes of one request's quantized KV: one packed block per layer, in the aux area."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, bits: int,
+                 sinks: int = SINK_TOKENS, partition: int = PARTITION):
+        if bits not in BITS:
+            raise ValueError(f"kv_bits must be one of {BITS}, not {bits}")
+        if head_dim * bits % 8:
+            raise ValueError(f"head_dim {head_dim} × {bits} bits is not a whole number of bytes")
+        self.num_layers, self.num_tokens, self.bits, self.partition = num_layers, num_tokens, bits, partition
+        self.num_sinks = min(sinks, num_tokens)
+        self.num_rest = num_tokens - self.num_sinks
+        self.num_v_parts = math.ceil(self.num_rest / partition)
+        h, d, per_byte = num_kv_heads, head_dim, 8 // bits
+        self.block = PackedTensors([
+            ((2, h, self.num_sinks, d), torch.float16),                                    # sink K, V
+            ((h, self.num_rest, d // per_byte), torch.uint8),                              # K codes
+            ((h, self.num_rest, 2), torch.float16),                                        # K scale, min
+            ((h, d, self.num_v_parts, partition // per_byte), torch.uint8),                # V codes
+            ((h, d, self.num_v_parts, 2), torch.float16),                                  # V scale, min
+        ])
+        self.layer_bytes = self.block.nbytes
+        self.nbytes = self.layer_bytes * num_layers
+
+    def layer_range(self, layer: int) -> tuple[int, int]:
+        return layer * self.layer_bytes, self.layer_bytes
+
+    def _buf(self, aux: torch.Tensor, layer: int) -> torch.Tensor:
+        at, n = self.layer_range(layer)
+        return aux[at: at + n]
+
+    def quantize(self, aux: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values (num_kv_heads, num_tokens, head_dim) → `layer`'s block of aux (uint8)."""
+        s = self.num_sinks
+        sinks, k_codes, k_sm, v_codes, v_sm = self.block.views(self._buf(aux, layer))
+        sinks[0].copy_(keys[:, :s])
+        sinks[1].copy_(values[:, :s])
+        if not self.num_rest:
+            return
+        codes, sm = _quantize(keys[:, s:].float(), self.bits)  # partitions along d
+        k_codes.copy_(codes)
+        k_sm.copy_(sm)
+        v = values[:, s:].float().transpose(1, 2)  # (h, d, rest)
+        pad = self.num_v_parts * self.partition - self.num_rest
+        if pad:  # pad with the last token (min and max unchanged); dequantize drops it
+            v = torch.cat([v, v[..., -1:].expand(-1, -1, pad)], dim=-1)
+        codes, sm = _quantize(v.reshape(*v.shape[:2], self.num_v_parts, self.partition), self.bits)
+        v_codes.copy_(codes)
+        v_sm.copy_(sm)
+
+    def dequantize(self, aux: torch.Tensor, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """`layer`'s block → keys_out/values_out (num_kv_heads, num_tokens, head_dim), written in place."""
+        s = self.num_sinks
+        sinks, k_codes, k_sm, v_codes, v_sm = self.block.views(self._buf(aux, layer))
+        keys_out[:, :s] = sinks[0]
+        values_out[:, :s] = sinks[1]
+        if not self.num_rest:
+            return
+        keys_out[:, s:] = _dequantize(k_codes, k_sm, self.bits)
+        v = _dequantize(v_codes, v_sm, self.bits).flatten(2)[..., : self.num_rest]  # (h, d, rest)
+        values_out[:, s:] = v.transpose(1, 2)
+
+
+def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (…, m) → packed codes (…, m·bits/8) uint8 and (scale, min) (…, 2) fp16, one partition per row."""
+    levels = 2 ** bits - 1
+    lo = x.amin(dim=-1, keepdim=True).half().float()
+    hi = x.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(1e-8).half().float()  # NOTE: quantize with the fp16 values we send
+    q = ((x - lo) / scale).round_().clamp_(0, levels).to(torch.uint8)
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=x.device) * bits
+    packed = (q.view(*q.shape[:-1], -1, per_byte) << shifts).sum(-1, dtype=torch.uint8)
+    return packed, torch.cat([scale, lo], dim=-1).half()
+
+
+def _dequantize(codes: torch.Tensor, scale_min: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of _quantize: (…, m·bits/8) uint8 and (…, 2) fp16 → (…, m) float32."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
+    q = ((codes[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2).float()
+    scale, lo = scale_min.float().unbind(-1)
+    return q * scale[..., None] + lo[..., None]

@@ -1,0 +1,102 @@
+"""`smartgen profile build|list|show|delete`: the KV-profile service of a running stack, from the command line.
+
+    smartgen profile build --selector quest --prompt-tokens 2048 [--num-prompts 4] [--decode-steps 16]
+    smartgen profile list | show KEY | delete KEY
+
+It talks to the stack's NATS (SMARTGEN_NATS_URL, default nats://127.0.0.1:4222) and finds the kvprofile
+worker from its heartbeat; a build shows a progress bar fed by the service's progress events.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+
+import nats
+import numpy as np
+
+from schemas import (Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList, decode,
+                     subjects)
+from shared.profiles import importance_of
+from shared.registry import WorkerRegistry
+from shared.rpc import RemoteError, call
+
+FIND_TIMEOUT_S = 5.0
+BUILD_TIMEOUT_S = 3600.0
+
+
+async def _kvprofile(nc) -> str:
+    registry = WorkerRegistry(ttl_s=30)
+    await registry.follow(nc, f"cli-{uuid.uuid4().hex[:6]}")
+    for _ in range(int(FIND_TIMEOUT_S / 0.1)):
+        workers = registry.alive("kvprofile")
+        if workers:
+            return workers[0].worker_id
+        await asyncio.sleep(0.1)
+    raise SystemExit("smartgen profile: no kvprofile service answers on this NATS (is the stack up? "
+                     "set SMARTGEN_NATS_URL)")
+
+
+async def _run(args) -> int:
+    url = os.environ.get("SMARTGEN_NATS_URL", "nats://127.0.0.1:4222")
+    try:
+        nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=0)
+    except Exception as exc:
+        raise SystemExit(f"smartgen profile: cannot reach NATS at {url}: {exc}") from None
+    try:
+        worker = await _kvprofile(nc)
+        subject = lambda verb: subjects.worker("kvprofile", worker, verb)  # noqa: E731
+        if args.action == "list":
+            listed = await call(nc, subject("list"), ListQuery(""), ProfileList, 5)
+            for key in listed.keys:
+                print(key)
+            return 0
+        if args.action in ("show", "delete"):
+            if not args.key:
+                raise SystemExit(f"smartgen profile {args.action}: name the profile KEY (see `smartgen profile list`)")
+            if args.action == "delete":
+                await call(nc, subject("delete"), ProfileKey(args.key), Ack, 5)
+                print(f"deleted {args.key}")
+                return 0
+            profile = await call(nc, subject("show"), ProfileKey(args.key), Profile, 5)
+            rows = importance_of(profile)
+            print(json.dumps({"key": profile.key, "version": profile.version, "source": profile.source,
+                              "num_prompts": profile.num_prompts, "num_updates": profile.num_updates,
+                              "mean_importance_per_layer": [round(float(r.mean()), 4) for r in rows],
+                              "top_blocks_last_layer": [int(b) for b in np.argsort(-rows[-1])[:16]]}, indent=2))
+            return 0
+        return await _build(nc, subject("build"), args)
+    except RemoteError as exc:
+        print(f"smartgen profile: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await nc.close()
+
+
+async def _build(nc, subject: str, args) -> int:
+    from tqdm import tqdm
+
+    progress_subject = subjects.profile_progress(uuid.uuid4().hex[:12])
+    bar = tqdm(total=args.num_prompts, desc=f"profile {args.selector}/{args.prompt_tokens}", unit="prompt")
+
+    async def on_progress(msg) -> None:
+        p = decode(BuildProgress, msg.data)
+        bar.total = p.total
+        bar.n = p.done
+        bar.set_postfix_str(p.stage)
+        bar.refresh()
+
+    await nc.subscribe(progress_subject, cb=on_progress)
+    try:
+        info = await call(nc, subject, BuildProfile(args.selector, args.prompt_tokens, args.num_prompts, args.decode_steps,
+                                                    args.kv_budget, progress_subject), ProfileInfo, BUILD_TIMEOUT_S)
+    finally:
+        bar.close()
+    print(f"built {info.key} version {info.version} from {info.num_prompts} prompts")
+    return 0
+
+
+def run(args) -> int:
+    return asyncio.run(_run(args))
