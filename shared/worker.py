@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 from typing import Any, Callable, TypeVar
 
 import structlog
+from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
@@ -98,6 +99,23 @@ class ModelWorkerService(Service):
 
     def is_ready(self) -> bool:
         return super().is_ready() and self.runner is not None
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        async def link(request: web.Request) -> web.Response:
+            """POST /link {"gbps": X}: pace this worker's data-plane links (0 = unpaced), as --link-gbps does."""
+            try:
+                gbps = (await request.json())["gbps"]
+                if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or gbps < 0:
+                    raise ValueError
+            except (ValueError, KeyError, TypeError):
+                return web.json_response({"error": 'send {"gbps": X} with X ≥ 0 (0 = unpaced)'}, status=400)
+            if self.dataplane is None:
+                return web.json_response({"error": "the data plane has not started"}, status=503)
+            self.dataplane.set_link_gbps(float(gbps))
+            log.info("link_paced", link_gbps=gbps)
+            return web.json_response({"link_gbps": self.dataplane.link_gbps})
+
+        return [web.post("/link", link)]
 
     def load_info(self) -> dict[str, Any]:
         return {

@@ -124,7 +124,9 @@ class PrefillService(ModelWorkerService):
         transfer = self.active.get(req.request_id)
         if transfer is not None:
             log.info("kv_released", request_id=req.request_id, reason=req.reason)
-            await self._finish(req.request_id, cancel=True)
+            # NOTE: freed in its own task: waiting out a read still leaving must not hold up the next release
+            # (nats runs an endpoint's handlers one after another)
+            asyncio.create_task(self._finish(req.request_id, cancel=True))
         return Ack()
 
     async def keep(self, msg: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import socket
 import time
 from collections import deque
@@ -34,6 +35,7 @@ CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
 # frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
 BACKGROUND_WINDOW = 2 * CHUNK_BYTES
 STAGE_PARTS = 3  # frames of this many parts or more are copied through one staging buffer (one syscall)
+RATE_WINDOW_BYTES = 16 << 20  # the send rate is a moving average over about this many recent bytes
 
 
 async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -130,7 +132,7 @@ class _Link:
                         header = _with_crc(header, frames.crc32(frame.payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
-                    if lane == Lane.BACKGROUND:
+                    if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked
                         self.background_in_flight += header.payload_len
                     await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(frame))
                 finally:
@@ -140,6 +142,8 @@ class _Link:
                 stats.num_bytes += frame.header.payload_len
                 stats.num_frames += 1
                 stats.busy_s += time.monotonic() - started
+                if lane != CONTROL:
+                    self.plane.note_sent(frame.header.payload_len, time.monotonic() - started)
         except (OSError, ConnectionError) as exc:
             self.fail(DataPlaneError(f"data-plane link to {self.peer} lost while sending: {exc}"))
         except Exception as exc:  # a bug must not leave waiters hanging: fail the link loudly
@@ -335,6 +339,8 @@ class TcpDataPlane(DataPlane):
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
         self.num_refused = 0
+        self._recent_bytes = 0.0  # decayed sums behind send_rate_gbps
+        self._recent_busy_s = 0.0
         self.links: dict[str, _Link] = {}
         self._unnamed: set[asyncio.Task[None]] = set()  # accepted sockets that have not said hello yet
         self._connecting: dict[str, asyncio.Lock] = {}
@@ -362,10 +368,16 @@ class TcpDataPlane(DataPlane):
             await link.close()
 
     # --- numbers ---------------------------------------------------------------------------------
+    def note_sent(self, num_bytes: int, busy_s: float) -> None:
+        """One data frame left in `busy_s` (pacing included): fold it into the moving average."""
+        keep = math.exp(-num_bytes / RATE_WINDOW_BYTES)
+        self._recent_bytes = keep * self._recent_bytes + num_bytes
+        self._recent_busy_s = keep * self._recent_busy_s + busy_s
+
     def send_rate_gbps(self) -> float:
-        lanes = [self.lane_stats[Lane.ON_DEMAND], self.lane_stats[Lane.BACKGROUND]]
-        busy_s = sum(s.busy_s for s in lanes)
-        return sum(s.num_bytes for s in lanes) * 8 / busy_s / 1e9 if busy_s > 0 else 0.0
+        # NOTE: the writer's busy time includes the pacer and the socket's send time; on a real NIC with large
+        # kernel buffers this is optimistic for short bursts. Good enough to size a proactive push.
+        return self._recent_bytes * 8 / self._recent_busy_s / 1e9 if self._recent_busy_s > 0 else 0.0
 
     def stats(self) -> dict[str, object]:
         lanes = {name: vars(self.lane_stats[lane]).copy()

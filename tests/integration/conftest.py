@@ -55,14 +55,21 @@ def model_workers(stack: Stack) -> list[dict]:
 
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
-    """Every prefill and decode worker holds no request, no page and no lease."""
+    """Every prefill and decode worker holds no request, no page, no lease and no ticket; the broker holds no
+    open transfer plan."""
     deadline = time.monotonic() + timeout_s
     while True:
         leaks = {}
         for w in model_workers(stack):
             s = get_json(w["admin_url"] + "/stats")
-            if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"]:
+            if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"] or s["dataplane"]["grants"]:
                 leaks[w["id"]] = {k: s[k] for k in ("active_requests", "kv_pages_in_use", "leases_open", "request_ids")}
+                leaks[w["id"]]["tickets"] = s["dataplane"]["grants"]
+        for w in get_json(stack.gateway_url + "/workers")["workers"]:
+            if w["role"] == "broker":
+                live = get_json(w["admin_url"] + "/transfers")["live"]
+                if live:
+                    leaks[w["id"]] = {"live_plans": [(p["request_id"], p["state"]) for p in live]}
         if not leaks:
             return
         if time.monotonic() > deadline:

@@ -33,7 +33,11 @@ def worker_request_counts(stack) -> dict[str, str]:
     ({**GOOD, "stream": "yes"}, "stream"),
     ({**GOOD, "n": 3}, "n"),
     ({**GOOD, "transfer_mode": "teleport"}, "transfer_mode"),
-    ({**GOOD, "transfer_mode": "smartgen"}, "transfer_mode"),
+    ({**GOOD, "transfer_mode": "quantized", "kv_bits": 3}, "kv_bits"),
+    ({**GOOD, "transfer_mode": "full", "kv_bits": 2}, "kv_bits"),  # bits are for quantized only
+    ({**GOOD, "transfer_mode": "quantized", "selector": "quest"}, "selector"),  # quantized decodes densely
+    ({**GOOD, "transfer_mode": "smartgen", "ablate": ["teleport"]}, "ablate"),
+    ({**GOOD, "transfer_mode": "full", "ablate": ["background"]}, "ablate"),  # ablation is of smartgen's paths
     ({**GOOD, "selector": "magic"}, "selector"),
     ({**GOOD, "kv_budget": 1.5}, "kv_budget"),
     ({**GOOD, "kv_budget": 0.1}, "kv_budget"),  # a budget needs a selector

@@ -53,6 +53,19 @@ async def test_random_scatter_gather_push_and_read_are_exact(planes, seed):
         assert ra[s.dst: s.dst + s.length] == expected[s.src: s.src + s.length]
 
 
+async def test_background_reads_keep_flowing_and_leave_the_grant_idle(planes):
+    """Reads answered on the background lane (speculative transfer) all complete, many chunks of them, and
+    the owner's grant is idle afterwards (a reply that never left would block freeing the pages)."""
+    a, b, ra, rb = planes
+    rb[:] = random.Random(2).randbytes(SIZE)
+    grant = Grant(1, [(0, SIZE)])
+    b.grant(grant)
+    for i in range(12):  # > the TCP background window, several times
+        await a.read(b.address, 1, [Segment(i * 256 << 10, i * 256 << 10, 256 << 10)], Lane.BACKGROUND)
+    assert ra[: 12 * 256 << 10] == rb[: 12 * 256 << 10]
+    await asyncio.wait_for(grant.wait_idle(), 2)
+
+
 async def test_push_lands_bytes_and_counts_them(planes):
     """The grant counts what landed and calls on_landed with each completed piece."""
     a, b, ra, rb = planes

@@ -1,0 +1,133 @@
+"""The broker's decisions: the proactive budget, block orders per mode, auto's choice, the plan states and
+the speculative lane policy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from schemas import KvLayout, OpenPlan
+from services.broker.planner import LinkEstimate, choose_mode, plan_transfer
+from services.broker.plans import Plan, PlanBook, PlanStateError
+from shared.profiles import positional_importance, unpack_bits
+
+LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=46080)
+N = 2048  # 128 pages per layer, 3,840 blocks of 24,576 bytes; the whole KV is 94,371,840 bytes
+
+
+def request(mode: str, ablate: list[str] | None = None, aux_bytes: int = 0) -> OpenPlan:
+    return OpenPlan("r", mode, "m", "quest", N, LAYOUT, aux_bytes, "prefill-1", "decode-1", ablate or [])
+
+
+def link_for_ratio(r: float, rate: float = 200.0) -> LinkEstimate:
+    """A link on which the full transfer takes r × the prefill."""
+    t_prefill = N / rate
+    return LinkEstimate(N * LAYOUT.token_bytes * 8 / (r * t_prefill) / 1e9, rate, "measured")
+
+
+def pushed(plan) -> np.ndarray:
+    return unpack_bits(plan.push_blocks, (LAYOUT.num_layers, plan.num_pages))
+
+
+def test_smartgen_pushes_what_fits_behind_the_prefill():
+    """At R = T_full/T_prefill = 4, a quarter of the KV fits: metadata first, then layers 0–1, then profile blocks."""
+    aux = 1_000_000
+    planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30),
+                            link_for_ratio(4.0), "b")
+    blocks = pushed(planned.plan)
+    expected = int((N * LAYOUT.token_bytes / 4 - aux) // (16 * LAYOUT.token_bytes / 30))
+    assert planned.plan.num_push_blocks == blocks.sum() == expected
+    assert blocks[:2].all()  # layers 0–1 whole
+    assert len(planned.queue) == 30 * 128 - expected and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
+
+
+def test_smartgen_follows_the_profile():
+    """Profile blocks are pushed by importance: a profile that favours the middle of the prompt gets the
+    middle pages pushed, and the speculative queue is in decreasing importance."""
+    importance = np.zeros((30, 1024), dtype=np.float32)
+    importance[:, 500:520] = 1.0
+    planned = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(10.0), "b")
+    blocks = pushed(planned.plan)
+    middle = slice(500 * N // 1024 // 16, 520 * N // 1024 // 16)
+    assert blocks[2:, middle].all() and not blocks[2:, -10:].any()  # the rest of the budget goes by position
+    tight = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(40.0), "b")  # layers 0–1 only
+    assert tight.plan.num_push_blocks == 2 * 128
+    first_queued = [divmod(b, 128) for b in tight.queue[:28 * 3]]
+    assert all(layer >= 2 and middle.start <= page < middle.stop for layer, page in first_queued)
+
+
+def test_partial_pushes_the_first_pages_in_memory_order():
+    """The partial baseline sends the prompt's first pages (every layer) and queues nothing for background."""
+    planned = plan_transfer(request("partial"), "partial", None, link_for_ratio(4.0), "b")
+    blocks = pushed(planned.plan)
+    pages = blocks.any(axis=0)
+    assert pages[:10].all() and not pages[-10:].any()
+    assert planned.queue == [] and planned.plan.background is False
+
+
+def test_ablations_switch_paths_off():
+    """No proactive path: nothing pushed but metadata. No background: an empty queue. No parallel: serial reads."""
+    link = link_for_ratio(2.0)
+    no_push = plan_transfer(request("smartgen", ["proactive"]), "smartgen", positional_importance(30), link, "b")
+    assert no_push.plan.num_push_blocks == 0 and len(no_push.queue) == 30 * 128
+    no_bg = plan_transfer(request("smartgen", ["background"]), "smartgen", positional_importance(30), link, "b")
+    assert no_bg.queue == [] and not no_bg.plan.background and no_bg.plan.parallel
+    serial = plan_transfer(request("smartgen", ["parallel"]), "smartgen", positional_importance(30), link, "b")
+    assert not serial.plan.parallel and serial.plan.background
+
+
+def test_auto_picks_full_when_it_fits_and_smartgen_when_it_stalls():
+    """auto: full transfer when it hides behind the prefill, selective otherwise; the reason says why."""
+    mode, why = choose_mode(request("auto"), link_for_ratio(0.5))
+    assert mode == "full" and "fits behind the prefill" in why
+    mode, why = choose_mode(request("auto"), link_for_ratio(6.5))
+    assert mode == "smartgen" and "R = 6.50" in why
+
+
+def make_plan(book: PlanBook, queue: int = 100, background: bool = True) -> Plan:
+    planned = plan_transfer(request("smartgen", [] if background else ["background"]), "smartgen",
+                            positional_importance(30), link_for_ratio(6.5), "b")
+    from collections import deque
+    return book.add(Plan(planned.plan, "p", "d", N, deque(planned.queue[:queue])))
+
+
+def test_plan_states_only_move_forward():
+    """opening → transferring → all_local → released; failed from anywhere; never backwards; finished plans
+    leave the live table for the history."""
+    book = PlanBook()
+    make_plan(book)
+    book.advance("r", "transferring")
+    book.advance("r", "all_local")
+    with pytest.raises(PlanStateError):
+        book.advance("r", "transferring")
+    book.advance("r", "released")
+    assert book.get("r") is None and book.history[-1]["state"] == "released"
+    assert book.advance("r", "failed") is None  # unknown now: ignored
+    make_plan(book)
+    book.advance("r", "failed", "aborted")
+    assert book.num_by_final_state == {"released": 1, "failed": 1, "expired": 0}
+
+
+def test_background_batches_follow_the_ratio_and_wait_for_the_backlog():
+    """Each iteration gets 10% of what remained when decoding began, most important first, and nothing while
+    the decode node still holds a batch."""
+    book = PlanBook(ratio=0.1)
+    plan = make_plan(book, queue=95)
+    first_ten = list(plan.queue)[:10]
+    batch, remaining = book.next_batch("r", backlog_blocks=0)
+    assert batch == first_ten and remaining == 85 and plan.state == "transferring"
+    assert book.next_batch("r", backlog_blocks=10) == ([], 85)
+    sizes = []
+    while True:
+        batch, _ = book.next_batch("r", backlog_blocks=0)
+        if not batch:
+            break
+        sizes.append(len(batch))
+    assert sizes == [10] * 8 + [5]  # ~10 iterations move everything
+
+
+def test_no_background_means_no_batches_and_stale_plans_expire():
+    """A plan without path 3 never feeds the lane; an untouched plan expires."""
+    book = PlanBook(ttl_s=5)
+    plan = make_plan(book, background=False)
+    assert book.next_batch("r", 0) == ([], 0)
+    assert book.expire(now=plan.touched + 6) == ["r"] and book.num_by_final_state["expired"] == 1
