@@ -39,6 +39,7 @@ class WorkerInfo:
     started_unix: float = 0.0
     prefill_tokens_per_s: float = 0.0  # prefill: measured prompt rate (moving average); 0 = not measured yet
     send_rate_gbps: float = 0.0  # model workers: the rate their data plane achieved while sending; 0 = unknown
+    link_gbps: float = 0.0  # model workers: the pacing their data plane is set to (emulated NIC); 0 = unpaced
     plans: list[PlanRegistration] = field(default_factory=list)  # decode: its live transfer plans (for the broker)
 
 
@@ -220,7 +221,7 @@ class TokenEvent:
     kv_bytes: dict[str, int] = field(default_factory=dict)  # bytes received per KV path
     kv_wait_s: float = 0.0  # decode time spent waiting for KV to land before step 1
     selected_share: float = 1.0  # share of cached (token, KV head) entries attended to; 1 = dense
-    local_share: float = 1.0  # share of the entries attention read that were already on the decode node
+    local_share: float = 1.0  # share of the selected entries (layers ≥ 2) that were already on the decode node
     on_demand_wait_s: float = 0.0  # decode time spent waiting on on-demand reads, all steps
     step_local_share: list[float] = field(default_factory=list)  # per decode step (token 2 on)
     step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network

@@ -125,6 +125,7 @@ class ModelWorkerService(Service):
             "kv_pages_free": self.store.num_pages_free if self.store else 0,
             "kv_pages_total": self.store.num_pages_total if self.store else 0,
             "send_rate_gbps": round(self.dataplane.send_rate_gbps(), 4) if self.dataplane else 0.0,
+            "link_gbps": self.dataplane.link_gbps if self.dataplane else 0.0,
         }
 
     def stats(self) -> dict[str, Any]:

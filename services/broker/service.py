@@ -110,14 +110,17 @@ class BrokerService(Service):
             raise RequestRefused("bad_request", f"request {req.request_id} already has a plan")
 
     def _link_estimate(self, prefill_worker_id: str) -> LinkEstimate:
-        """The prefill worker's measured send rate and prompt rate, where it has measured them."""
+        """The prefill worker's measured send rate and prompt rate where it has measured them; before that, the
+        pacing it reports, then this broker's setting, then the default."""
         info = self.registry.get(prefill_worker_id)
-        measured_gbps = info.send_rate_gbps if info else 0.0
         rate = info.prefill_tokens_per_s if info and info.prefill_tokens_per_s > 0 else self.config.default_prefill_tokens_per_s
-        if measured_gbps > 0:
-            return LinkEstimate(measured_gbps, rate, "measured")
-        assumed = self.config.link_gbps or self.config.default_link_gbps
-        return LinkEstimate(assumed, rate, "configured" if self.config.link_gbps else "default")
+        if info and info.send_rate_gbps > 0:
+            return LinkEstimate(info.send_rate_gbps, rate, "measured")
+        if info and info.link_gbps > 0:
+            return LinkEstimate(info.link_gbps, rate, "paced")
+        if self.config.link_gbps:
+            return LinkEstimate(self.config.link_gbps, rate, "configured")
+        return LinkEstimate(self.config.default_link_gbps, rate, "default")
 
     def _on_heartbeat(self, info: WorkerInfo) -> None:
         for reg in info.plans:

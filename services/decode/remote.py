@@ -109,7 +109,7 @@ class RemoteKv:
         present = self.present[layer]
         if idx is None:
             remote = ~present
-            wanted = remote.size
+            wanted = 0
         else:
             idx_np = idx.cpu().numpy()
             remote = np.zeros(idx_np.shape, dtype=bool)
@@ -118,8 +118,9 @@ class RemoteKv:
             remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
             wanted = idx_np.size
         num_remote = int(remote.sum()) if self.missing_per_layer[layer] else 0
-        self._step_remote += num_remote
-        self._step_local += wanted - num_remote
+        if idx is not None:  # NOTE: the local share counts selected entries; dense layers read everything anyway
+            self._step_remote += num_remote
+            self._step_local += wanted - num_remote
         if not num_remote:
             return None
         heads = []

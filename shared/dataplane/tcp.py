@@ -368,6 +368,10 @@ class TcpDataPlane(DataPlane):
             await link.close()
 
     # --- numbers ---------------------------------------------------------------------------------
+    def set_link_gbps(self, gbps: float) -> None:
+        super().set_link_gbps(gbps)
+        self._recent_bytes = self._recent_busy_s = 0.0  # a different link: what was measured no longer holds
+
     def note_sent(self, num_bytes: int, busy_s: float) -> None:
         """One data frame left in `busy_s` (pacing included): fold it into the moving average."""
         keep = math.exp(-num_bytes / RATE_WINDOW_BYTES)
