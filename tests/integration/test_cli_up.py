@@ -66,10 +66,28 @@ def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
             assert status == 200, body
             used.add(body["smartgen"]["prefill_worker_id"])
         assert len(used) == 2, "the gateway should spread requests over both prefill workers"
+        check_concurrent_smartgen(url)
         interrupt_and_check_clean_exit(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def check_concurrent_smartgen(url: str) -> None:
+    """Three smartgen requests at once: one decode worker serves them together, each with its own plan and
+    prefill worker, and each gives the tokens of the same selector with all KV local."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Request {i}: the river city grew from a settlement where traders met. " * 20 for i in range(3)]
+    body = {"max_tokens": 8, "temperature": 0, "selector": "quest", "kv_budget": 0.1}
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: post_json(url + "/v1/completions", body | {"prompt": p, "transfer_mode": "smartgen"}),
+                                prompts))
+    for prompt, (status, reply) in zip(prompts, results):
+        assert status == 200, reply
+        _, local = post_json(url + "/v1/completions", body | {"prompt": prompt, "transfer_mode": "colocated"})
+        assert reply["smartgen"]["token_ids"] == local["smartgen"]["token_ids"]
+    assert len({r["smartgen"]["prefill_worker_id"] for _, r in results}) == 2
 
 
 def test_up_uses_an_existing_nats_server(tiny_model_path, tmp_path, nats_server):

@@ -162,3 +162,39 @@ def test_missing_profile_degrades_to_positional(paced):
     log = paced.log_path.read_text()  # type: ignore[attr-defined]
     assert '"event": "profile_missing"' in log and ".hata." in log
     assert_no_leaks(paced)
+
+
+def broker_info(stack: Stack) -> dict:
+    return next(w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == "broker")
+
+
+def test_a_restarted_broker_rebuilds_live_plans_from_heartbeats(paced):
+    """Restart the broker while a smartgen request decodes: the new broker learns the plan from the decode
+    worker's heartbeats (state and what is local), keeps feeding the background lane, and the request ends
+    normally with nothing left open."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = broker_info(paced)["admin_url"]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, paced, transfer_mode="smartgen", max_tokens=600)
+        for _ in range(200):
+            if get_json(before + "/transfers")["live"]:
+                break
+            time.sleep(0.05)
+        paced.restart("broker")
+        restored = None
+        for _ in range(200):
+            url = broker_info(paced)["admin_url"]
+            if url != before:
+                live = get_json(url + "/transfers")["live"]
+                if live:
+                    restored = live[0]
+                    break
+            time.sleep(0.05)
+        sg = running.result(120)
+    assert restored is not None, "the restarted broker never showed the live plan"
+    assert restored["reason"] == "restored from a decode heartbeat" and restored["state"] in ("transferring", "all_local")
+    assert len(sg["token_ids"]) == 600
+    recent = get_json(broker_info(paced)["admin_url"] + "/transfers")["recent"]
+    assert any(p["request_id"] == sg["id"] and p["state"] == "released" for p in recent)
+    assert_no_leaks(paced)
