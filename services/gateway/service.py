@@ -46,7 +46,8 @@ class GatewayService(Service):
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         nats_ok, body = super().health()
-        counts = {role: len(self.registry.alive(role)) for role in ("prefill", "decode")}
+        # NOTE: the broker counts: every disaggregated request needs a plan from it
+        counts = {role: len(self.registry.alive(role)) for role in ("prefill", "decode", "broker")}
         ok = nats_ok and all(counts.values())
         missing = [role for role, n in counts.items() if n == 0]
         body.update(status="ok" if ok else body["status"] if not nats_ok else f"no {' or '.join(missing)} worker",

@@ -27,7 +27,7 @@ def test_gateway_without_workers_answers_503(nats_server, tiny_model_path):
             except OSError:
                 assert time.monotonic() < deadline and gateway.poll() is None
                 time.sleep(0.2)
-        assert health["_status"] == 503 and "no prefill or decode worker" in health["status"]
+        assert health["_status"] == 503 and "no prefill or decode or broker worker" in health["status"]
         started = time.monotonic()
         status, body = post_json(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 503 and body["error"]["code"] == "no_worker"
