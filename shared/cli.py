@@ -1,7 +1,7 @@
 """The `smartgen` command.
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
-    smartgen bench transport|decode-step [--json PATH]
+    smartgen bench transport|decode-step|serve [--json PATH]
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
@@ -30,10 +30,29 @@ def main(argv: list[str] | None = None) -> None:
                     help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
     bench = sub.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
-    bench.add_argument("what", choices=["transport", "decode-step"])
-    bench.add_argument("--json", metavar="PATH", help="also write the results here")
-    bench.add_argument("--context", type=int, default=4096, help="decode-step: context length")
-    bench.add_argument("--budget", type=float, default=0.1, help="decode-step: KV budget")
+    what = bench.add_subparsers(dest="what", required=True)
+    transport = what.add_parser("transport", help="data-plane throughput, scattered reads, lanes, pacing (~30 s)")
+    transport.add_argument("--json", metavar="PATH", help="also write the results here")
+    step = what.add_parser("decode-step", help="decode-step time, dense against each selector")
+    step.add_argument("--json", metavar="PATH")
+    step.add_argument("--context", type=int, default=4096, help="context length")
+    step.add_argument("--budget", type=float, default=0.1, help="KV budget")
+    serve = what.add_parser("serve", help="every transfer mode through the OpenAI API at chosen link pressures")
+    serve.add_argument("--modes", type=_csv(str), default=None, help="comma-separated (default: all but auto)")
+    serve.add_argument("--pressure", type=_csv(float), default=[2.0, 6.5], metavar="R[,R…]",
+                       help="R = T_full_transfer / T_prefill, measured here (default 2,6.5)")
+    serve.add_argument("--link-gbps", type=_csv(float), default=[], metavar="X[,X…]", help="explicit rates instead")
+    serve.add_argument("--prompt-tokens", type=_csv(int), default=[2048, 4096], metavar="L[,L…]")
+    serve.add_argument("--requests", type=int, default=3, help="requests per mode and setting")
+    serve.add_argument("--concurrency", type=int, default=1)
+    serve.add_argument("--selector", default="quest")
+    serve.add_argument("--kv-budget", type=float, default=0.1)
+    serve.add_argument("--max-tokens", type=int, default=64)
+    serve.add_argument("--tasks", type=_csv(str), default=None, help="workloads (default: all five LongBench stand-ins)")
+    serve.add_argument("--url", default="", help="a running gateway (default: start a stack)")
+    serve.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
+    serve.add_argument("--out", default="bench-out", help="folder for runs.json, report.md and the plots")
+    serve.add_argument("--json", metavar="PATH", help="runs.json somewhere else")
     prep = sub.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
     prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
     prep.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="model folder (default SmolLM2)")
@@ -69,10 +88,22 @@ def main(argv: list[str] | None = None) -> None:
             from tools.bench import transport
 
             transport.run(args.json)
-        else:
+        elif args.what == "decode-step":
             from tools.bench import decode_step
 
             decode_step.run(context=args.context, budget=args.budget, json_path=args.json)
+        else:
+            from tools.bench import serve
+
+            cfg = serve.BenchConfig(pressures=args.pressure, link_gbps=args.link_gbps, prompt_tokens=args.prompt_tokens,
+                                    requests=args.requests, concurrency=args.concurrency, selector=args.selector,
+                                    kv_budget=args.kv_budget, max_tokens=args.max_tokens, url=args.url, model=args.model,
+                                    out=args.out, json_path=args.json or "")
+            if args.modes:
+                cfg.modes = args.modes
+            if args.tasks:
+                cfg.tasks = args.tasks
+            serve.run(cfg)
         return
     if args.command == "eval":
         from tools.eval import fidelity
@@ -92,6 +123,16 @@ def main(argv: list[str] | None = None) -> None:
         from shared.models import default_model_path, prepare_default_model
 
         print(prepare_default_model(force=args.force) if args.action == "prepare" else default_model_path())
+
+
+def _csv(kind):
+    """argparse type: "a,b,c" → [kind(a), kind(b), kind(c)]."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+    return parse
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -127,6 +127,38 @@ def aclsum_report(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
     return samples
 
 
+def aclsum_fewshot(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
+    """Few-shot summarization (the SAMSum stand-in): shots of "Text: abstract / Summary: outcome summary" from
+    the training papers, as many as fit, then a test paper's abstract; scored on the first line, ROUGE-L."""
+    folder = _package_file("aclsum", "dataset")
+    if folder is None:
+        return []
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (folder / name).read_text().splitlines() if line.strip()]
+
+    def abstract(row: dict) -> str:
+        return " ".join(row["sentences"]["abstract"])
+
+    rng = random.Random(seed)
+    train, test = rows("train.jsonl"), rows("test.jsonl")
+    template = "Summarize the text into one short sentence. The following are some examples.\n\n{context}\n\n{input}"
+    samples = []
+    for row in rng.sample(test, min(n, len(test))):
+        shots = rng.sample(train, len(train))
+        query = f"Text: {abstract(row)}\nSummary: "
+        context, used = "", 0
+        for shot in shots:  # add shots while the prompt fits
+            block = f"Text: {abstract(shot)}\nSummary: {shot['summary']['outcome']}\n\n"
+            if len(tokenizer(template.format(context=context + block, input=query))["input_ids"]) > prompt_tokens:
+                break
+            context, used = context + block, used + 1
+        if used:
+            samples.append(Sample("aclsum_fewshot", template.format(context=context.rstrip(), input=query),
+                                  [row["summary"]["outcome"]], "rouge_l_first_line", 64))
+    return samples
+
+
 def hotpotqa_long(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sample]:
     """A HotpotQA question with its gold and distractor paragraphs, padded with other questions' paragraphs
     (shuffled in) to fill `prompt_tokens`: LongBench's multi-document QA shape."""
@@ -157,5 +189,5 @@ def hotpotqa_long(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
 
 
 TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report,
-         "hotpotqa_long": hotpotqa_long}
+         "aclsum_fewshot": aclsum_fewshot, "hotpotqa_long": hotpotqa_long}
 CALIBRATION_TASK = "hotpotqa_long"  # profiles are built on it; evaluations leave it out

@@ -60,7 +60,7 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
                         gw.config.default_selector)
     except ApiError as exc:
         return _error(exc)
-    run = CompletionRun(gw.nc, gw.registry, job, gw.stop_token_ids, gw.config.request_timeout_s)
+    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream)

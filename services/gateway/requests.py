@@ -41,6 +41,7 @@ class CompletionJob:
     kv_budget: float | None
     kv_bits: int = 0  # quantized
     ablate: list[str] = field(default_factory=list)  # smartgen paths switched off
+    ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token (benchmarks)
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -119,12 +120,15 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
         raise ApiError(400, f"ablate must be a list of paths to switch off, from {', '.join(SMARTGEN_PATHS)}", "ablate")
     if ablate and mode not in ("smartgen", "auto"):
         raise ApiError(400, "ablate switches off paths of transfer_mode 'smartgen' (or 'auto')", "ablate")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
 
     return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
                          max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,
                          transfer_mode=mode, selector=selector,
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
-                         kv_bits=kv_bits or 0, ablate=sorted(set(ablate)))
+                         kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos)
 
 
 def _completion_prompt(prompt: Any, tokenizer) -> list[int]:

@@ -66,8 +66,14 @@ def string_match(prediction: str, ground_truth: str) -> float:
     return float(ground_truth.strip().lower() in prediction.lower())
 
 
+def rouge_first_line(prediction: str, ground_truth: str) -> float:
+    """Few-shot summarization (LongBench's samsum rule): only the first line of the prediction counts."""
+    return rouge_score(prediction.lstrip("\n").split("\n")[0], ground_truth)
+
+
 METRICS: dict[str, Callable[[str, str], float]] = {
-    "qa_f1": qa_f1_score, "rouge_l": rouge_score, "code_sim": code_sim_score, "string_match": string_match}
+    "qa_f1": qa_f1_score, "rouge_l": rouge_score, "rouge_l_first_line": rouge_first_line,
+    "code_sim": code_sim_score, "string_match": string_match}
 
 
 def task_score(metric: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:

@@ -1,0 +1,162 @@
+"""The serving benchmark's report: ratios from the same run, a markdown table, and the paper-style plots.
+
+Ratios: TTST and TBT of each mode over `full` at the same prompt length and pressure, and over the
+colocated references measured in the same run (`colocated` dense: the physical limit; `colocated-selective`:
+the same selector with all KV local, what SmartGen's TBT is held against).
+Plots (PNG): CTL per token index per mode (the paper's time-series figure), TTST per mode against R (the
+bandwidth figure), the ablation bars, and bytes per path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools.bench import cluster
+
+ABLATIONS = ("smartgen", "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background")
+PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
+
+
+def add_ratios(runs: list[dict]) -> None:
+    """Each run gets ttst_vs_full, tbt_vs_full, ttst_vs_colocated, tbt_vs_colocated_selective (None where the
+    reference was not run)."""
+    def find(mode: str, length: int, pressure) -> dict | None:
+        for r in runs:
+            if r["mode"] == mode and r["prompt_tokens_asked"] == length and (pressure == "any" or r["pressure"] == pressure):
+                return r
+        return None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    for r in runs:
+        length = r["prompt_tokens_asked"]
+        full, colo, local = find("full", length, r["pressure"]), find("colocated", length, "any"), \
+            find("colocated-selective", length, "any")
+        r["ttst_vs_full"] = ratio(r["ttst_p50_s"], full and full["ttst_p50_s"])
+        r["tbt_vs_full"] = ratio(r["tbt_mean_s"], full and full["tbt_mean_s"])
+        r["ttst_vs_colocated"] = ratio(r["ttst_p50_s"], colo and colo["ttst_p50_s"])
+        r["tbt_vs_colocated_selective"] = ratio(r["tbt_mean_s"], local and local["tbt_mean_s"])
+
+
+def _f(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _mb(n) -> str:
+    return "—" if not n else f"{n / 1e6:.1f}"
+
+
+def markdown(report: dict) -> str:
+    m, cfg, runs = report["machine"], report["config"], report["runs"]
+    lines = [f"# Serving benchmark: {m['model']}", "",
+             f"{m['date']} on {m['host']} ({m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['dtype']}). "
+             f"Absolute times belong to this machine; compare rows within a table.", "",
+             f"Selector `{cfg['selector']}` at budget {cfg['kv_budget']}, {cfg['requests']} requests per row "
+             f"({', '.join(cfg['tasks'])}), {cfg['max_tokens']} output tokens each, concurrency {cfg['concurrency']}.", "",
+             "## Link settings", "",
+             "| prompt tokens | prefill tok/s here | KV bytes/token | R | emulated link | same R for Llama-3.1-8B on an L20 (same length / 48K) |",
+             "|---|---|---|---|---|---|"]
+    seen = set()
+    for r in runs:
+        key = (r["prompt_tokens_asked"], r["pressure"], r["link_gbps"])
+        if key in seen or not r["link_gbps"]:
+            continue
+        seen.add(key)
+        calib = report["calibration"][str(r["prompt_tokens_asked"])]
+        pressure = r["pressure"]
+        eq = (f"{cluster.equivalent_gbps(pressure, cluster.LLAMA_31_8B, r['prompt_tokens']):.2f} / "
+              f"{cluster.equivalent_gbps(pressure, cluster.LLAMA_31_8B, 48 * 1024):.2f} Gbit/s") if pressure else "—"
+        lines.append(f"| {r['prompt_tokens']} | {calib['prefill_tokens_per_s']:.0f} | {calib['kv_bytes_per_token']:.0f} | "
+                     f"{_f(pressure, 2)} | {r['link_gbps'] * 1e3:.2f} Mbit/s | {eq} |")
+    lines += ["", f"Cluster assumptions: {report['cluster_assumptions']}.", ""]
+    for length in sorted({r["prompt_tokens_asked"] for r in runs}):
+        for pressure in sorted({r["pressure"] for r in runs if r["prompt_tokens_asked"] == length and r["pressure"]}):
+            rows = [r for r in runs if r["prompt_tokens_asked"] == length and (r["pressure"] == pressure or not r["link_gbps"])]
+            lines += [f"## {length} tokens, R = {pressure:g}", "",
+                      "| mode | TTFT p50 | TTST p50 | TTST p99 | TBT | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ full | TTST ÷ colocated | TBT ÷ all-local selective |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in rows:
+                ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
+                paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
+                share = f"{_f(r['local_share'], 2)} ({_f(r['step1_local_share'], 2)})" if r["local_share"] is not None else "—"
+                lines.append(f"| {r['mode']} | {_f(r['ttft_p50_s'], 2)} | {_f(r['ttst_p50_s'])} | {_f(r['ttst_p99_s'])} | "
+                             f"{_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | {paths or '—'} | {share} | "
+                             f"{_f(r['ttst_vs_full'], 2)} | {_f(r['ttst_vs_colocated'], 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} |")
+            lines.append("")
+    lines.append("Times in seconds. CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on.")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, written = report["runs"], []
+    for length in sorted({r["prompt_tokens_asked"] for r in runs}):
+        at = [r for r in runs if r["prompt_tokens_asked"] == length]
+        pressures = sorted({r["pressure"] for r in at if r["pressure"]})
+        for pressure in pressures:  # CTL per token index per mode
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for r in at:
+                if r["pressure"] in (pressure, None) and r["ctl_curve_s"]:
+                    ax.plot(range(1, len(r["ctl_curve_s"]) + 1), r["ctl_curve_s"], label=r["mode"],
+                            linestyle="--" if not r["link_gbps"] else "-")
+            ax.set(xlabel="token index", ylabel="cumulative token latency (s)", title=f"CTL, {length} tokens, R = {pressure:g}")
+            ax.legend(fontsize=7)
+            written.append(_save(fig, out / f"ctl_{length}_R{pressure:g}.png"))
+        if pressures:  # TTST per mode against R
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for mode in dict.fromkeys(r["mode"] for r in at):
+                points = sorted((r["pressure"], r["ttst_p50_s"]) for r in at if r["mode"] == mode and r["pressure"])
+                if points:
+                    ax.plot([p for p, _ in points], [t for _, t in points], marker="o", label=mode)
+                else:  # unpaced reference: a horizontal line
+                    ref = next(r for r in at if r["mode"] == mode)
+                    ax.axhline(ref["ttst_p50_s"], linestyle="--", linewidth=1, label=f"{mode} (no transfer)")
+            ax.set(xlabel="R = T_full_transfer / T_prefill", ylabel="TTST p50 (s)", yscale="log", title=f"TTST, {length} tokens")
+            ax.legend(fontsize=7)
+            written.append(_save(fig, out / f"ttst_by_pressure_{length}.png"))
+        bars = [r for r in at if r["mode"] in ABLATIONS]
+        if bars:  # ablation bars
+            fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+            for ax, key, label in ((axes[0], "ttst_p50_s", "TTST p50 (s)"), (axes[1], "tbt_mean_s", "TBT (s)")):
+                for i, pressure in enumerate(pressures):
+                    rows = [r for r in bars if r["pressure"] == pressure]
+                    ax.bar([j + i * 0.4 for j in range(len(rows))], [r[key] or 0 for r in rows], width=0.4, label=f"R = {pressure:g}")
+                    ax.set_xticks(range(len(rows)), [r["mode"].replace("smartgen-", "") for r in rows], fontsize=8)
+                ax.set(ylabel=label)
+                ax.legend(fontsize=7)
+            fig.suptitle(f"Ablation, {length} tokens")
+            written.append(_save(fig, out / f"ablation_{length}.png"))
+        fig, ax = plt.subplots(figsize=(9, 4.5))  # bytes per path
+        rows = [r for r in at if r["kv_bytes"]]
+        bottom = [0.0] * len(rows)
+        for path in PATHS:
+            heights = [(r["kv_bytes"].get(path) or 0) / 1e6 for r in rows]
+            if any(heights):
+                ax.bar(range(len(rows)), heights, bottom=bottom, label=path)
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(range(len(rows)), [f"{r['mode']}\nR={_f(r['pressure'], 1)}" for r in rows], fontsize=6, rotation=45)
+        ax.set(ylabel="MB per request", title=f"Bytes per path, {length} tokens")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / f"bytes_{length}.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write(report: dict, out: Path) -> str:
+    add_ratios(report["runs"])
+    text = markdown(report)
+    (out / "report.md").write_text(text)
+    plots(report, out)
+    return text
