@@ -70,7 +70,7 @@ def _from_plain(tp: Any, value: Any, where: str) -> Any:
                 raise SchemaError(f"{where}: missing field {f.name!r}")
         unknown = set(value) - {f.name for f in dataclasses.fields(tp)}
         if unknown:
-            raise SchemaError(f"{where}: unknown fields {sorted(unknown)}")
+            raise SchemaError(f"{where}: unknown fields {_some(unknown)}")
         return tp(**kwargs)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
@@ -89,7 +89,7 @@ def _from_plain(tp: Any, value: Any, where: str) -> Any:
         key_tp, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
-        return {_from_plain(key_tp, k, where): _from_plain(val_tp, v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {_from_plain(key_tp, k, where): _from_plain(val_tp, v, f"{where}[{k!r:.40}]") for k, v in value.items()}
     if tp is type(None):
         if value is not None:
             raise SchemaError(f"{where}: expected nil")
@@ -109,3 +109,9 @@ def _from_plain(tp: Any, value: Any, where: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"{where}: the codec does not know type {tp}")
+
+
+def _some(names: set[Any], limit: int = 4) -> str:
+    """A few of `names`, each cut short: an error names the culprits without echoing a hostile payload."""
+    shown = [f"{name!r:.40}" for name in sorted(names, key=repr)[:limit]]
+    return ", ".join(shown) + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -14,6 +14,9 @@ SELECTIVE_MODES = ("partial", "smartgen")  # decode attends selectively while pa
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector (InfiniGen, HATA, Quest); smartgen pushes them whole
 # The three paths of `smartgen`; a request may switch any off for ablation (`ablate`).
 SMARTGEN_PATHS = ("proactive", "parallel", "background")
+# What a decode worker does when a request's KV cannot come from the prefill node (README, "When things fail"):
+# `fail` the request with an error naming what failed, or `recompute` the prefill itself and carry on.
+FAILURE_POLICIES = ("fail", "recompute")
 # A transfer plan's states, in order; `failed` and `expired` can follow any state before `released`.
 PLAN_STATES = ("opening", "transferring", "all_local", "released", "failed", "expired")
 
@@ -41,6 +44,9 @@ class WorkerInfo:
     send_rate_gbps: float = 0.0  # model workers: the rate their data plane achieved while sending; 0 = unknown
     link_gbps: float = 0.0  # model workers: the pacing their data plane is set to (emulated NIC); 0 = unpaced
     plans: list[PlanRegistration] = field(default_factory=list)  # decode: its live transfer plans (for the broker)
+    # model workers: the requests they hold (decode: until the stream's last event is out). A gateway back from a
+    # NATS reconnect uses it to tell a slow request from one whose reply or tokens were lost meanwhile.
+    request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +184,9 @@ class Generate:
     """Gateway → decode (`decode.<id>.generate`): produce tokens and stream them. Reply: Accepted.
 
     In `full` mode `first_token` comes from the prefill and the KV arrives over the data plane;
-    in `colocated` mode the decode worker runs the prefill itself (`first_token` = -1).
+    in `colocated` mode the decode worker runs the prefill itself (`first_token` = -1). Under failure_policy
+    `recompute` a disaggregated request may also come with `first_token` = -1: its prefill failed before
+    the first token, and the decode worker recomputes it.
     """
 
     request_id: str
@@ -195,6 +203,8 @@ class Generate:
     source: KvSource | None = None  # partial, smartgen
     kv_bits: int = 0  # quantized
     prefill_worker_id: str = ""  # who prefilled (every mode but colocated)
+    prefill_dataplane_addr: str = ""  # where its pushes come from: if that link drops, waiting for them stops
+    failure_policy: str = "fail"  # one of FAILURE_POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +236,7 @@ class TokenEvent:
     step_local_share: list[float] = field(default_factory=list)  # per decode step (token 2 on)
     step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network
     all_local_step: int = -1  # the step after which every entry was local (-1: never, or no remote KV)
+    recompute_reason: str = ""  # failure_policy recompute: why this worker recomputed the prefill ("" = it did not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
     smartgen bench transport|decode-step|serve [--json PATH]
+    smartgen loadtest [--url URL | --model PATH --prefill N --decode M] [--concurrency 16] [--duration 300] …
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
@@ -53,6 +54,21 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
     serve.add_argument("--out", default="bench-out", help="folder for runs.json, report.md and the plots")
     serve.add_argument("--json", metavar="PATH", help="runs.json somewhere else")
+    serve.add_argument("--profile-prompts", type=int, default=0, metavar="N",
+                       help="first build the selector's profile per prompt length from N calibration prompts "
+                            "(default 0: the stack's stored profiles, or the positional fallback)")
+    load = sub.add_parser("loadtest", help="concurrent streaming clients for a fixed time: errors, latency, memory, leaks")
+    load.add_argument("--url", default="", help="a running gateway on this machine (default: start a stack)")
+    load.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="the started stack's model")
+    load.add_argument("--prefill", type=int, default=1, metavar="N", help="the started stack's prefill replicas")
+    load.add_argument("--decode", type=int, default=1, metavar="M", help="the started stack's decode replicas")
+    load.add_argument("--concurrency", type=int, default=16, help="clients, one streaming request in flight each")
+    load.add_argument("--duration", type=float, default=300, help="seconds")
+    load.add_argument("--max-tokens", type=int, default=32)
+    load.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length")
+    load.add_argument("--transfer-mode", nargs="+", default=[], choices=SERVABLE_TRANSFER_MODES, help="used in turn")
+    load.add_argument("--grace", type=float, default=10, help="seconds in-flight requests get after the deadline")
+    load.add_argument("--json", metavar="PATH", help="also write the full result here")
     prep = sub.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
     prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
     prep.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help="model folder (default SmolLM2)")
@@ -68,19 +84,43 @@ def main(argv: list[str] | None = None) -> None:
     prof.add_argument("--decode-steps", type=int, default=16)
     prof.add_argument("--kv-budget", type=float, default=0.1)
     ev = sub.add_parser("eval", help="quality evaluations; each accepts --json PATH")
-    ev.add_argument("what", choices=["fidelity"])
-    ev.add_argument("--selector", nargs="+", default=["oracle", "infinigen", "hata", "quest", "positional"])
-    ev.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2])
-    ev.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
-    ev.add_argument("--num-docs", type=int, default=2)
-    ev.add_argument("--prompt-tokens", type=int, default=2048)
-    ev.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
-    ev.add_argument("--tasks", nargs="+", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"])
-    ev.add_argument("--json", metavar="PATH")
+    which = ev.add_subparsers(dest="what", required=True)
+    fid = which.add_parser("fidelity", help="each selector against dense attention, all KV local (in process)")
+    fid.add_argument("--selector", nargs="+", default=["oracle", "infinigen", "hata", "quest", "positional"])
+    fid.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    fid.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
+    fid.add_argument("--num-docs", type=int, default=2)
+    fid.add_argument("--prompt-tokens", type=int, default=2048)
+    fid.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
+    fid.add_argument("--tasks", nargs="+", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"])
+    fid.add_argument("--json", metavar="PATH")
+    acc = which.add_parser("accuracy", help="LongBench task scores through the serving path, per mode and selector")
+    acc.add_argument("--modes", type=_csv(str), default=None, help="comma-separated (default: every mode but the ablations)")
+    acc.add_argument("--selector", nargs="+", default=["quest"], help="for the selective modes")
+    acc.add_argument("--kv-budget", type=float, default=0.1)
+    acc.add_argument("--tasks", nargs="+", default=None, help="workloads (default: all five LongBench stand-ins)")
+    acc.add_argument("--samples", type=int, default=4, help="samples per task")
+    acc.add_argument("--prompt-tokens", type=int, default=2048)
+    acc.add_argument("--link-gbps", type=float, default=0.0, help="pace the data plane (0 = unpaced; tokens do not depend on it)")
+    acc.add_argument("--url", default="", help="a running gateway (default: start a stack)")
+    acc.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""))
+    acc.add_argument("--out", default="eval-out")
+    acc.add_argument("--json", metavar="PATH")
+    sim = sub.add_parser("simulate", help="project TTST/TBT/CTL to the paper's GPU cluster from a local bench run")
+    sim.add_argument("--runs", metavar="RUNS_JSON", help="a `bench serve` runs.json to calibrate local hit rates with")
+    sim.add_argument("--models", type=_csv(str), default=["Llama-3.1-8B", "Qwen3-14B"])
+    sim.add_argument("--gbps", type=_csv(float), default=[15.0, 25.0, 32.0])
+    sim.add_argument("--prompt-tokens", type=_csv(int), default=[8192, 16384, 32768, 49152])
+    sim.add_argument("--batch", type=_csv(int), default=[1, 6])
+    sim.add_argument("--prefix-hit", type=float, default=0.0, help="share of each prompt served by a prefix cache")
+    sim.add_argument("--kv-budget", type=float, default=0.1)
+    sim.add_argument("--json", metavar="PATH")
     model = sub.add_parser("model", help="the default model's cached safetensors folder")
     model.add_argument("action", choices=["prepare", "path"])
     model.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so a benchmark's own stack is stopped by its `finally` (`up` has its own handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.command == "up":
         sys.exit(_up(args))
     if args.command == "bench":
@@ -98,17 +138,34 @@ def main(argv: list[str] | None = None) -> None:
             cfg = serve.BenchConfig(pressures=args.pressure, link_gbps=args.link_gbps, prompt_tokens=args.prompt_tokens,
                                     requests=args.requests, concurrency=args.concurrency, selector=args.selector,
                                     kv_budget=args.kv_budget, max_tokens=args.max_tokens, url=args.url, model=args.model,
-                                    out=args.out, json_path=args.json or "")
+                                    out=args.out, json_path=args.json or "", profile_prompts=args.profile_prompts)
             if args.modes:
                 cfg.modes = args.modes
             if args.tasks:
                 cfg.tasks = args.tasks
             serve.run(cfg)
         return
-    if args.command == "eval":
-        from tools.eval import fidelity
+    if args.command == "loadtest":
+        from tools import loadtest
 
-        fidelity.run(args)
+        sys.exit(loadtest.main(args))
+    if args.command == "eval":
+        if args.what == "fidelity":
+            from tools.eval import fidelity
+
+            fidelity.run(args)
+        else:
+            from tools.eval import accuracy
+
+            accuracy.run(args.modes or list(accuracy.DEFAULT_MODES), args.selector, args.kv_budget,
+                         args.tasks or list(accuracy.DEFAULT_TASKS), args.samples, args.prompt_tokens, args.link_gbps,
+                         args.url, args.model, args.out, args.json or "")
+        return
+    if args.command == "simulate":
+        from tools.bench import simulate
+
+        simulate.run(args.runs, args.models, args.gbps, args.prompt_tokens, args.batch, args.prefix_hit, args.kv_budget,
+                     args.json)
         return
     if args.command == "profile":
         from tools import profiles
@@ -157,6 +214,9 @@ def _up(args: argparse.Namespace) -> int:
                             nats_url=os.environ.get("SMARTGEN_NATS_URL", ""), env=env))
     stack.start()
     print(f"smartgen: NATS at {stack.nats_url}; starting {args.prefill} prefill + {args.decode} decode workers…", flush=True)
+    # NOTE: paths to the secrets (mode 0600), never the secrets: tools and admin routes need these settings
+    print("smartgen: for tools and admin routes: export " + " ".join(f"{k}={v}" for k, v in stack.client_env().items()),
+          flush=True)
     code = 0
     try:
         ready = False

@@ -9,13 +9,17 @@ import argparse
 import dataclasses
 import os
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from schemas.subjects import is_token
 
 C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
+# Settings that hold a secret: each can instead be read from the file named by `<name>_file` (docker secrets).
+# NOTE: their fields are repr=False and nothing logs them; keep it that way for any secret added here.
+SECRET_FIELDS = ("nats_token", "nats_password", "admin_token")
 
 
 class ConfigError(ValueError):
@@ -31,12 +35,26 @@ class ServiceConfig:
     worker_id: str = ""  # "" = "<role>-<8 hex>"
     log_level: str = "info"
     heartbeat_s: float = 1.0
+    # NATS credentials (see shared/natsconn.py): a token, or a user and password; none = an open server
+    nats_token: str = field(default="", repr=False)
+    nats_token_file: str = ""  # a file holding nats_token (e.g. /run/secrets/nats_token)
+    nats_user: str = ""
+    nats_password: str = field(default="", repr=False)
+    nats_password_file: str = ""
+    # TLS to NATS: on when nats_url is tls:// or a CA is given; the client pair only if the server asks for one
+    nats_tls_ca: str = ""  # PEM bundle of the CA that signed the server's certificate ("" = the system's CAs)
+    nats_tls_cert: str = ""  # PEM client certificate
+    nats_tls_key: str = ""  # PEM private key of nats_tls_cert
+    # Bearer token for admin routes that change state (POST/DELETE…); "" = those routes answer 403
+    admin_token: str = field(default="", repr=False)
+    admin_token_file: str = ""
 
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
     def validate(self) -> None:
+        self.read_secret_files()
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise ConfigError(f"nats_url {self.nats_url!r} must start with nats:// (or tls://)")
         if not 0 <= self.admin_port < 65536:
@@ -47,6 +65,34 @@ class ServiceConfig:
             raise ConfigError(f"worker_id {self.worker_id!r} must be letters, digits, '-' or '_' (it is part of NATS subjects)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
+        if self.nats_token and (self.nats_user or self.nats_password):
+            raise ConfigError("NATS takes a token or a user and password, not both: unset SMARTGEN_NATS_TOKEN or SMARTGEN_NATS_USER")
+        if bool(self.nats_user) != bool(self.nats_password):
+            raise ConfigError("set both SMARTGEN_NATS_USER and SMARTGEN_NATS_PASSWORD (or _FILE), or neither")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ConfigError("a NATS client certificate needs its key: set both SMARTGEN_NATS_TLS_CERT and SMARTGEN_NATS_TLS_KEY")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name} {path!r} is not a file (set {env_name(name)} to a PEM file)")
+
+    def read_secret_files(self) -> None:
+        """Fill each secret from its `_file` setting. Idempotent; both set to different values is an error."""
+        for name in SECRET_FIELDS:
+            path = getattr(self, name + "_file")
+            if not path:
+                continue
+            try:
+                # NOTE: one trailing newline is dropped (echo and most editors add one); other whitespace counts
+                secret = Path(path).read_text().removesuffix("\n").removesuffix("\r")
+            except OSError as exc:
+                raise ConfigError(f"{name}_file: cannot read {path!r} ({exc.strerror}); set {env_name(name + '_file')} "
+                                  "to a readable file") from None
+            if not secret:
+                raise ConfigError(f"{name}_file {path!r} is empty")
+            if getattr(self, name) and getattr(self, name) != secret:
+                raise ConfigError(f"{env_name(name)} and {env_name(name + '_file')} are both set and differ: keep one")
+            setattr(self, name, secret)
 
 
 def env_name(field_name: str) -> str:
@@ -113,3 +159,12 @@ class ModelWorkerConfig(ServiceConfig):
             raise ConfigError("link_gbps must be ≥ 0 (0 = unpaced)")
         if self.max_active_requests <= 0:
             raise ConfigError("max_active_requests must be positive")
+
+
+def write_secret_file(path: Path, secret: str) -> Path:
+    """Write `secret` to `path` readable by this user only (mode 0600, set before any byte is written)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return path

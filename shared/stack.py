@@ -1,18 +1,28 @@
 """The whole stack as local processes: an embedded NATS (unless SMARTGEN_NATS_URL names one) and the
 five services, each `python -m services.<role>`. Used by `smartgen up` and by the integration tests.
+
+Secrets, per run: the embedded NATS wants a fresh random token; with an external server the services
+take whatever credentials the environment gives (SMARTGEN_NATS_TOKEN…). The admin token is
+SMARTGEN_ADMIN_TOKEN(_FILE) if set, else random. Services get both as files (mode 0600) in a private
+folder, never on a command line; `client_env()` points a tool at them.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.admin_auth import admin_token_from_env
+from shared.config import write_secret_file
 from shared.nats_server import NatsServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +47,25 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         self._envs: dict[str, tuple[str, dict[str, str]]] = {}
         self._log = None
+        self.admin_token = ""  # the bearer token of state-changing admin routes (set by start)
+        self.secrets_dir: Path | None = None  # mode 0700: admin-token (and the embedded NATS keeps its own)
+
+    def client_env(self) -> dict[str, str]:
+        """SMARTGEN_* settings that let a tool reach this stack's NATS and admin routes (secrets by file)."""
+        env = self.nats.client_env() if self.nats else {"SMARTGEN_NATS_URL": self.nats_url}
+        return {**env, "SMARTGEN_ADMIN_TOKEN_FILE": str(self.secrets_dir / "admin-token")} if self.secrets_dir else env
+
+    def nats_options(self) -> dict:
+        """nats.connect keyword arguments for this stack's NATS (they hold the token: do not log them)."""
+        from shared.natsconn import client_options
+
+        return client_options(self._service_env({**os.environ, **self.spec.env}))
+
+    def _service_env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with this run's secrets in place of any the caller set: the admin token, and with the embedded
+        NATS every SMARTGEN_NATS_* setting (its URL and token are its own; an external server's stay as given)."""
+        replaced = ("SMARTGEN_ADMIN_TOKEN", "SMARTGEN_NATS_") if self.nats else ("SMARTGEN_ADMIN_TOKEN",)
+        return {**{k: v for k, v in env.items() if not k.startswith(replaced)}, **self.client_env()}
 
     @property
     def nats_url(self) -> str:
@@ -47,6 +76,9 @@ class Stack:
         return f"http://127.0.0.1:{self.spec.gateway_port}"
 
     def start(self) -> "Stack":
+        self.secrets_dir = Path(tempfile.mkdtemp(prefix="smartgen-stack-"))
+        self.admin_token = admin_token_from_env({**os.environ, **self.spec.env}) or secrets.token_urlsafe(32)
+        write_secret_file(self.secrets_dir / "admin-token", self.admin_token)
         if not self.spec.nats_url:
             self.nats = NatsServer().start()
         if self.spec.log_file:
@@ -55,8 +87,8 @@ class Stack:
         # several model processes on a small machine made decode steps 3× slower (see README).
         num_model_procs = self.spec.num_prefill + self.spec.num_decode
         threads = str(max(1, (os.cpu_count() or 1) // num_model_procs))
-        base = {**os.environ, "SMARTGEN_NATS_URL": self.nats_url, "SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode,
-                "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **self.spec.env}
+        base = self._service_env({**os.environ, "SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode,
+                                  "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **self.spec.env})
         if self.spec.model:
             base["SMARTGEN_MODEL"] = self.spec.model
         # NOTE: stable ids for the singletons, so a restarted broker answers on the subjects live plans name
@@ -131,6 +163,8 @@ class Stack:
             self.nats.stop()
         if self._log:
             self._log.close()
+        if self.secrets_dir:
+            shutil.rmtree(self.secrets_dir, ignore_errors=True)
         return codes
 
     def __enter__(self) -> "Stack":
@@ -138,3 +172,14 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    # --- fault injection (tests/integration/test_faults.py) -------------------------------------
+    def restart_nats(self, down_s: float = 0.0) -> None:
+        """Kill the embedded nats-server and start it again on the same port with the same token and JetStream
+        store, after `down_s` seconds; the services reconnect by themselves."""
+        if self.nats is None or self.nats.process is None:
+            raise RuntimeError("restart_nats needs the stack's embedded NATS (SMARTGEN_NATS_URL names another)")
+        self.nats.process.kill()  # NOTE: not stop(): that also deletes the store (profiles, the token files)
+        self.nats.process.wait()
+        time.sleep(down_s)
+        self.nats.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
@@ -27,6 +28,10 @@ from shared.runtime import Service
 
 T = TypeVar("T")
 log = structlog.get_logger()
+# NOTE: a switch of the process's environment, not a config field: no deployment should carry it, and
+# without it `POST /fault` does not exist (404).
+FAULT_INJECTION_ENV = "SMARTGEN_FAULT_INJECTION"
+FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "clear")
 
 
 class ModelWorkerService(Service):
@@ -115,7 +120,45 @@ class ModelWorkerService(Service):
             log.info("link_paced", link_gbps=gbps)
             return web.json_response({"link_gbps": self.dataplane.link_gbps})
 
-        return [web.post("/link", link)]
+        routes = [web.post("/link", link)]
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":
+            routes.append(web.post("/fault", self._inject_fault))
+        return routes
+
+    async def _inject_fault(self, request: web.Request) -> web.Response:
+        """POST /fault (tests only, SMARTGEN_FAULT_INJECTION=1): break this worker's data plane on purpose.
+          {"kind": "corrupt_next_chunk", "count": N}  the next N data frames sent arrive corrupted (crc32 fails)
+          {"kind": "cut_links"}                       drop every data-plane connection now (later ones redial)
+          {"kind": "refuse_tickets", "on": true}      refuse every incoming push and read, as for an unknown ticket
+          {"kind": "delay", "delay_s": X}             hold every data frame sent X seconds (0 = off)
+          {"kind": "clear"}                           undo the switches above"""
+        try:
+            body = await request.json()
+            kind = body["kind"]
+            if kind not in FAULT_KINDS:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": f"send {{\"kind\": K}} with K one of {', '.join(FAULT_KINDS)}"}, status=400)
+        if self.dataplane is None:
+            return web.json_response({"error": "the data plane has not started"}, status=503)
+        faults, cut = self.dataplane.faults, 0
+        try:
+            if kind == "corrupt_next_chunk":
+                faults.corrupt_frames += int(body.get("count", 1))
+            elif kind == "refuse_tickets":
+                faults.refuse_tickets = bool(body.get("on", True))
+            elif kind == "delay":
+                faults.delay_s = max(0.0, float(body["delay_s"]))
+            elif kind == "clear":
+                faults.corrupt_frames, faults.refuse_tickets, faults.delay_s = 0, False, 0.0
+            else:
+                cut = self.dataplane.cut_links()
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": f"bad arguments for fault {kind!r}"}, status=400)
+        except NotImplementedError as exc:
+            return web.json_response({"error": str(exc)}, status=501)
+        log.warning("fault_injected", kind=kind, links_cut=cut, **faults.summary())
+        return web.json_response({"kind": kind, "links_cut": cut, **faults.summary()})
 
     def load_info(self) -> dict[str, Any]:
         return {
@@ -126,6 +169,7 @@ class ModelWorkerService(Service):
             "kv_pages_total": self.store.num_pages_total if self.store else 0,
             "send_rate_gbps": round(self.dataplane.send_rate_gbps(), 4) if self.dataplane else 0.0,
             "link_gbps": self.dataplane.link_gbps if self.dataplane else 0.0,
+            "request_ids": sorted(self.active),
         }
 
     def stats(self) -> dict[str, Any]:

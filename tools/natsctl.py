@@ -5,7 +5,8 @@
     python -m tools.natsctl [--server URL] sub 'smartgen.>'     # print messages, msgpack decoded to JSON
     python -m tools.natsctl [--server URL] kv ls BUCKET         # keys of a JetStream key-value bucket
 
-The server defaults to $SMARTGEN_NATS_URL, else nats://127.0.0.1:4222.
+The server defaults to $SMARTGEN_NATS_URL, else nats://127.0.0.1:4222; credentials and TLS come from the
+same variables the services read (SMARTGEN_NATS_TOKEN or SMARTGEN_NATS_TOKEN_FILE, …; see shared/natsconn.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import os
 
 import msgpack
 import nats
+
+from shared.config import ConfigError
+from shared.natsconn import client_options
 
 
 def _show(data: bytes) -> str:
@@ -43,7 +47,11 @@ async def _gather(nc, subject: str, wait_s: float = 0.5) -> list[dict]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    nc = await nats.connect(args.server)
+    try:
+        options = client_options(server=args.server)
+    except ConfigError as exc:
+        raise SystemExit(f"natsctl: {exc}") from None
+    nc = await nats.connect(**options, name="natsctl")
     try:
         if args.command == "micro":
             for info in sorted(await _gather(nc, "$SRV.INFO" if args.what == "ls" else "$SRV.STATS"), key=lambda i: i["name"]):

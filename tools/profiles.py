@@ -3,14 +3,14 @@
     smartgen profile build --selector quest --prompt-tokens 2048 [--num-prompts 4] [--decode-steps 16]
     smartgen profile list | show KEY | delete KEY
 
-It talks to the stack's NATS (SMARTGEN_NATS_URL, default nats://127.0.0.1:4222) and finds the kvprofile
+It talks to the stack's NATS (SMARTGEN_NATS_URL, default nats://127.0.0.1:4222, with the credentials of
+SMARTGEN_NATS_TOKEN(_FILE) or SMARTGEN_NATS_USER/PASSWORD(_FILE), as the services take them) and finds the kvprofile
 worker from its heartbeat; a build shows a progress bar fed by the service's progress events.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import uuid
 
@@ -19,6 +19,8 @@ import numpy as np
 
 from schemas import (Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList, decode,
                      subjects)
+from shared.config import ConfigError
+from shared.natsconn import client_options, redacted_url
 from shared.profiles import importance_of
 from shared.registry import WorkerRegistry
 from shared.rpc import RemoteError, call
@@ -40,11 +42,16 @@ async def _kvprofile(nc) -> str:
 
 
 async def _run(args) -> int:
-    url = os.environ.get("SMARTGEN_NATS_URL", "nats://127.0.0.1:4222")
     try:
-        nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=0)
+        options = client_options()
+    except ConfigError as exc:
+        raise SystemExit(f"smartgen profile: {exc}") from None
+    url = redacted_url(options["servers"][0])
+    try:
+        nc = await nats.connect(**options, connect_timeout=3, max_reconnect_attempts=0)
     except Exception as exc:
-        raise SystemExit(f"smartgen profile: cannot reach NATS at {url}: {exc}") from None
+        raise SystemExit(f"smartgen profile: cannot reach NATS at {url}: {exc} (a token? set SMARTGEN_NATS_TOKEN "
+                         "or SMARTGEN_NATS_TOKEN_FILE)") from None
     try:
         worker = await _kvprofile(nc)
         subject = lambda verb: subjects.worker("kvprofile", worker, verb)  # noqa: E731

@@ -17,6 +17,10 @@ from schemas import DENSE_LAYERS, OpenPlan, TransferPlan
 from shared.profiles import pack_bits, page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
+# NOTE: the push may fill this share of the link time the prefill takes, not all of it: the last layer's blocks
+# exist only when the prefill ends, and decode waits for every pushed byte before its first step (measured on a
+# paced link: a full budget left 1–3 s of pushes after a 10 s prefill)
+PUSH_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
 
     block_bytes = lay.page_tokens * lay.token_bytes / lay.num_layers  # one layer's K and V of one page
     t_prefill = req.num_tokens / link.prefill_tokens_per_s
-    fits = max(0.0, link.gbps * 1e9 / 8 * t_prefill - req.aux_bytes)
+    fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - req.aux_bytes)
     budget = min(num_blocks, int(fits // block_bytes))
     if mode == "partial":  # the baseline: the prompt's first pages (every layer), in memory order
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major

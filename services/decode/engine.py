@@ -79,6 +79,19 @@ class DecodeEngine:
         self.caches[request_id] = cache
         return sample(logits, sampling, index=0)
 
+    def recompute(self, request_id: str, token_ids: Sequence[int], completion: Sequence[int], sampling: Sampling,
+                  selector: str = "", budget: float = 0.0, count_blocks: int = 0) -> int:
+        """failure_policy `recompute`: drop whatever cache the request had and build it here as colocated mode
+        does (prefill, then the selector if any), then replay the completion so far except its last token,
+        which the next step feeds. Returns the first completion token as sampled here."""
+        self.end(request_id)
+        first = self.prefill_local(request_id, token_ids, sampling)
+        if selector:
+            self.use_selection(request_id, selector, budget, False, None, None, count_blocks)
+        for token in completion[:-1]:
+            self.step_logits(request_id, token)
+        return first
+
     def step(self, request_id: str, token: int, sampling: Sampling, index: int) -> int:
         """Feed `token` (completion token index-1); returns completion token `index`."""
         return sample(self.step_logits(request_id, token), sampling, index)

@@ -6,7 +6,7 @@ Life of a request here:
      bytes; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
   2. The prefill node pushes into the slab during its prefill (the plan says what); landed bytes are counted.
   3. `generate`: the request is admitted and a task starts. It waits until everything its plan pushes has
-     landed (or a `transfer_failed` arrives), then:
+     landed (or a `transfer_failed` arrives, or the data-plane link to the prefill drops), then:
        full       decodes in place on the slab (no copy), densely or with a selector;
        quantized  dequantizes the codes into the slab first;
        partial,   restores the selector's metadata and decodes selectively while part of the KV is still on
@@ -14,6 +14,9 @@ Life of a request here:
                   smartgen, the broker feeds the rest to the background lane (path 3). Once every entry is
                   local, remote reads stop and the prefill node's lease is released.
      colocated runs the prefill here instead. Each token goes out on the request's stream subject.
+     When the KV cannot arrive (the push failed, the prefill died, the link dropped, a checksum failed) or an
+     on-demand read fails, failure_policy `fail` ends the request with an error that names the cause, and
+     `recompute` runs the prefill here from the prompt (replaying the tokens so far) and carries on.
   4. At the end, on `abort`, or on failure: stop reading, release the prefill's lease, tell the broker,
      revoke the ticket, wait out any frame still landing, free the slab and drop the cache. The last
      stream event says how it ended and what moved on which path.
@@ -30,10 +33,10 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (SELECTIVE_MODES, Abort, Accepted, Ack, BackgroundBatch, Generate, KeepLease, KvHandle, OpenKv,
+from schemas import (FAILURE_POLICIES, SELECTIVE_MODES, Abort, Accepted, Ack, BackgroundBatch, Generate, KeepLease, KvHandle, OpenKv,
                      PlanEvent, PlanRegistration, Progress, Release, SchemaError, SelectionStats, TokenEvent,
                      TransferFailed, decode, encode, subjects)
-from shared.dataplane import Grant
+from shared.dataplane import DataPlaneError, Grant
 from shared.kvstore import OutOfPages, Slab
 from shared.profiles import NUM_BLOCKS, pack_bits, tokens_per_block, unpack_bits
 from shared.quantization import QuantLayout
@@ -43,7 +46,7 @@ from shared.selectors.metadata import MetadataLayout
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
-from services.decode.remote import RemoteKv
+from services.decode.remote import RemoteKv, RemoteReadError
 
 log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
@@ -76,8 +79,13 @@ class DecodeRequest:
     all_local_step: int = -1
     backlog: int = 0  # background blocks handed out by the broker and not read yet
     helpers: list[asyncio.Task[Any]] = field(default_factory=list)  # lease keeper, background reader
+    # NOTE: unbounded, but bounded by construction: one progress call at a time, and the broker hands out no
+    # batch while the blocks it already gave (`backlog`) are a batch or more (services/broker/plans.py).
     background: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)
     progress_call: asyncio.Task[None] | None = None
+    ending_remote: asyncio.Task[None] | None = None  # _end_remote's work, awaited by every caller
+    recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
+    is_finishing: bool = False  # the last event is going out; an abort no longer cancels the task
 
     def on_landed(self, num_bytes: int) -> None:
         if self.expiry is not None:  # the prefill is delivering: the reservation is in use
@@ -97,6 +105,9 @@ class DecodeService(ModelWorkerService):
         super().__init__(config)
         self.engine: DecodeEngine | None = None
         self.active: dict[str, DecodeRequest] = {}
+        self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
+        self.recomputes = self.metrics.counter("smartgen_kv_recomputes_total",
+                                               "Requests whose prefill the decode worker recomputed (failure_policy recompute)")
 
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
@@ -105,6 +116,8 @@ class DecodeService(ModelWorkerService):
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort))
         await nc.subscribe(self.subject("transfer_failed"), cb=self.transfer_failed)
+        assert self.dataplane
+        self.dataplane.on_link_lost = self.link_lost
 
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenKv) -> KvHandle:
@@ -168,6 +181,7 @@ class DecodeService(ModelWorkerService):
         if state.grant is not None:
             state.expected_bytes = self._pushed_bytes(state, req)
             state.check_landed()
+        self.streaming.add(req.request_id)
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
@@ -176,7 +190,8 @@ class DecodeService(ModelWorkerService):
         if state is not None:
             log.info("request_aborted", reason=req.reason)
             if state.task is not None:
-                state.task.cancel()
+                if not state.is_finishing:
+                    state.task.cancel()
             elif state.is_claimed:
                 state.is_aborted = True  # `generate` is mid-way; it releases the request itself
             else:
@@ -190,48 +205,114 @@ class DecodeService(ModelWorkerService):
             log.warning("bad_message", subject=msg.subject, error=str(exc))
             return
         state = self.active.get(failed.request_id)
-        if state is not None:
+        if state is not None and not state.landed.is_set():
             state.failure = failed.error
             state.landed.set()
+
+    def link_lost(self, peer: str, error: DataPlaneError) -> None:
+        """A data-plane connection dropped: requests still waiting for KV pushed from that peer stop waiting."""
+        for state in self.active.values():
+            req = state.req
+            if req is not None and req.prefill_dataplane_addr == peer and not state.landed.is_set():
+                state.failure = f"the data-plane link to prefill worker {req.prefill_worker_id} dropped: {error}"
+                state.landed.set()
 
     # --- the request's task ---------------------------------------------------------------
     async def _run(self, state: DecodeRequest, req: Generate) -> None:
         assert self.engine and self.nc
         rid, stop_ids = req.request_id, set(req.stop_token_ids)
-        kv_wait_s, index, reason, error = 0.0, 0, "length", ""
+        tokens: list[int] = []  # the completion so far: token i is tokens[i]
+        kv_wait_s, reason, error = 0.0, "length", ""
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 if req.transfer_mode == "colocated":
-                    token = await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling)
-                    await self._emit(req, TokenEvent(rid, 0, token))
+                    tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling))
+                    await self._emit(req, TokenEvent(rid, 0, tokens[0]))
                 else:
-                    token = req.first_token
-                    kv_wait_s = await self._wait_for_kv(state)
-                    await self._load(state, req)
+                    kv_wait_s = await self._receive_kv(state, req, tokens)
                 if req.selector and rid not in self.engine.selections:
                     await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, None, None,
                                         NUM_BLOCKS)
-                while token not in stop_ids and index + 1 < req.max_tokens:
-                    index += 1
-                    token = await self.in_torch(self.engine.step, rid, token, req.sampling, index)
-                    await self._emit(req, TokenEvent(rid, index, token))
-                    await self._after_step(state, index)
-                reason = "stop" if token in stop_ids else "length"
+                while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens:
+                    tokens.append(await self._step(state, req, tokens))
+                    await self._emit(req, TokenEvent(rid, len(tokens) - 1, tokens[-1]))
+                    await self._after_step(state, len(tokens) - 1)
+                reason = "stop" if tokens[-1] in stop_ids else "length"
             except asyncio.CancelledError:
                 reason = "abort"
             except Exception as exc:
                 reason, error = "error", f"{type(exc).__name__}: {exc}"
                 log.warning("decode_failed", error=error)
-            final = self._final_event(state, req, index + 1, reason, error, kv_wait_s)
-            self.latency.requests.inc(status=reason)
-            for path, n in final.kv_bytes.items():
-                self.latency.kv_bytes.inc(n, path=path)
-            self._publish_selection_stats(state, req)
-            await self._release(state, "failed" if reason in ("error", "abort") else "released", error or reason)
-            if reason != "abort":
-                await self._emit(req, final)
-            log.info("decode_done", finish_reason=reason, tokens=index + 1, kv_wait_s=round(kv_wait_s, 3),
-                     local_share=round(final.local_share, 3), all_local_step=state.all_local_step)
+            state.is_finishing = True
+            try:
+                final = self._final_event(state, req, len(tokens), reason, error, kv_wait_s)
+                self.latency.requests.inc(status=reason)
+                for path, n in final.kv_bytes.items():
+                    self.latency.kv_bytes.inc(n, path=path)
+                if not state.recompute_reason:  # a replayed completion would count its steps twice
+                    self._publish_selection_stats(state, req)
+                if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
+                    await self._emit(req, final)
+                await asyncio.shield(self._release(state, "failed" if reason in ("error", "abort") else "released",
+                                                   error or reason))
+                if reason in ("length", "stop"):
+                    await self._emit(req, final)
+            finally:
+                self.streaming.discard(rid)
+            log.info("decode_done", finish_reason=reason, tokens=len(tokens), kv_wait_s=round(kv_wait_s, 3),
+                     local_share=round(final.local_share, 3), all_local_step=state.all_local_step,
+                     recomputed=bool(state.recompute_reason))
+
+    async def _receive_kv(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> float:
+        """Disaggregated modes: wait for the pushed KV and build the cache on it. When it cannot arrive, fail
+        (TransferError) or, under failure_policy `recompute`, build the cache here from the prompt. Returns the
+        time spent waiting for the KV."""
+        if req.first_token >= 0:
+            tokens.append(req.first_token)
+        started = asyncio.get_running_loop().time()
+        try:
+            if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
+                raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
+            await self._wait_for_kv(state)
+            await self._load(state, req)
+        except (TransferError, RemoteReadError) as exc:
+            if req.failure_policy != "recompute":
+                raise
+            await self._recompute(state, req, tokens, str(exc))
+        return asyncio.get_running_loop().time() - started
+
+    async def _step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> int:
+        """One decode step: feed the last token, get the next. An on-demand read that fails mid-step fails the
+        request, or under failure_policy `recompute` (once) rebuilds the cache here and takes the step again."""
+        assert self.engine
+        index = len(tokens)
+        try:
+            return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
+        except RemoteReadError as exc:
+            if req.failure_policy != "recompute" or state.recompute_reason:
+                raise
+            await self._recompute(state, req, tokens, str(exc))
+            return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
+
+    async def _recompute(self, state: DecodeRequest, req: Generate, tokens: list[int], why: str) -> None:
+        """failure_policy `recompute`: the prefill node cannot provide this request's KV, so build its cache here
+        from the prompt as colocated mode does, replaying the completion so far. The computation is colocated
+        mode's, so greedy tokens are the ones it gives. Token 0 goes out here if the prefill never gave it."""
+        assert self.engine
+        rid = req.request_id
+        log.warning("kv_recompute", reason=why, tokens_so_far=len(tokens))
+        state.recompute_reason = why
+        self.recomputes.inc()
+        if req.plan is not None:
+            self._plan_event(state, "failed", f"recomputed on the decode node: {why}")
+        # NOTE: stops the remote reads in the background (one may wait on a peer that is gone); the slab keeps
+        # its pages until _release, which waits for that, so nothing still landing can hit reused memory.
+        self._end_remote(state, "recompute")
+        first = await self.in_torch(self.engine.recompute, rid, req.token_ids, tokens, req.sampling, req.selector,
+                                    req.kv_budget, NUM_BLOCKS)
+        if not tokens:
+            tokens.append(first)
+            await self._emit(req, TokenEvent(rid, 0, first))
 
     async def _load(self, state: DecodeRequest, req: Generate) -> None:
         """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
@@ -311,14 +392,18 @@ class DecodeService(ModelWorkerService):
             sel.remote = None  # NOTE: between steps, so no attention call is using it
         state.all_local_step = step
         log.info("kv_all_local", step=step)
-        await self._end_remote(state, "all_local")
+        await asyncio.shield(self._end_remote(state, "all_local"))
         self._plan_event(state, "all_local")
 
-    async def _end_remote(self, state: DecodeRequest, reason: str) -> None:
-        """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent."""
-        if state.is_released:
-            return
-        state.is_released = True
+    def _end_remote(self, state: DecodeRequest, reason: str) -> asyncio.Future[None]:
+        """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent: every call gets the
+        same task (await it shielded)."""
+        if state.ending_remote is None:
+            state.is_released = True
+            state.ending_remote = asyncio.ensure_future(self._release_remote(state, reason))
+        return state.ending_remote
+
+    async def _release_remote(self, state: DecodeRequest, reason: str) -> None:
         for task in state.helpers:
             task.cancel()
         await asyncio.gather(*state.helpers, return_exceptions=True)
@@ -342,12 +427,13 @@ class DecodeService(ModelWorkerService):
     async def _wait_for_kv(self, state: DecodeRequest) -> float:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        source = f"prefill worker {state.req.prefill_worker_id}" if state.req and state.req.prefill_worker_id else "the prefill"
         try:
             await asyncio.wait_for(state.landed.wait(), self.config.kv_timeout_s)
         except asyncio.TimeoutError:
-            raise TransferError(f"KV did not arrive within {self.config.kv_timeout_s:g} s") from None
+            raise TransferError(f"the KV from {source} did not arrive within {self.config.kv_timeout_s:g} s") from None
         if state.failure:
-            raise TransferError(state.failure)
+            raise TransferError(f"the KV from {source} did not arrive: {state.failure}")
         return loop.time() - started
 
     async def _emit(self, req: Generate, event: TokenEvent) -> None:
@@ -375,7 +461,7 @@ class DecodeService(ModelWorkerService):
                           on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
                           step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
                           step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
-                          all_local_step=state.all_local_step)
+                          all_local_step=state.all_local_step, recompute_reason=state.recompute_reason)
 
     def _publish_selection_stats(self, state: DecodeRequest, req: Generate) -> None:
         """Online profiling: what this request selected, per layer and relative block of its prompt."""
@@ -425,9 +511,12 @@ class DecodeService(ModelWorkerService):
         """Why `generate` cannot run this request as asked ("" if it can)."""
         if req.max_tokens < 1:
             return "max_tokens must be ≥ 1"
+        if req.failure_policy not in FAILURE_POLICIES:
+            return f"failure_policy {req.failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}"
         if req.transfer_mode == "colocated":
             return ""
-        if req.first_token < 0:
+        recomputing = req.first_token < 0 and req.failure_policy == "recompute"  # the prefill failed before token 1
+        if req.first_token < 0 and not recomputing:
             return f"{req.transfer_mode} mode needs the first token from the prefill"
         if req.transfer_mode not in ("full", "quantized", *SELECTIVE_MODES):
             return f"decode serves transfer modes colocated, full, quantized, partial and smartgen, not {req.transfer_mode!r}"
@@ -437,7 +526,8 @@ class DecodeService(ModelWorkerService):
         if len(req.token_ids) != state.num_tokens:
             return "the prompt does not match the reservation's token count"
         if req.transfer_mode in SELECTIVE_MODES:
-            if not req.selector or req.plan is None or req.source is None or req.plan.mode != req.transfer_mode:
+            if not req.selector or req.plan is None or (req.source is None and not recomputing) \
+                    or req.plan.mode != req.transfer_mode:
                 return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
             if req.plan.num_pages != -(-state.num_tokens // self.store.layout.page_tokens):  # type: ignore[union-attr]
                 return "the transfer plan does not describe this prompt's blocks"
@@ -464,7 +554,7 @@ class DecodeService(ModelWorkerService):
             del self.active[state.request_id]
         if state.expiry:
             state.expiry.cancel()
-        await self._end_remote(state, reason or plan_state)
+        await asyncio.shield(self._end_remote(state, reason or plan_state))
         if state.plan_state not in ("released", "failed"):
             self._plan_event(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
@@ -478,7 +568,8 @@ class DecodeService(ModelWorkerService):
             self.store.free(state.request_id)
 
     def load_info(self) -> dict[str, Any]:
-        return {**super().load_info(), "plans": [r for r in map(self._registration, list(self.active.values())) if r]}
+        return {**super().load_info(), "plans": [r for r in map(self._registration, list(self.active.values())) if r],
+                "request_ids": sorted(set(self.active) | self.streaming)}
 
     def _registration(self, state: DecodeRequest) -> PlanRegistration | None:
         """A live plan as the broker should know it (repeated in every heartbeat)."""

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API: request parsing, JSON and SSE responses.
 
-POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /workers.
+POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /workers,
+GET /openapi.json (openapi.py: what all of these take and answer).
 Every response (and the last SSE chunk) carries a `smartgen` object with the request's latency and
-transfer figures. Bad requests get a 400 with an OpenAI-style error body and touch no worker.
+transfer figures. Bad requests get a 400 with an OpenAI-style error body and touch no worker;
+429 and 503 carry a Retry-After header.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from services.gateway.completion import CompletionRun, RequestFailed
+from services.gateway.openapi import openapi_document
 from services.gateway.requests import ApiError, CompletionJob, parse_job
 from services.gateway.textstream import TextStream
 
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     from services.gateway.service import GatewayService
 
 log = structlog.get_logger()
+RETRY_AFTER_S = {429: 1, 503: 5}  # a worker at capacity frees up soon; a new worker registers within a heartbeat TTL
 
 
 def routes(gw: "GatewayService") -> list[web.RouteDef]:
@@ -41,18 +45,26 @@ def routes(gw: "GatewayService") -> list[web.RouteDef]:
              "kv_pages_free": w.kv_pages_free, "kv_pages_total": w.kv_pages_total}
             for w in gw.registry.alive()]})
 
+    document = openapi_document(gw.model_id, gw.max_positions, len(gw.tokenizer))
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(document)
+
     return [web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions),
-            web.get("/v1/models", models), web.get("/workers", workers)]
+            web.get("/v1/models", models), web.get("/workers", workers), web.get("/openapi.json", openapi)]
 
 
 def _error(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S.get(exc.status)
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.StreamResponse:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError):  # not JSON, not text, or nested deeper than the parser goes
         return _error(ApiError(400, "the request body is not valid JSON"))
     try:
         default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default

@@ -1,21 +1,28 @@
 """One request's trip through the system, seen from the gateway.
 
   1. Pick a decode worker (and, unless colocated, a prefill worker and the broker): least loaded first.
+     A decode worker without room for the request's pages refuses (`overloaded`); the next one is asked,
+     and only when every live one has refused is the answer a 429.
   2. Subscribe to the request's stream subject before anything can be published on it.
   3. Disaggregated modes: `decode.open` reserves the slab (and its aux area) and returns the KvHandle →
      `broker.open` returns the TransferPlan (resolving `auto`) → `prefill.prefill` runs the prompt, pushing
      what the plan says straight to those pages, and returns token 1 (and, for partial and smartgen, the
      KvSource of what stayed behind) → `decode.generate` continues from it.
      colocated: `decode.generate` does both phases itself.
-  4. Tokens arrive on the stream; each is stamped on arrival here (what a client sees).
-  5. `close()` always runs: if the request did not finish (client gone, stop string, error), both workers
+  4. Tokens arrive on the stream; each is stamped on arrival here (what a client sees). A worker that stops
+     heartbeating, or a reply or token events lost in a NATS reconnect, fails the request at once
+     (liveness.py) instead of after a long timeout; so does a gap in the stream's token indices.
+  5. failure_policy `recompute`: a prefill that fails before token 1 is left behind and the decode worker
+     runs the prefill itself (Generate with `first_token` -1); a prefill that dies later is reported to the
+     decode worker (`transfer_failed`), which recomputes if the KV stops coming. The response says so.
+  6. `close()` always runs: if the request did not finish (client gone, stop string, error), both workers
      get `abort` and the broker hears the plan failed, so nothing stays allocated.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,20 +30,20 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import (SELECTIVE_MODES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
-                     PrefillDone, Sampling, SchemaError, TokenEvent, TransferPlan, WorkerInfo, decode, encode, subjects)
+                     PrefillDone, Sampling, SchemaError, TokenEvent, TransferFailed, TransferPlan, WorkerInfo, decode,
+                     encode, subjects)
 from shared.rpc import RemoteError, call
 from shared.timeline import Timeline
 from shared.registry import WorkerRegistry
+from services.gateway.liveness import Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
 
+__all__ = ["CompletionRun", "RequestFailed"]
 log = structlog.get_logger()
 T = TypeVar("T")
 CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
 LIVENESS_POLL_S = 0.5  # while waiting on a worker, how often to check that its heartbeats still come
-
-
-class RequestFailed(RuntimeError):
-    """A worker failed the request after it was admitted."""
+_background: set[asyncio.Task[None]] = set()  # aborts sent to workers that stopped heartbeating (see _abort)
 
 
 @dataclass
@@ -61,6 +68,11 @@ class CompletionRun:
     mode: str = ""  # the mode that ran (auto resolved)
     selector: str = ""  # the selector that ran ("" = dense)
     decode_layers: int = 0  # from the KvHandle, to report the plan's block count
+    recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
+    _liveness: Liveness | None = None
+    _watch_prefill: bool = False  # until decode's first event, decode may be waiting on the prefill's pushes
+    _next_index: int = 0  # the index the next token event must have
+    _aborted: set[str] = field(default_factory=set)  # workers already told to abort
     _sub: Any = None
     _closed: bool = False
 
@@ -74,6 +86,7 @@ class CompletionRun:
         """Yield completion token ids as they arrive. Raises ApiError before the first token, RequestFailed after."""
         job = self.job
         self.mode, self.selector = job.transfer_mode, job.selector or ""
+        self._liveness = Liveness(self.nc, self.registry, job.request_id)
         self.decode = self._pick("decode")
         if job.transfer_mode != "colocated":
             self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
@@ -81,19 +94,19 @@ class CompletionRun:
         sampling = Sampling(job.temperature, job.seed)
         first, done = -1, None
         try:
-            if job.transfer_mode != "colocated":
-                done = await self._prefill(sampling)
-                first, self.prefill_s = done.first_token, done.prefill_s
-            await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
-                       Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
-                                self.stop_token_ids, sampling, subjects.stream(job.request_id),
-                                self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
-                                done.source if done else None, job.kv_bits,
-                                self.prefill.worker_id if self.prefill else ""),
-                       Accepted, CONTROL_TIMEOUT_S)
+            if job.transfer_mode == "colocated":
+                await self._on_some_decode(lambda: self._generate(first, None, sampling))
+            else:
+                handle = await self._open()
+                done = await self._run_prefill(handle, sampling)
+                if done is not None:
+                    first, self.prefill_s = done.first_token, done.prefill_s
+                await self._generate(first, done, sampling)
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
             raise ApiError(status, f"{exc.message}", code=exc.code) from None
+        self._watch_prefill = done is not None
+        self._next_index = 0 if first < 0 else 1
         if first >= 0:
             yield self._stamp(first)
         async for event in self._events():
@@ -102,19 +115,44 @@ class CompletionRun:
             if event.finish_reason:
                 self.final = event
                 self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
+                self.recompute_reason = self.recompute_reason or event.recompute_reason
                 if event.finish_reason == "error":
-                    raise RequestFailed(event.error)
+                    raise RequestFailed(f"decode worker {self.decode.worker_id}: {event.error}")
                 self.finish_reason = event.finish_reason
                 return
 
-    async def _prefill(self, sampling: Sampling) -> PrefillDone:
-        """decode.open → broker.open → prefill.prefill: the slab, the plan, then the prompt with its pushes."""
+    async def _on_some_decode(self, ask: Callable[[], Awaitable[T]]) -> T:
+        """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages),
+        move on to the next least loaded: a 429 only when every live decode worker is full."""
+        assert self.decode
+        refused: dict[str, str] = {}
+        while True:
+            try:
+                return await ask()
+            except RemoteError as exc:
+                if exc.code != "overloaded":
+                    raise
+                refused[self.decode.worker_id] = exc.message
+            following = self.registry.pick("decode", exclude=refused)
+            if following is None:
+                why = "; ".join(f"{worker_id}: {message}" for worker_id, message in refused.items())
+                raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
+            self.decode = following
+
+    async def _open(self) -> KvHandle:
+        """decode.open → broker.open: the slab (on a decode worker with room), then the plan."""
         job = self.job
-        assert self.decode and self.prefill and self.broker
+        assert self.prefill and self.broker
         wants_metadata = job.transfer_mode in (*SELECTIVE_MODES, "auto")
-        handle = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
-                            OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
-                                   self.selector if wants_metadata else "", job.kv_bits), KvHandle, CONTROL_TIMEOUT_S)
+
+        def open_kv() -> Awaitable[KvHandle]:
+            assert self.decode
+            return call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
+                        OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
+                               self.selector if wants_metadata else "", job.kv_bits), KvHandle, CONTROL_TIMEOUT_S)
+
+        handle = await self._on_some_decode(open_kv)
+        assert self.decode
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
@@ -122,46 +160,104 @@ class CompletionRun:
         self.mode, self.decode_layers = self.plan.mode, handle.layout.num_layers
         if job.transfer_mode == "auto" and self.mode == "full":
             self.selector = ""  # the whole KV arrives in time: attend densely
+        return handle
+
+    async def _run_prefill(self, handle: KvHandle, sampling: Sampling) -> PrefillDone | None:
+        """prefill.prefill: the prompt, with its pushes to `handle`; token 1 comes back. None when the prefill
+        failed and failure_policy `recompute` leaves the prefill to the decode worker."""
+        job = self.job
+        assert self.prefill
         selective = self.mode in SELECTIVE_MODES
-        return await self._while_alive(
-            call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
-                 Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
-                         self.selector if selective else "", job.kv_bits),
-                 PrefillDone, self.timeout_s), self.prefill, "prefill")
+        try:
+            return await self._wait(
+                call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
+                     Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
+                             self.selector if selective else "", job.kv_bits),
+                     PrefillDone, self.timeout_s), self.prefill, "the prefill")
+        except (RequestFailed, RemoteError) as exc:
+            if job.failure_policy != "recompute" or getattr(exc, "code", "") == "bad_request":
+                raise
+            self.recompute_reason = f"prefill worker {self.prefill.worker_id} failed before the first token: {exc}"
+            log.warning("prefill_failed_recompute", error=str(exc))
+            await self._abort(self.prefill, "recomputed on the decode worker", wait=False)
+            return None
+
+    async def _generate(self, first: int, done: PrefillDone | None, sampling: Sampling) -> Accepted:
+        """decode.generate: continue from token 1 (or, colocated or recomputing, from the prompt)."""
+        job = self.job
+        assert self.decode
+        prefill = self.prefill if done is not None else None
+        return await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
+                          Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
+                                   self.stop_token_ids, sampling, subjects.stream(job.request_id),
+                                   self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
+                                   done.source if done else None, job.kv_bits,
+                                   self.prefill.worker_id if self.prefill else "",
+                                   prefill.dataplane_addr if prefill else "", job.failure_policy),
+                          Accepted, CONTROL_TIMEOUT_S)
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         assert self.decode
-        # Until decode's first event the prefill node matters too: decode may still be waiting on its pushes.
-        watched = [self.decode, *([self.prefill] if self.prefill else [])]
         while True:
+            also = [self.prefill] if self._watch_prefill and self.prefill else []
             try:
-                msg = await asyncio.wait_for(self._while_alive(self._sub.next_msg(timeout=None), watched, "decoding"),
+                msg = await asyncio.wait_for(self._wait(self._sub.next_msg(timeout=None), self.decode, "decoding", also),
                                              self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
-            watched = [self.decode]
+            self._watch_prefill = False
             try:
-                yield decode(TokenEvent, msg.data)
+                event = decode(TokenEvent, msg.data)
             except SchemaError as exc:
                 log.warning("bad_token_event", error=str(exc))
+                continue
+            self._check_order(event)
+            yield event
 
-    async def _while_alive(self, awaitable: Awaitable[T], workers: WorkerInfo | list[WorkerInfo], what: str) -> T:
-        """Await `awaitable`, but fail at once (within the registry's heartbeat TTL) if one of `workers` dies
-        meanwhile, instead of waiting out a long timeout."""
-        workers = workers if isinstance(workers, list) else [workers]
+    def _check_order(self, event: TokenEvent) -> None:
+        """Token events arrive in order; a gap means some were lost (NATS reconnected meanwhile): fail the
+        request rather than return a text with holes in it."""
+        assert self.decode
+        if (event.token_id >= 0 or event.finish_reason in ("length", "stop")) and event.index != self._next_index:
+            raise RequestFailed(f"token events from decode worker {self.decode.worker_id} were lost (expected index "
+                                f"{self._next_index}, got {event.index}): NATS reconnected mid-request?")
+        if event.token_id >= 0:
+            self._next_index += 1
+
+    async def _wait(self, awaitable: Awaitable[T], awaited: WorkerInfo, what: str,
+                    also: list[WorkerInfo] | None = None) -> T:
+        """Await `awaitable` (a reply or the next token from `awaited`), but fail at once, within the heartbeat
+        TTL, if `awaited` or a worker in `also` dies meanwhile or what we wait for was lost in a NATS reconnect,
+        instead of waiting out a long timeout. Under failure_policy `recompute` a dead prefill in `also` is
+        reported to the decode worker instead, which carries on without it."""
+        assert self._liveness
         task = asyncio.ensure_future(awaitable)
+        also = list(also or [])
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
                 if done:
+                    self._liveness.is_suspect = False  # something came: the worker still has the request
                     return task.result()
-                for worker in workers:
-                    if not self.registry.is_alive(worker.worker_id):
+                for worker in self._liveness.dead([awaited, *also]):
+                    if worker is awaited or self.job.failure_policy != "recompute":
                         raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats "
                                             f"during {what}")
+                    also.remove(worker)
+                    await self._report_prefill_lost(worker)
+                self._liveness.check_not_lost(awaited, what)
         finally:
             if not task.done():
                 task.cancel()
+
+    async def _report_prefill_lost(self, prefill: WorkerInfo) -> None:
+        """failure_policy recompute: the decode worker may still wait for this prefill's pushes; tell it they
+        will not come (it recomputes), instead of failing the request."""
+        assert self.decode
+        self._watch_prefill = False
+        log.warning("prefill_lost", prefill_worker_id=prefill.worker_id, failure_policy="recompute")
+        failed = TransferFailed(self.job.request_id, f"prefill worker {prefill.worker_id} stopped sending heartbeats")
+        await self.nc.publish(subjects.worker("decode", self.decode.worker_id, "transfer_failed"), encode(failed))
 
     def _stamp(self, token_id: int) -> int:
         self.token_ids.append(token_id)
@@ -186,13 +282,8 @@ class CompletionRun:
         if unfinished:
             reason = self.finish_reason or "client_gone"
             for worker in (self.prefill, self.decode):  # the writer stops first, then the slab it writes to is freed
-                if worker is None:
-                    continue
-                try:
-                    await call(self.nc, subjects.worker(worker.role, worker.worker_id, "abort"),
-                               Abort(self.job.request_id, reason), Ack, CONTROL_TIMEOUT_S)
-                except RemoteError as exc:
-                    log.warning("abort_failed", worker_id=worker.worker_id, error=str(exc))
+                if worker is not None:
+                    await self._abort(worker, reason)
             if self.plan is not None:
                 try:
                     await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
@@ -201,6 +292,27 @@ class CompletionRun:
                     log.warning("plan_event_failed", error=str(exc))
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
+
+    async def _abort(self, worker: WorkerInfo, reason: str, wait: bool = True) -> None:
+        """Tell `worker` to drop the request (once). A worker that stopped heartbeating gets it in the background:
+        it may be paused rather than dead, and must not hold up the client's answer."""
+        if worker.worker_id in self._aborted:
+            return
+        self._aborted.add(worker.worker_id)
+
+        async def abort() -> None:
+            try:
+                await call(self.nc, subjects.worker(worker.role, worker.worker_id, "abort"),
+                           Abort(self.job.request_id, reason), Ack, CONTROL_TIMEOUT_S)
+            except Exception as exc:  # RemoteError, or NATS closing: the worker's own timeouts free the request
+                log.warning("abort_failed", worker_id=worker.worker_id, error=str(exc))
+
+        if wait and self.registry.is_alive(worker.worker_id):
+            await abort()
+        else:
+            task = asyncio.create_task(abort())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
 
     def summary(self) -> dict[str, Any]:
         """The `smartgen` object of the response."""
@@ -230,6 +342,9 @@ class CompletionRun:
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
                      "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
                      "parallel": plan.parallel, "background": plan.background} if plan else None,
+            "failure_policy": self.job.failure_policy,
+            "recomputed": bool(self.recompute_reason),
+            "recompute_reason": self.recompute_reason or None,
             "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
             "decode_worker_id": self.decode.worker_id if self.decode else None,
             "prompt_tokens": len(self.job.prompt_ids),

@@ -7,18 +7,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import SELECTIVE_MODES, SMARTGEN_PATHS, TRANSFER_MODES
+from schemas import FAILURE_POLICIES, SELECTIVE_MODES, SMARTGEN_PATHS, TRANSFER_MODES
 
 SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # as in shared/selectors
 DEFAULT_KV_BUDGET = 0.1
 KV_BITS = (2, 4)
 MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # 429/503: the Retry-After header (None = the status's default)
 
     def body(self) -> dict[str, Any]:
         kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
@@ -42,6 +45,7 @@ class CompletionJob:
     kv_bits: int = 0  # quantized
     ablate: list[str] = field(default_factory=list)  # smartgen paths switched off
     ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token (benchmarks)
+    failure_policy: str = "fail"  # when the KV cannot come from the prefill node: fail, or recompute on decode
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -66,12 +70,12 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     if room < 1:
         raise ApiError(400, f"This model's maximum context length is {max_positions} tokens; the prompt has "
                             f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, room)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= room:
-        raise ApiError(400, f"max_tokens must be an integer from 1 to {room} (the context left after the prompt)",
-                       "max_tokens", "context_length_exceeded" if isinstance(max_tokens, int) and max_tokens > room else None)
+    given = {name: body[name] for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None}
+    for name, value in given.items():  # NOTE: both checked, so that max_tokens cannot hide a bad alias
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= room:
+            raise ApiError(400, f"{name} must be an integer from 1 to {room} (the context left after the prompt)",
+                           name, "context_length_exceeded" if isinstance(value, int) and value > room else None)
+    max_tokens = next(iter(given.values()), min(default_max_tokens, room))  # max_tokens first, as before
 
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2 \
@@ -80,15 +84,17 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     seed = body.get("seed")
     if seed is None:
         seed = uuid.uuid4().int % 2**31
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ApiError(400, "seed must be a non-negative integer", "seed")
-    if body.get("n", 1) != 1:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}", "seed")
+    n = body.get("n", 1)
+    if isinstance(n, bool) or n != 1:
         raise ApiError(400, "only n=1 is supported", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
 
-    stop = body.get("stop") or []
+    stop = body.get("stop")
+    stop = [] if stop is None else stop
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
@@ -100,9 +106,11 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     if selector is not None and selector not in SELECTORS:
         raise ApiError(400, f"selector {selector!r} is not one of {', '.join(SELECTORS)}", "selector")
     kv_budget = body.get("kv_budget")
+    is_tokens = isinstance(kv_budget, int) and 1 <= kv_budget <= max_positions  # NOTE: float(10**400) would fail
     if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, float))
-                                  or not (0 < kv_budget <= 1 or (isinstance(kv_budget, int) and kv_budget >= 1))):
-        raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens ≥ 1", "kv_budget")
+                                  or not (0 < kv_budget <= 1 or is_tokens)):
+        raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens from 1 to "
+                            f"{max_positions}", "kv_budget")
     if selector is None and (mode in SELECTIVE_MODES or mode == "auto"):
         selector = default_selector
     if kv_budget is not None and selector is None:
@@ -123,18 +131,24 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
+    failure_policy = body.get("failure_policy", FAILURE_POLICIES[0])
+    if failure_policy not in FAILURE_POLICIES:
+        raise ApiError(400, f"failure_policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
+                       "failure_policy")
 
     return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
                          max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,
                          transfer_mode=mode, selector=selector,
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
-                         kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos)
+                         kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
+                         failure_policy=failure_policy)
 
 
 def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < len(tokenizer) for t in prompt):
@@ -155,6 +169,15 @@ def _chat_prompt(messages: Any, tokenizer) -> list[int]:
                 or not isinstance(m.get("content"), str):
             raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content",
                            "messages")
+        _check_text(m["content"], "messages")
     text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                          tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _check_text(text: str, param: str) -> None:
+    """JSON may escape lone surrogates (\\ud800) that are no Unicode text: the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} holds a lone surrogate (\\ud800–\\udfff), not Unicode text", param) from None

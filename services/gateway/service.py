@@ -23,6 +23,7 @@ from shared.registry import WorkerRegistry
 
 class GatewayService(Service):
     role = "gateway"
+    public_path_prefixes = ("/v1/",)  # the OpenAI API is the public API: no admin token
     config: GatewayConfig
 
     def __init__(self, config: GatewayConfig):

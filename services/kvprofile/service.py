@@ -14,6 +14,7 @@ Life of a profile:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,6 +36,8 @@ from services.kvprofile.engine import ProfileBuilder
 from services.kvprofile.store import ProfileStore
 
 log = structlog.get_logger()
+PROFILE_KEY = re.compile(r"[A-Za-z0-9_=-]+(\.[A-Za-z0-9_=-]+)*")  # what profile_key() builds: bucket-key tokens
+MAX_KEY_CHARS = 255
 
 
 class KvProfileService(Service):
@@ -68,6 +71,7 @@ class KvProfileService(Service):
 
     async def show(self, query: ProfileKey) -> Profile:
         assert self.store
+        _check_key(query.key)
         profile = await self.store.get(query.key)
         if profile is None:
             raise RequestRefused("not_found", f"no profile {query.key!r}: build one with `smartgen profile build`")
@@ -79,6 +83,7 @@ class KvProfileService(Service):
 
     async def delete(self, query: ProfileKey) -> Ack:
         assert self.store
+        _check_key(query.key)
         if not await self.store.delete(query.key):
             raise RequestRefused("not_found", f"no profile {query.key!r}")
         log.info("profile_deleted", key=query.key)
@@ -132,13 +137,18 @@ class KvProfileService(Service):
         assert self.store
         try:
             stats = decode(SelectionStats, msg.data)
-            selected = np.frombuffer(stats.selected, dtype=np.float32).reshape(stats.num_layers, stats.num_blocks)
-            offered = np.frombuffer(stats.offered, dtype=np.float32).reshape(stats.num_blocks)
-        except (SchemaError, ValueError) as exc:
+        except SchemaError as exc:
             log.warning("bad_selection_stats", error=str(exc))
             return
-        if stats.selector not in SELECTORS or stats.num_tokens < 1:
-            log.warning("bad_selection_stats", error=f"selector {stats.selector!r}, {stats.num_tokens} tokens")
+        problem = _stats_problem(stats)
+        if problem:
+            log.warning("bad_selection_stats", error=problem)
+            return
+        selected = np.frombuffer(stats.selected, dtype=np.float32).reshape(stats.num_layers, stats.num_blocks)
+        offered = np.frombuffer(stats.offered, dtype=np.float32)
+        if not (np.isfinite(selected).all() and np.isfinite(offered).all() and (selected >= 0).all()
+                and (offered >= 0).all()):  # counts: NaN or negative ones would poison the stored profile
+            log.warning("bad_selection_stats", error="selected and offered must be finite counts ≥ 0")
             return
         observed, seen = observed_importance(selected, offered)
         key = profile_key(stats.model, stats.selector, bucket_for(stats.num_tokens))
@@ -216,6 +226,23 @@ class KvProfileService(Service):
     def stats(self) -> dict[str, Any]:
         return {"bucket": self.config.bucket, "ready": self.is_ready(), "builds_running": self.builds_running,
                 "online_updates": self.online_updates.value(), "online_weight": self.config.online_weight}
+
+
+def _check_key(key: str) -> None:
+    if len(key) > MAX_KEY_CHARS or not PROFILE_KEY.fullmatch(key):
+        raise RequestRefused("bad_request", f"{key[:60]!r} is not a profile key (model.selector.bucket, as "
+                                            "`smartgen profile list` shows them)")
+
+
+def _stats_problem(stats: SelectionStats) -> str:
+    """Why a SelectionStats cannot be folded into a profile ("" when it can); checked before any array is made."""
+    if stats.selector not in SELECTORS or stats.num_tokens < 1:
+        return f"selector {stats.selector!r}, {stats.num_tokens} tokens"
+    if stats.num_layers < 1 or stats.num_blocks != NUM_BLOCKS:
+        return f"{stats.num_layers} layers × {stats.num_blocks} blocks; profiles have ≥ 1 × {NUM_BLOCKS}"
+    if len(stats.selected) != 4 * stats.num_layers * stats.num_blocks or len(stats.offered) != 4 * stats.num_blocks:
+        return "selected and offered must be float32 (num_layers, num_blocks) and (num_blocks,)"
+    return ""
 
 
 def _info(profile: Profile) -> ProfileInfo:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from services.prefill.engine import LayerEncoder, PrefillEngine
 log = structlog.get_logger()
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
 RELEASE_TIMEOUT_S = 30.0
+NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class PrefillService(ModelWorkerService):
         self.engine: PrefillEngine | None = None
         self.active: dict[str, Transfer] = {}
         self.prefill_tokens_per_s = 0.0
+        self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)
         self.leases_expired = self.metrics.counter("smartgen_kv_leases_expired_total",
                                                    "Prefill-held KV freed because its lease ran out")
 
@@ -107,6 +110,8 @@ class PrefillService(ModelWorkerService):
             await self._finish(req.request_id, cancel=True)
             raise
         prefill_s = loop.time() - started
+        if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
+            raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
         rate = n / prefill_s
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
@@ -117,6 +122,7 @@ class PrefillService(ModelWorkerService):
         return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source)
 
     async def abort(self, req: Abort) -> Ack:
+        self.aborted.append(req.request_id)
         await self._finish(req.request_id, cancel=True)
         return Ack()
 
@@ -147,6 +153,8 @@ class PrefillService(ModelWorkerService):
                                                 f"not {req.transfer_mode!r}")
         if req.request_id in self.active:
             raise RequestRefused("bad_request", f"request {req.request_id} is already being prefilled here")
+        if req.request_id in self.aborted:
+            raise RequestRefused("not_found", f"request {req.request_id} was aborted")
         if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
             raise RequestRefused("bad_request", "the prompt is empty or does not match the KV handle's token count")
         if len(req.token_ids) > self.runner.max_positions:

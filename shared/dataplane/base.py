@@ -7,6 +7,9 @@ Vocabulary:
 - segment: (src offset, dst offset, length); `push` copies local src → peer dst, `read` copies peer src → local dst.
 - lane: the sending side of every link serves ON_DEMAND strictly before BACKGROUND, one chunk at a time,
   so an urgent transfer never waits behind more than one background chunk.
+- link lost: a connection to a peer failed; every transfer on it has failed, and `on_link_lost` (if set)
+  hears the peer's address, so a service waiting on bytes from that peer can stop waiting at once.
+- faults: test-only switches (`Faults`) that a transport honours to let fault-injection tests break it.
 """
 from __future__ import annotations
 
@@ -36,6 +39,28 @@ class TicketRefused(DataPlaneError):
 
 class ChecksumMismatch(DataPlaneError):
     """A chunk arrived with bytes that do not match its checksum."""
+
+
+@dataclass
+class Faults:
+    """Fault injection for tests (`POST /fault` on a model worker started with SMARTGEN_FAULT_INJECTION=1).
+    TCP honours every switch; other transports ignore them."""
+
+    corrupt_frames: int = 0  # flip a byte in the payload of the next N data frames this process sends
+    refuse_tickets: bool = False  # refuse every incoming push and read as if its ticket were unknown
+    delay_s: float = 0.0  # hold every data frame this process sends this long before sending it
+
+    def maybe_corrupt(self, payload: list[memoryview]) -> list[memoryview]:
+        """`payload`, or a corrupted copy of it if a corruption is due (the region itself is never touched)."""
+        if not (self.corrupt_frames and payload):
+            return payload
+        self.corrupt_frames -= 1
+        first = bytearray(payload[0])
+        first[0] ^= 0xFF
+        return [memoryview(first), *payload[1:]]
+
+    def summary(self) -> dict[str, object]:
+        return {"corrupt_frames": self.corrupt_frames, "refuse_tickets": self.refuse_tickets, "delay_s": self.delay_s}
 
 
 def check_within(segments: Sequence["Segment"], region_len: int, side: str) -> None:
@@ -131,6 +156,9 @@ class DataPlane(abc.ABC):
         self.links: dict[str, Any] = {}
         self.link_gbps = link_gbps
         self.is_background_paused = False
+        self.faults = Faults()
+        # Called with (peer address, error) when a link to that peer fails; the owner of the process sets it.
+        self.on_link_lost: Callable[[str, DataPlaneError], None] | None = None
 
     def register_region(self, region: memoryview) -> None:
         """Register the process's KV buffer. Called once, before `start`."""
@@ -165,6 +193,16 @@ class DataPlane(abc.ABC):
         """Caller side: copy the peer's `src` ranges into local `dst` ranges; the data comes back on `lane`
         (on-demand fetches, or speculative background transfer). Returns when they have landed and verified;
         raises DataPlaneError otherwise."""
+
+    def link_lost(self, peer: str, error: DataPlaneError) -> None:
+        """Implementations call this once per failed link, after failing its transfers."""
+        if self.on_link_lost is not None:
+            self.on_link_lost(peer, error)
+
+    def cut_links(self, reason: str = "cut by fault injection") -> int:
+        """Fault injection: fail every open link now, as a lost connection would (transfers on them fail; later
+        ones dial again). Returns how many were cut. Transports that cannot do it raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot cut its links")
 
     def pause_background(self) -> None:
         """Stop starting BACKGROUND chunks on every link (ON_DEMAND goes on). Idempotent."""

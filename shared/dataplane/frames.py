@@ -24,9 +24,12 @@ MAX_HELLO_BYTES = 512
 MAX_STAGED_TABLE = 4096 * SEGMENT.size  # frames whose segment table is larger go out without staging
 
 OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA = 0, 1, 2, 3, 4
+OPS = (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA)
 STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
+STATUSES = (STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT)
 FLAG_CHECKSUM = 1
 FLAG_BACKGROUND = 2  # on a READ: answer it on the server's BACKGROUND lane
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND
 
 
 class FrameError(ValueError):
@@ -50,16 +53,29 @@ class Header:
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> "Header":
+        """A header read off the wire, checked before the reader allocates anything it announces:
+        raises FrameError for any 40 bytes that are not a header this side can act on."""
+        if len(data) != HEADER.size:
+            raise FrameError(f"a header is {HEADER.size} bytes, not {len(data)}")
         magic, op, status, flags, seq, ticket, n, payload_len, crc = HEADER.unpack(data)
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic:#x}")
-        if op not in (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA):
+        if op not in OPS:
             raise FrameError(f"unknown op {op}")
+        if status not in STATUSES:
+            raise FrameError(f"unknown status {status}")
+        if flags & ~KNOWN_FLAGS:
+            raise FrameError(f"unknown flags {flags:#x}")
+        # NOTE: bounds first: the reader allocates num_segments × 16 bytes of table from this header
         if n > MAX_SEGMENTS:
             raise FrameError(f"{n} segments exceed the limit of {MAX_SEGMENTS}")
         limit = MAX_HELLO_BYTES if op == OP_HELLO else CHUNK_BYTES
         if payload_len > limit:
             raise FrameError(f"payload of {payload_len} bytes exceeds the limit of {limit} for op {op}")
+        if n and op not in (OP_PUSH, OP_READ):
+            raise FrameError(f"op {op} carries no segment table, yet announces {n} segments")
+        if payload_len and op in (OP_PUSH_ACK, OP_READ):
+            raise FrameError(f"op {op} carries no payload, yet announces {payload_len} bytes")
         return cls(op, status, seq, ticket, n, payload_len, flags, crc)
 
 
@@ -68,6 +84,9 @@ def pack_segments(pairs: Iterable[tuple[int, int]]) -> bytes:
 
 
 def unpack_segments(data: bytes | memoryview, count: int) -> list[tuple[int, int]]:
+    """`count` (offset, length) pairs; FrameError if `data` is not exactly that table."""
+    if not 0 <= count <= MAX_SEGMENTS or len(data) != count * SEGMENT.size:
+        raise FrameError(f"a table of {count} segments is {count * SEGMENT.size} bytes, not {len(data)}")
     return [SEGMENT.unpack_from(data, i * SEGMENT.size) for i in range(count)]
 
 

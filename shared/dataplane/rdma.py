@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from shared.dataplane.base import (DataPlane, DataPlaneError, Lane, Segment, check_within,
                                    split_into_chunks)
-from shared.dataplane.pacing import Pacer
+from shared.dataplane.pacing import Pacer, chunk_bytes
 
 log = logging.getLogger("smartgen.dataplane.rdma")
 
@@ -298,6 +298,7 @@ class RdmaDataPlane(DataPlane):
             del self.links[link.peer]
         self._by_qp.pop(link.qp.qp_num, None)
         link.qp.close()
+        self.link_lost(link.peer, error)
 
     def stats(self) -> dict[str, object]:
         return {"transport": "rdma", "device": self.device, "links": len(self.links), "grants": len(self.grants),
@@ -333,7 +334,7 @@ class RdmaDataPlane(DataPlane):
     async def _run_chunks(self, link: _Link, lane: Lane, segments: Sequence[Segment], opcode: int, imm: int | None):
         loop = asyncio.get_running_loop()
         waits: list[asyncio.Future[None]] = []
-        for piece in split_into_chunks(segments, CHUNK_BYTES):
+        for piece in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES)):
             chunk = _Chunk([], sum(s.length for s in piece))
             for group in work_requests(piece, "dst" if imm is not None else "src"):
                 done = loop.create_future()

@@ -6,7 +6,7 @@ One socket per pair of processes, used in both directions. Each end of it (a `_L
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
     straight in the registered region; a READ is answered by queueing its data on ON_DEMAND) and replies
     to our own requests (matched by `seq`).
-Transfers are cut into chunks of ≤ CHUNK_BYTES, one frame each, checksummed (crc32) unless turned off.
+Transfers are cut into chunks of ≤ CHUNK_BYTES (less on a paced link: pacing.chunk_bytes), one frame each, checksummed (crc32) unless turned off.
 Nothing on this path allocates per message beyond small headers: payloads are memoryviews of the region.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from shared.dataplane import frames
 from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
                                    check_within, split_into_chunks)
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
-from shared.dataplane.pacing import Pacer
+from shared.dataplane.pacing import Pacer, chunk_bytes
 
 log = structlog.get_logger()
 RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these VMs
@@ -76,6 +76,8 @@ class LaneStats:
 class _Link:
     def __init__(self, plane: "TcpDataPlane", sock: socket.socket, peer: str):
         self.plane, self.sock, self.peer = plane, sock, peer
+        # NOTE: no bound needed: every frame queued is a chunk of a push or read some caller awaits, or the ack or
+        # reply to one of the peer's, so the queues hold what the requests in progress move, no more.
         self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), Lane.ON_DEMAND: deque(), Lane.BACKGROUND: deque()}
         self.has_work = asyncio.Event()
         self.waiting: dict[int, _Waiting] = {}
@@ -132,9 +134,11 @@ class _Link:
                         header = _with_crc(header, frames.crc32(frame.payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
+                        if self.plane.faults.delay_s:
+                            await asyncio.sleep(self.plane.faults.delay_s)
                     if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked
                         self.background_in_flight += header.payload_len
-                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(frame))
+                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(frame.payload))
                 finally:
                     if frame.on_done:
                         frame.on_done()
@@ -301,6 +305,7 @@ class _Link:
             if task is not current:
                 task.cancel()
         self.plane.forget(self)
+        self.plane.link_lost(self.peer, error)
 
     async def close(self) -> None:
         self.fail(DataPlaneError("data plane closed"))
@@ -312,21 +317,6 @@ def _with_crc(header: Header, crc: int) -> Header:
                   header.flags | frames.FLAG_CHECKSUM, crc)
 
 
-@dataclass
-class Faults:
-    """Fault injection for tests: corrupt the payload of the next N data frames this process sends."""
-
-    corrupt_frames: int = 0
-
-    def maybe_corrupt(self, frame: _Frame) -> list[memoryview]:
-        if not (self.corrupt_frames and frame.payload):
-            return frame.payload
-        self.corrupt_frames -= 1
-        first = bytearray(frame.payload[0])
-        first[0] ^= 0xFF
-        return [memoryview(first), *frame.payload[1:]]
-
-
 class TcpDataPlane(DataPlane):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
                  checksums: bool = True):
@@ -334,7 +324,6 @@ class TcpDataPlane(DataPlane):
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
         self.use_checksums = checksums
         self.scratch = memoryview(bytearray(CHUNK_BYTES))  # where refused payloads are drained to
-        self.faults = Faults()
         self.lane_stats = {CONTROL: LaneStats(), Lane.ON_DEMAND: LaneStats(), Lane.BACKGROUND: LaneStats()}
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
@@ -398,7 +387,7 @@ class TcpDataPlane(DataPlane):
         link = await self._link(peer)
         waits = [link.request(lane, Header(frames.OP_PUSH, ticket=ticket), [(s.dst, s.length) for s in chunk],
                               [self.region[s.src: s.src + s.length] for s in chunk], [])
-                 for chunk in split_into_chunks(segments, CHUNK_BYTES)]
+                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
         await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
@@ -408,7 +397,7 @@ class TcpDataPlane(DataPlane):
         flags = frames.FLAG_BACKGROUND if lane == Lane.BACKGROUND else 0
         waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
-                 for chunk in split_into_chunks(segments, CHUNK_BYTES)]
+                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
         await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
 
@@ -436,7 +425,7 @@ class TcpDataPlane(DataPlane):
     # --- serving side ------------------------------------------------------------------------------
     def grant_for(self, ticket: int, table: list[tuple[int, int]]) -> Grant | None:
         """The grant if `ticket` may touch every range in `table`, else None (and the refusal is logged)."""
-        grant = self.grants.get(ticket)
+        grant = None if self.faults.refuse_tickets else self.grants.get(ticket)
         if grant is not None and all(grant.covers(off, n) for off, n in table):
             return grant
         self.num_refused += 1
@@ -480,6 +469,12 @@ class TcpDataPlane(DataPlane):
         # older one finishes what it carries.
         self.links[peer] = link
         return link
+
+    def cut_links(self, reason: str = "cut by fault injection") -> int:
+        links = list(self.links.values())
+        for link in links:
+            link.fail(DataPlaneError(f"data-plane link to {link.peer} {reason}"))
+        return len(links)
 
     def forget(self, link: _Link) -> None:
         if self.links.get(link.peer) is link:

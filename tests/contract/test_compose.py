@@ -1,9 +1,12 @@
-"""docker-compose.yml is valid Compose (checked by the real Compose v2 binary, no engine needed), and every
-service's command, environment and ports match what the code's config accepts."""
+"""docker-compose.yml is valid Compose (checked by the real Compose v2 binary, no engine needed), every
+service's command, environment and ports match what the code's config accepts, and NATS wants a token that
+every service is given."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -31,17 +34,67 @@ def compose_binary() -> Path:
     return binary
 
 
+TEST_TOKEN = "compose-test-token-0123abcd"
+
+
+def run_compose(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The Compose binary on docker-compose.yml with exactly `env`'s SMARTGEN_* settings (a developer's own
+    SMARTGEN_* variables and .env file left out)."""
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SMARTGEN_")}
+    return subprocess.run([compose_binary(), "-f", ROOT / "docker-compose.yml", "--env-file", empty, *args],
+                          capture_output=True, text=True, timeout=60, env={**clean, **env})
+
+
 @pytest.fixture(scope="module")
 def services() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 
 
-def test_compose_file_is_valid():
-    """`docker-compose config -q` accepts the file (rc 0, nothing on stderr)."""
-    result = subprocess.run([compose_binary(), "-f", ROOT / "docker-compose.yml", "config", "-q"],
-                            capture_output=True, text=True, timeout=60)
+def test_compose_file_is_valid(tmp_path):
+    """`docker-compose config -q` accepts the file once the NATS token is set (rc 0, nothing on stderr)."""
+    result = run_compose(tmp_path, "config", "-q", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
+    """Default deny: with SMARTGEN_NATS_TOKEN unset Compose stops, naming the variable to set."""
+    result = run_compose(tmp_path, "config", "-q")
+    assert result.returncode != 0 and "SMARTGEN_NATS_TOKEN" in result.stderr
+
+
+def test_every_service_gets_the_nats_token(tmp_path):
+    """In the file as Compose resolves it, NATS and all five services carry the token; each service also has
+    SMARTGEN_ADMIN_TOKEN (empty unless set: admin routes that change state stay off)."""
+    result = run_compose(tmp_path, "config", "--format", "json", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)["services"]
+    assert resolved["nats"]["environment"]["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN
+    for role in CONFIG_CLASSES:
+        env = resolved[role]["environment"]
+        assert env["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN, role
+        assert env.get("SMARTGEN_ADMIN_TOKEN", None) in ("", None), role
+    admin = run_compose(tmp_path, "config", "--format", "json", SMARTGEN_NATS_TOKEN=TEST_TOKEN,
+                        SMARTGEN_ADMIN_TOKEN="admin-test")
+    assert all(json.loads(admin.stdout)["services"][r]["environment"]["SMARTGEN_ADMIN_TOKEN"] == "admin-test"
+               for r in CONFIG_CLASSES)
+
+
+def test_nats_conf_requires_the_token():
+    """compose/nats.conf turns on token auth from $SMARTGEN_NATS_TOKEN: the real nats-server accepts the file
+    with it set and refuses to start without it."""
+    from shared.nats_server import nats_server_binary
+
+    conf = ROOT / "compose" / "nats.conf"
+    assert "authorization" in conf.read_text()
+    clean = {k: v for k, v in os.environ.items() if k != "SMARTGEN_NATS_TOKEN"}
+    ok = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                        env={**clean, "SMARTGEN_NATS_TOKEN": TEST_TOKEN})
+    assert ok.returncode == 0, ok.stderr
+    unset = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30, env=clean)
+    assert unset.returncode != 0 and "SMARTGEN_NATS_TOKEN" in unset.stderr
 
 
 def test_compose_binary_rejects_a_broken_file(tmp_path):
@@ -74,6 +127,8 @@ def test_service_matches_its_config(services, role):
     assert str(port) in " ".join(service["healthcheck"]["test"])
     assert config.nats_url == "nats://nats:4222"
     assert config.advertise_host == role
+    assert env["SMARTGEN_NATS_TOKEN"].startswith("${SMARTGEN_NATS_TOKEN:?"), "the NATS token must be required"
+    assert "SMARTGEN_ADMIN_TOKEN" in env
 
 
 def test_every_service_is_in_the_stack(services):

@@ -13,7 +13,8 @@ LAYOUT = schemas.KvLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_tokens
 PLAN = schemas.TransferPlan("r1", "smartgen", "broker-0", 2, b"\x0f", 4, "m.quest.2048", 3, "calibration", 0.5, 200.0,
                             True, True, "fits")
 EXAMPLES = [
-    schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5),
+    schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5,
+                       request_ids=["r1", "r2"]),
     schemas.Discover("gateway-1"),
     LAYOUT,
     schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 4096, 48),
@@ -21,9 +22,10 @@ EXAMPLES = [
     schemas.Sampling(0.7, 3),
     schemas.Prefill("r1", [1, 2, 3], "full", schemas.Sampling(), schemas.KvHandle("r1", "d", "a:1", 1, LAYOUT, 3, 0, 16)),
     schemas.PrefillDone("r1", 7, "prefill-1", 3, 0.25),
-    schemas.Generate("r1", "full", [1, 2], 5, 16, [2], schemas.Sampling(), "smartgen.stream.r1", "quest", 0.1),
+    schemas.Generate("r1", "full", [1, 2], 5, 16, [2], schemas.Sampling(), "smartgen.stream.r1", "quest", 0.1,
+                     prefill_worker_id="prefill-1", prefill_dataplane_addr="127.0.0.1:3", failure_policy="recompute"),
     schemas.Accepted("r1", "decode-1"),
-    schemas.TokenEvent("r1", 3, 99, "length", "", {"full": 1024}, 0.5, 0.1),
+    schemas.TokenEvent("r1", 3, 99, "length", "", {"full": 1024}, 0.5, 0.1, recompute_reason="link dropped"),
     schemas.Abort("r1", "client_gone"),
     schemas.TransferFailed("r1", "boom"),
     schemas.Ack(),

@@ -3,27 +3,21 @@ integration tests, and a leak check after every test that uses it."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from shared.leaks import find_leaks, get_json  # noqa: F401 (tests import get_json from here)
 from shared.nats_server import free_port
 from shared.stack import Stack, StackSpec
 
 
-def get_json(url: str, timeout: float = 5.0) -> dict:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as exc:
-        return {"_status": exc.code, **json.load(exc)}
-
-
-def post_json(url: str, body: object, timeout: float = 120.0) -> tuple[int, dict]:
+def post_json(url: str, body: object, timeout: float = 120.0, headers: dict[str, str] | None = None,
+              method: str = "POST") -> tuple[int, dict]:
+    """(status, JSON body); `headers` e.g. shared.admin_auth.admin_headers(stack.admin_token) for admin routes."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})}, method=method)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, json.load(r)
@@ -56,25 +50,10 @@ def model_workers(stack: Stack) -> list[dict]:
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
     """Every prefill and decode worker holds no request, no page, no lease and no ticket; the broker holds no
-    open transfer plan."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        leaks = {}
-        for w in model_workers(stack):
-            s = get_json(w["admin_url"] + "/stats")
-            if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"] or s["dataplane"]["grants"]:
-                leaks[w["id"]] = {k: s[k] for k in ("active_requests", "kv_pages_in_use", "leases_open", "request_ids")}
-                leaks[w["id"]]["tickets"] = s["dataplane"]["grants"]
-        for w in get_json(stack.gateway_url + "/workers")["workers"]:
-            if w["role"] == "broker":
-                live = get_json(w["admin_url"] + "/transfers")["live"]
-                if live:
-                    leaks[w["id"]] = {"live_plans": [(p["request_id"], p["state"]) for p in live]}
-        if not leaks:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"leak check: workers still hold request state: {leaks}")
-        time.sleep(0.1)
+    open transfer plan (shared/leaks.py)."""
+    leaks = find_leaks(stack.gateway_url, timeout_s)
+    if leaks:
+        pytest.fail(f"leak check: workers still hold request state: {leaks}")
 
 
 @pytest.fixture(scope="session")

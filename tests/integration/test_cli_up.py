@@ -67,10 +67,29 @@ def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
             used.add(body["smartgen"]["prefill_worker_id"])
         assert len(used) == 2, "the gateway should spread requests over both prefill workers"
         check_concurrent_smartgen(url)
+        secrets = check_exported_secrets(log, workers)
         interrupt_and_check_clean_exit(proc, log)
+        assert not any(secret in log.read_text() for secret in secrets), "a token reached the output"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def check_exported_secrets(log: Path, workers: list[dict]) -> list[str]:
+    """`smartgen up` prints where this run's tokens are (files of mode 0600), not the tokens; the admin token
+    from that file paces a worker's link. Returns the tokens."""
+    from shared.admin_auth import admin_headers
+
+    line = next(ln for ln in log.read_text().splitlines() if "export SMARTGEN_NATS_URL=" in ln)
+    exported = dict(kv.split("=", 1) for kv in line.split("export ", 1)[1].split())
+    files = [Path(exported["SMARTGEN_NATS_TOKEN_FILE"]), Path(exported["SMARTGEN_ADMIN_TOKEN_FILE"])]
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    secrets = [f.read_text() for f in files]
+    prefill = next(w for w in workers if w["role"] == "prefill")
+    for gbps in (5.0, 0):
+        status, body = post_json(prefill["admin_url"] + "/link", {"gbps": gbps}, headers=admin_headers(secrets[1]))
+        assert status == 200, body
+    return secrets
 
 
 def check_concurrent_smartgen(url: str) -> None:
@@ -95,7 +114,7 @@ def test_up_uses_an_existing_nats_server(tiny_model_path, tmp_path, nats_server)
     port = free_port()
     log = tmp_path / "up.log"
     proc = start_up(["--model", str(tiny_model_path), "--port", str(port)],
-                    {"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NATS_URL": nats_server.url}, log)
+                    {"SMARTGEN_KV_CACHE_MB": "32", **nats_server.client_env()}, log)
     try:
         wait_for_workers(f"http://127.0.0.1:{port}", {"prefill": 1, "decode": 1}, proc, log)
         with urllib.request.urlopen(f"http://127.0.0.1:{nats_server.monitor_port}/connz") as r:

@@ -150,7 +150,7 @@ def test_metrics_count_requests(clean_stack):
 
 async def test_every_service_answers_nats_micro(clean_stack):
     """$SRV.PING answers for all five services, with the role in the name."""
-    nc = await nats.connect(clean_stack.nats_url)
+    nc = await nats.connect(**clean_stack.nats_options())
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
@@ -172,11 +172,13 @@ async def test_every_service_answers_nats_micro(clean_stack):
 
 def test_natsctl_lists_the_services(clean_stack):
     """The NATS CLI stand-in shows every service and its endpoints."""
+    import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "tools.natsctl", "--server", clean_stack.nats_url, "micro", "ls"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+                         capture_output=True, text=True, timeout=30, check=True,
+                         env={**os.environ, **clean_stack.client_env()}).stdout
     for role in ("gateway", "prefill", "decode", "kvprofile", "broker"):
         assert f"smartgen-{role}" in out
     assert ".decode-" in out and "smartgen.broker.broker-0.open" in out and "kvprofile-0.build" in out

@@ -13,7 +13,7 @@ from tests.integration.conftest import get_json, post_json
 def test_gateway_without_workers_answers_503(nats_server, tiny_model_path):
     """No prefill or decode registered: /health 503 naming what is missing; requests get 503 at once."""
     port = free_port()
-    env = {**os.environ, "SMARTGEN_NATS_URL": nats_server.url, "SMARTGEN_MODEL": str(tiny_model_path),
+    env = {**os.environ, **nats_server.client_env(), "SMARTGEN_MODEL": str(tiny_model_path),
            "SMARTGEN_GATEWAY_PORT": str(port)}
     gateway = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -39,7 +39,7 @@ def test_gateway_without_workers_answers_503(nats_server, tiny_model_path):
 
 def test_transport_rdma_without_a_device_stops_with_the_fix(nats_server, tiny_model_path):
     """A worker told to use RDMA on a machine without it exits at once with a message naming the fix."""
-    env = {**os.environ, "SMARTGEN_NATS_URL": nats_server.url, "SMARTGEN_MODEL": str(tiny_model_path),
+    env = {**os.environ, **nats_server.client_env(), "SMARTGEN_MODEL": str(tiny_model_path),
            "SMARTGEN_TRANSPORT": "rdma", "SMARTGEN_KV_CACHE_MB": "16"}
     result = subprocess.run([sys.executable, "-m", "services.decode"], env=env, capture_output=True, text=True,
                             timeout=120)

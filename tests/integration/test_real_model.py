@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from shared.admin_auth import admin_headers
 from shared.nats_server import free_port
 from shared.stack import Stack, StackSpec
 from tests.integration.conftest import assert_no_leaks, get_json, model_workers, post_json
@@ -61,7 +62,7 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]  # measured by the runs above
     gbps = 46080 * 8 * rate / 4 / 1e9  # KV bits per token × tokens/s ÷ R
     for w in model_workers(stack):
-        status, _ = post_json(w["admin_url"] + "/link", {"gbps": gbps})
+        status, _ = post_json(w["admin_url"] + "/link", {"gbps": gbps}, headers=admin_headers(stack.admin_token))
         assert status == 200
     time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
     body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "selector": "quest", "kv_budget": 0.1}

@@ -107,7 +107,7 @@ def test_every_entry_ends_local_or_released(paced):
 
 
 async def _profiles(stack: Stack) -> tuple[ProfileInfo, Profile]:
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(**stack.nats_options())
     try:
         info = await call(nc, subjects.worker("kvprofile", "kvprofile-0", "build"),
                           BuildProfile("quest", 600, num_prompts=1, decode_steps=4), ProfileInfo, 120)
@@ -121,7 +121,7 @@ async def _profiles(stack: Stack) -> tuple[ProfileInfo, Profile]:
 
 async def _get(stack: Stack, key: str, wait_s: float = 30.0) -> Profile:
     """The stored profile, asking until a kvprofile worker answers (it may be restarting)."""
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(**stack.nats_options())
     try:
         for _ in range(int(wait_s / 0.2)):
             try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from schemas import KvLayout, OpenPlan
-from services.broker.planner import LinkEstimate, choose_mode, plan_transfer
+from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from shared.profiles import positional_importance, unpack_bits
 
@@ -29,12 +29,13 @@ def pushed(plan) -> np.ndarray:
 
 
 def test_smartgen_pushes_what_fits_behind_the_prefill():
-    """At R = T_full/T_prefill = 4, a quarter of the KV fits: metadata first, then layers 0–1, then profile blocks."""
+    """At R = T_full/T_prefill = 4, a quarter of the KV fits (less the push margin): metadata first, then layers
+    0–1, then profile blocks."""
     aux = 1_000_000
     planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30),
                             link_for_ratio(4.0), "b")
     blocks = pushed(planned.plan)
-    expected = int((N * LAYOUT.token_bytes / 4 - aux) // (16 * LAYOUT.token_bytes / 30))
+    expected = int((PUSH_MARGIN * N * LAYOUT.token_bytes / 4 - aux) // (16 * LAYOUT.token_bytes / 30))
     assert planned.plan.num_push_blocks == blocks.sum() == expected
     assert blocks[:2].all()  # layers 0–1 whole
     assert len(planned.queue) == 30 * 128 - expected and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
@@ -45,7 +46,7 @@ def test_smartgen_follows_the_profile():
     middle pages pushed, and the speculative queue is in decreasing importance."""
     importance = np.zeros((30, 1024), dtype=np.float32)
     importance[:, 500:520] = 1.0
-    planned = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(10.0), "b")
+    planned = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(8.0), "b")
     blocks = pushed(planned.plan)
     middle = slice(500 * N // 1024 // 16, 520 * N // 1024 // 16)
     assert blocks[2:, middle].all() and not blocks[2:, -10:].any()  # the rest of the budget goes by position

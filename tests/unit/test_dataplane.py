@@ -143,6 +143,42 @@ async def test_corrupted_chunk_is_an_error_on_the_waiting_side():
         await b.close()
 
 
+async def test_fault_switches_cut_refuse_and_delay():
+    """The test-only fault hooks: cut_links fails the transfer in flight at once and tells both ends'
+    on_link_lost which peer was lost (the next transfer dials again); refuse_tickets refuses a valid ticket;
+    delay_s holds every data frame."""
+    a, b, _, _ = await pair("tcp", link_gbps=0.01)  # 1.25 MB/s: a 4 MiB push takes ~3.4 s
+    lost_a, lost_b = [], []
+    a.on_link_lost, b.on_link_lost = (lambda peer, _: lost_a.append(peer)), (lambda peer, _: lost_b.append(peer))
+    try:
+        b.grant(Grant(1, [(0, SIZE)]))
+        push = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, SIZE)]))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        assert a.cut_links() == 1
+        with pytest.raises(DataPlaneError, match="cut by fault injection"):
+            await push
+        assert time.monotonic() - started < 1.0  # not the ~3 s the push had left
+        for _ in range(200):  # the peer notices when its read of the socket fails
+            if lost_b:
+                break
+            await asyncio.sleep(0.01)
+        assert lost_a == [b.address] and lost_b == [a.address]
+        a.set_link_gbps(0)
+        await a.push(b.address, 1, [Segment(0, 0, 1000)])  # a fresh link
+        b.faults.refuse_tickets = True
+        with pytest.raises(TicketRefused):
+            await a.push(b.address, 1, [Segment(0, 0, 1000)])
+        b.faults.refuse_tickets = False
+        a.faults.delay_s = 0.2
+        started = time.monotonic()
+        await a.push(b.address, 1, [Segment(0, 0, 1000)])
+        assert time.monotonic() - started >= 0.2
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_peer_that_disappears_mid_transfer_fails_the_waiter_at_once():
     """Closing the receiving process during a slow (paced) push fails it immediately, not at a timeout."""
     a, b, _, _ = await pair("tcp", link_gbps=0.05)  # 6.25 MB/s: a 4 MiB push takes ~0.7 s

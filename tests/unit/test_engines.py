@@ -61,3 +61,26 @@ def test_colocated_engine_reproduces_generate(tiny_model_path):
         tokens.append(engine.step("r", tokens[-1], Sampling(), i))
     assert tokens == greedy_tokens(tiny_model_path, ids, 12)
     assert torch.is_tensor(engine.caches["r"].layers[0].keys)
+
+
+def test_recompute_mid_decode_continues_with_the_colocated_tokens(tiny_model_path):
+    """failure_policy recompute: a request whose cache is lost after 5 tokens (its KV came from a slab) is rebuilt
+    from the prompt, the 5 tokens replayed, and decodes on exactly as colocated mode does, also with a selector."""
+    runner = ModelRunner(tiny_model_path)
+    ids = prompt_ids(tiny_model_path, PROMPT * 3)
+    for selector in ("", "quest"):
+        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4), 64))
+        expected = [colocated.prefill_local("r", ids, Sampling())]
+        if selector:
+            colocated.use_selection("r", selector, 0.25)
+        for i in range(1, 12):
+            expected.append(colocated.step("r", expected[-1], Sampling(), i))
+        layout = runner.kv_layout(page_tokens=4)
+        engine = DecodeEngine(runner, KvStore(layout, 64))
+        slab = engine.store.allocate("r", len(ids) + 12)
+        engine.load_from_store("r", slab, len(ids))  # garbage KV: what is lost is never read again
+        tokens = expected[:5]
+        assert engine.recompute("r", ids, tokens, Sampling(), selector, 0.25) == expected[0]
+        for i in range(5, 12):
+            tokens.append(engine.step("r", tokens[-1], Sampling(), i))
+        assert tokens == expected, selector

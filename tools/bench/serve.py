@@ -73,6 +73,7 @@ class BenchConfig:
     model: str = ""
     out: str = "bench-out"
     json_path: str = ""
+    profile_prompts: int = 0  # > 0: first build the selector's profile per prompt length from this many prompts
     progress: bool = True
     stack_env: dict[str, str] = field(default_factory=dict)
 
@@ -80,11 +81,18 @@ class BenchConfig:
 class Gateway:
     """The stack as a client sees it: the OpenAI API, plus the workers' admin routes for pacing."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, admin_token: str = ""):
+        from shared.admin_auth import admin_token_from_env
+
         self.url = url.rstrip("/")
+        # the bearer token of the admin routes (POST /link, /profiles/build): the stack's, else SMARTGEN_ADMIN_TOKEN(_FILE)
+        self.admin_token = admin_token or admin_token_from_env()
 
     def _post(self, url: str, body: dict, timeout: float) -> tuple[int, dict]:
-        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        from shared.admin_auth import admin_headers
+
+        req = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **admin_headers(self.admin_token)})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.load(r)
@@ -97,6 +105,18 @@ class Gateway:
         if status != 200:
             raise RuntimeError(f"request failed ({status}): {reply.get('error', reply)}")
         return {**reply["smartgen"], "text": reply["choices"][0]["text"], "e2e_s": time.monotonic() - started}
+
+    def build_profile(self, selector: str, prompt_tokens: int, num_prompts: int, kv_budget: float) -> dict:
+        """Calibrate the selector's profile for this prompt length in the stack's kvprofile service."""
+        kvprofile = next((w for w in self.workers() if w["role"] == "kvprofile"), None)
+        if kvprofile is None:
+            raise RuntimeError("no kvprofile service in this stack")
+        status, reply = self._post(kvprofile["admin_url"] + "/profiles/build",
+                                   {"selector": selector, "prompt_tokens": prompt_tokens, "num_prompts": num_prompts,
+                                    "kv_budget": kv_budget}, 3600)
+        if status != 200:
+            raise RuntimeError(f"profile build failed ({status}): {reply}")
+        return reply
 
     def workers(self) -> list[dict]:
         with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
@@ -146,10 +166,11 @@ def run(cfg: BenchConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stack = None
     if not cfg.url:
-        stack = _start_stack(cfg, out)
-    gateway = Gateway(cfg.url or stack.gateway_url)
+        stack = start_stack(cfg.model, out, cfg.stack_env)
+    gateway = Gateway(cfg.url or stack.gateway_url, stack.admin_token if stack else "")
     records: list[dict] = []
     calibration: dict[str, dict] = {}  # prompt length → measured prefill rate and KV bytes per token
+    profiles: dict[str, dict] = {}  # prompt length → the profile built for it (--profile-prompts)
     try:
         settings = [("gbps", x) for x in cfg.link_gbps] or [("pressure", r) for r in cfg.pressures]
         unpaced = [m for m in cfg.modes if m in UNPACED_MODES]
@@ -159,6 +180,8 @@ def run(cfg: BenchConfig) -> dict:
         for length in cfg.prompt_tokens:
             samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
             gateway.pace(0)
+            if cfg.profile_prompts:
+                profiles[str(length)] = gateway.build_profile(cfg.selector, length, cfg.profile_prompts, cfg.kv_budget)
             calibration[str(length)] = _calibrate(gateway, samples[0].prompt)
             runs = [(("gbps", 0.0), unpaced)] + [(setting, paced) for setting in settings]
             for setting, modes in runs:
@@ -176,8 +199,10 @@ def run(cfg: BenchConfig) -> dict:
     finally:
         if stack is not None:
             stack.stop()
+        else:
+            gateway.pace(0)  # a stack we did not start goes back to unpaced
     report = {"machine": machine_info(path.name), "config": {k: v for k, v in vars(cfg).items() if k != "stack_env"},
-              "calibration": calibration, "cluster_assumptions": cluster.ASSUMPTIONS,
+              "calibration": calibration, "profiles": profiles, "cluster_assumptions": cluster.ASSUMPTIONS,
               "runs": summarize(records), "requests": records}
     from tools.bench import report as report_writer
 
@@ -189,14 +214,15 @@ def run(cfg: BenchConfig) -> dict:
     return report
 
 
-def _start_stack(cfg: BenchConfig, out: Path):
+def start_stack(model: str, out: Path, extra_env: dict[str, str] | None = None):
+    """A stack of 1 prefill + 1 decode on an embedded NATS, logging to out/stack.log; ready when it returns."""
     from shared.nats_server import free_port
     from shared.stack import Stack, StackSpec
 
     # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
     env = {"SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
-           "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", **cfg.stack_env}
-    stack = Stack(StackSpec(model=cfg.model, gateway_port=free_port(), log_file=out / "stack.log", env=env)).start()
+           "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", **(extra_env or {})}
+    stack = Stack(StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)).start()
     stack.wait_ready(300)
     return stack
 

@@ -1,0 +1,191 @@
+"""The gateway's OpenAPI 3.1 description, served at GET /openapi.json.
+
+It says what the gateway takes and what it answers, for clients and for the API fuzz test
+(tests/integration/test_api_fuzz.py): a body outside these schemas gets a 400 (or the 404 of an unknown
+model). Enums come from the constants the validation itself uses, so the two cannot drift.
+Constraints between fields (kv_bits only for `quantized`, prompt + max_tokens within the context, …) are
+in the descriptions, not the schemas: a body that breaks one is still answered with a 400. So is 5.0 where
+an integer is due: JSON Schema counts it as an integer; the gateway wants a JSON integer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from schemas import FAILURE_POLICIES, SMARTGEN_PATHS, TRANSFER_MODES
+from services.gateway.requests import KV_BITS, MAX_SEED, MAX_STOP_STRINGS, SELECTORS
+from shared import __version__
+
+Schema = dict[str, Any]
+CHAT_ROLES = ("system", "user", "assistant")  # as parse_job takes them
+
+
+def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Schema:
+    """The whole document for a gateway serving `model_id` (context of `max_positions` tokens)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "SmartGen gateway", "version": __version__,
+                 "description": "OpenAI-compatible completions over prefill/decode disaggregated workers. "
+                                "Every response carries a `smartgen` object with latency and transfer figures."},
+        "paths": {
+            "/v1/completions": {"post": _generation("Create a completion", "CompletionRequest",
+                                                    "CompletionResponse")},
+            "/v1/chat/completions": {"post": _generation("Create a chat completion", "ChatCompletionRequest",
+                                                         "ChatCompletionResponse")},
+            "/v1/models": {"get": _read("The served model", "ModelList")},
+            "/health": {"get": _read("200 once a prefill, a decode and a broker worker are registered", "Health",
+                                     unavailable=True)},
+            "/ready": {"get": _read("Like /health, as {ready: bool}", "Ready", unavailable=True)},
+            "/workers": {"get": _read("The workers this gateway hears heartbeats from", "WorkerList")},
+            "/stats": {"get": _read("This gateway's counters", "Stats")},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                                 "responses": {"200": {"description": "Prometheus text format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": _read("This document", "OpenApi")},
+        },
+        "components": {
+            "schemas": {
+                "CompletionRequest": _request({
+                    "prompt": {"description": "text, a list of one text, or token ids",
+                               "anyOf": [{"type": "string", "minLength": 1},
+                                         {"type": "array", "items": {"type": "string", "minLength": 1},
+                                          "minItems": 1, "maxItems": 1},
+                                         {"type": "array", "minItems": 1, "maxItems": max_positions - 1,
+                                          "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}]},
+                }, ["prompt"], model_id, max_positions),
+                "ChatCompletionRequest": _request({
+                    "messages": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "required": ["role", "content"],
+                        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"type": "string"}}}},
+                }, ["messages"], model_id, max_positions),
+                "CompletionResponse": _response("text_completion", {
+                    "type": "object", "required": ["index", "text", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                   "finish_reason": {"enum": ["stop", "length"]}, "logprobs": {"type": "null"}}}),
+                "ChatCompletionResponse": _response("chat.completion", {
+                    "type": "object", "required": ["index", "message", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]},
+                                   "message": {"type": "object", "required": ["role", "content"],
+                                               "properties": {"role": {"const": "assistant"},
+                                                              "content": {"type": "string"}}}}}),
+                "Usage": _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}),
+                "SmartGen": _smartgen_object(),
+                "Error": _object({"error": _object({"message": _STR, "type": _STR, "param": _STR_OR_NULL,
+                                                    "code": _STR_OR_NULL}, required=["message", "type"])}),
+                "ModelList": _object({"object": {"const": "list"}, "data": {"type": "array", "items": _object({
+                    "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                    "max_model_len": _INT})}}),
+                "Health": _object({"status": _STR, "role": _STR, "worker_id": _STR,
+                                   "workers": {"type": "object", "additionalProperties": _INT}},
+                                  required=["status"]),
+                "Ready": _object({"ready": {"type": "boolean"}}),
+                "WorkerList": _object({"workers": {"type": "array", "items": _object(
+                    {"role": _STR, "id": _STR, "pid": _INT, "host": _STR, "admin_url": _STR, "dataplane_addr": _STR,
+                     "active_requests": _INT, "kv_pages_free": _INT, "kv_pages_total": _INT},
+                    required=["role", "id"])}}),
+                "Stats": _object({"role": _STR, "worker_id": _STR, "model": _STR,
+                                  "workers": {"type": "object", "additionalProperties": _INT},
+                                  "requests_done": {"type": "object"}}, required=["role", "worker_id"]),
+                "OpenApi": _object({"openapi": _STR, "info": {"type": "object"}, "paths": {"type": "object"}}),
+            },
+            "headers": {"Retry-After": {"description": "seconds to wait before trying again", "required": True,
+                                        "schema": {"type": "integer", "minimum": 0}}},
+        },
+    }
+
+
+_INT: Schema = {"type": "integer"}
+_STR: Schema = {"type": "string"}
+_STR_OR_NULL: Schema = {"type": ["string", "null"]}
+_NUMBER_OR_NULL: Schema = {"type": ["number", "null"]}
+# One server-sent event (before OpenAPI 3.2 a stream's `schema` describes each event): its `data` is a JSON
+# chunk (the last one with `usage` and `smartgen`, or an error object), then the literal [DONE].
+_SSE_EVENT: Schema = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
+
+
+def _object(properties: dict[str, Schema], required: list[str] | None = None) -> Schema:
+    return {"type": "object", "required": list(properties) if required is None else required,
+            "properties": properties}
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int) -> Schema:
+    """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
+    Other fields (top_p, user, …) are accepted and ignored, as OpenAI clients send them."""
+    room = max_positions - 1
+    max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,
+                  "description": "completion tokens; prompt + max_tokens must fit the context"}
+    return {"type": "object", "required": required, "additionalProperties": True, "properties": {
+        **prompt_fields,
+        "model": {"enum": [model_id, None], "description": "the served model (any other is a 404)"},
+        "max_tokens": max_tokens,
+        "max_completion_tokens": {**max_tokens, "description": "OpenAI's newer name; max_tokens wins if both"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "description": "0 = greedy"},
+        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "stream": {"type": "boolean", "description": "server-sent events, ending with `data: [DONE]`"},
+        "stop": {"anyOf": [{"type": "null"}, _STR,
+                           {"type": "array", "items": _STR, "maxItems": MAX_STOP_STRINGS}]},
+        "transfer_mode": {"enum": list(TRANSFER_MODES), "description": "how the KV moves (default: the gateway's)"},
+        "selector": {"enum": [*SELECTORS, None],
+                     "description": "selective attention (partial, smartgen and auto default to quest)"},
+        "kv_budget": {"description": "with a selector: a fraction of the cached tokens, or a token count",
+                      "anyOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                {"type": "integer", "minimum": 1, "maximum": max_positions}]},
+        "kv_bits": {"enum": [*KV_BITS, None], "description": "transfer_mode quantized only (default 2)"},
+        "ablate": {"type": "array", "items": {"enum": list(SMARTGEN_PATHS)},
+                   "description": "smartgen (or auto) paths to switch off"},
+        "ignore_eos": {"type": "boolean", "description": "generate max_tokens even past the end-of-sequence token"},
+        "failure_policy": {"enum": list(FAILURE_POLICIES),
+                           "description": "when the KV cannot come from the prefill node: fail, or recompute"},
+    }}
+
+
+def _response(kind: str, choice: Schema) -> Schema:
+    return _object({"id": _STR, "object": {"const": kind}, "created": _INT, "model": _STR,
+                    "choices": {"type": "array", "items": choice}, "usage": _ref("Usage"),
+                    "smartgen": _ref("SmartGen")})
+
+
+def _smartgen_object() -> Schema:
+    """The `smartgen` object (README, "Using it"); only the figures every response has are required."""
+    return {"type": "object", "required": ["ttft_s", "token_times_s", "kv_bytes", "transfer_mode", "token_ids"],
+            "properties": {
+                "ttft_s": _NUMBER_OR_NULL, "ttst_s": _NUMBER_OR_NULL, "tbt_s": _NUMBER_OR_NULL,
+                "token_times_s": {"type": "array", "items": {"type": "number"}},
+                "kv_bytes": {"type": "object", "additionalProperties": _INT},
+                "transfer_mode": _STR, "requested_mode": _STR, "attention": {"enum": ["dense", "selective"]},
+                "token_ids": {"type": "array", "items": _INT}, "prompt_tokens": _INT,
+                "plan": {"type": ["object", "null"]}}}
+
+
+def _read(summary: str, schema: str, unavailable: bool = False) -> Schema:
+    responses = {"200": {"description": "OK", "content": {"application/json": {"schema": _ref(schema)}}}}
+    if unavailable:
+        responses["503"] = {"description": "not ready", "content": {"application/json": {"schema": _ref(schema)}}}
+    return {"summary": summary, "operationId": schema[0].lower() + schema[1:], "responses": responses}
+
+
+def _generation(summary: str, request: str, response: str) -> Schema:
+    def error(why: str, retry: bool = False) -> Schema:
+        answer: Schema = {"description": why, "content": {"application/json": {"schema": _ref("Error")}}}
+        if retry:
+            answer["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
+        return answer
+
+    return {
+        "summary": summary, "operationId": request[0].lower() + request[1:].removesuffix("Request"),
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the completion: one JSON body, or server-sent events with `stream`",
+                    "content": {"application/json": {"schema": _ref(response)},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            "400": error("the body does not fit this API (nothing reached a worker)"),
+            "404": error("an unknown model"),
+            "429": error("a worker is at capacity", retry=True),
+            "502": error("a worker failed the request"),
+            "503": error("no worker of a needed role is registered", retry=True),
+        },
+    }

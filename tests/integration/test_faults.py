@@ -1,0 +1,443 @@
+"""Faults injected into a real stack (tiny model, short heartbeat TTL and lease): each ends with a clear error
+or a correct result within its time limit, no service dies but the one killed, and the leak check finds
+nothing afterwards. Every test adds rows to the fault matrix (fault → what the client saw → time to error →
+leaks), printed at the end of the module and written as JSON to $SMARTGEN_FAULT_MATRIX if set."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from shared.leaks import find_leaks
+from shared.nats_server import free_port
+from shared.stack import Stack, StackSpec
+from tests.integration.conftest import get_json
+
+# ~200 tokens: 1 KiB of KV per token on the tiny model, ~1.6 s to push on a link paced to 1 Mbit/s
+PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 11
+SLOW_GBPS = 0.001
+TTL_S = 3.0  # the gateway's and broker's heartbeat TTL here
+LEASE_S = 1.0  # the prefill's lease here (decode keeps it every third of that)
+ENV = {"SMARTGEN_KV_CACHE_MB": "1", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_FAULT_INJECTION": "1",
+       "SMARTGEN_HEARTBEAT_S": "0.5", "SMARTGEN_WORKER_TTL_S": str(TTL_S), "SMARTGEN_LEASE_S": str(LEASE_S),
+       "SMARTGEN_KV_TIMEOUT_S": "30", "SMARTGEN_REQUEST_TIMEOUT_S": "30", "SMARTGEN_PUSH_TIMEOUT_S": "20"}
+SELECTIVE = {"transfer_mode": "smartgen", "selector": "quest", "kv_budget": 0.1, "ablate": ["proactive", "background"]}
+MATRIX: list[dict] = []
+KILLED: set[str] = set()  # services a test killed and left dead on purpose
+
+
+# --- the stack and its workers -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fstack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A stack of its own (these tests kill and pause processes): 1 MiB of KV per model worker (1,024 tokens)."""
+    log_file = tmp_path_factory.mktemp("logs") / "faults.log"
+    spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=log_file, env=ENV)
+    with Stack(spec) as stack:
+        try:
+            stack.wait_ready(180)
+        except Exception:
+            print(log_file.read_text()[-5000:])
+            raise
+        yield stack
+        if set(stack.dead()) - KILLED:
+            print(log_file.read_text()[-5000:])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_matrix():
+    """Print the matrix once the module is done (and write it where SMARTGEN_FAULT_MATRIX says)."""
+    yield MATRIX
+    print("\nfault matrix (fault | what the client saw | time to error | leaks):")
+    for row in MATRIX:
+        print(f"  {row['fault']} | {row['client_saw']} | {row['time_to_error_s']} | {row['leaks']}")
+    if os.environ.get("SMARTGEN_FAULT_MATRIX"):
+        Path(os.environ["SMARTGEN_FAULT_MATRIX"]).write_text(json.dumps(MATRIX, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
+def reference(fstack: Stack) -> dict[str, list[int]]:
+    """Colocated greedy tokens of PROMPT, dense and with SELECTIVE's selector: what recompute must give."""
+    dense = complete(fstack, transfer_mode="colocated")
+    quest = complete(fstack, transfer_mode="colocated", selector="quest", kv_budget=0.1)
+    assert dense[0] == quest[0] == 200
+    return {"dense": dense[1]["smartgen"]["token_ids"], "quest": quest[1]["smartgen"]["token_ids"]}
+
+
+def worker(stack: Stack, role: str) -> dict:
+    return next(w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == role)
+
+
+def admin_post(stack: Stack, w: dict, path: str, body: dict) -> dict:
+    token = getattr(stack, "admin_token", None)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(w["admin_url"] + path, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.load(r)
+
+
+def pace(stack: Stack, role: str, gbps: float) -> None:
+    """Pace `role`'s data plane (0 = unpaced): full-mode pushes then crawl, so a fault lands mid-transfer."""
+    admin_post(stack, worker(stack, role), "/link", {"gbps": gbps})
+
+
+def wait_forgotten(stack: Stack, worker_id: str) -> None:
+    """Until the gateway has dropped a killed worker (its heartbeats stopped a TTL ago)."""
+    deadline = time.monotonic() + TTL_S + 5
+    while any(w["id"] == worker_id for w in get_json(stack.gateway_url + "/workers")["workers"]):
+        assert time.monotonic() < deadline, f"the gateway still lists {worker_id}"
+        time.sleep(0.1)
+
+
+def wait_healthy(stack: Stack, timeout_s: float = 30.0) -> None:
+    """Until the gateway sees a worker of every role again (a paused worker is forgotten until it heartbeats)."""
+    deadline = time.monotonic() + timeout_s
+    while get_json(stack.gateway_url + "/health").get("status") != "ok":
+        assert time.monotonic() < deadline, f"the stack did not recover: {get_json(stack.gateway_url + '/health')}"
+        time.sleep(0.1)
+
+
+def check_after(stack: Stack, fault: str, outcomes: list[tuple[str, float | None]]) -> None:
+    """The leak check (and that no service died but those killed on purpose), then one matrix row per outcome."""
+    if not KILLED:
+        wait_healthy(stack)
+    leaks = find_leaks(stack.gateway_url, 15.0)
+    dead = sorted(set(stack.dead()) - KILLED)
+    for saw, time_to_error_s in outcomes:
+        row = {"fault": fault, "client_saw": saw,
+               "time_to_error_s": None if time_to_error_s is None else round(time_to_error_s, 2),
+               "leaks": leaks or "none"}
+        MATRIX.append(row)
+        print(f"FAULT MATRIX | {fault} | {saw} | {row['time_to_error_s']} | {row['leaks']}")
+    assert not leaks, f"leak check after {fault}: {leaks}"
+    assert not dead, f"services died after {fault}: {dead}"
+
+
+# --- requests ------------------------------------------------------------------------------------------------
+def complete(stack: Stack, timeout_s: float = 60.0, **body) -> tuple[int, dict, dict]:
+    """POST /v1/completions (not streamed): (status, body, headers)."""
+    data = json.dumps({"prompt": PROMPT, "max_tokens": 16, "temperature": 0, **body}).encode()
+    request = urllib.request.Request(stack.gateway_url + "/v1/completions", data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            return r.status, json.load(r), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc), dict(exc.headers)
+
+
+class Stream(threading.Thread):
+    """One streamed completion, read in the background: its `data:` items with their arrival times."""
+
+    def __init__(self, stack: Stack, **body):
+        super().__init__(daemon=True)
+        self.url = stack.gateway_url + "/v1/completions"
+        self.body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, **body, "stream": True}
+        self.items: list[tuple[float, dict | str]] = []
+        self.status: int | None = None
+        self.http_error: dict | None = None
+        self.failure: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        request = urllib.request.Request(self.url, json.dumps(self.body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                self.status = r.status  # the headers go out with token 1
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    item = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+                    self.items.append((time.monotonic(), item))
+                    if item == "[DONE]":
+                        break
+        except urllib.error.HTTPError as exc:
+            self.status, self.http_error = exc.code, json.load(exc)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            self.failure = exc
+
+    def wait_started(self, timeout_s: float = 30.0) -> None:
+        """Until the response has begun, which the gateway does at token 1 (its text may still be empty): the
+        prefill has answered and the decode worker has the request."""
+        deadline = time.monotonic() + timeout_s
+        while self.status is None:
+            assert self.is_alive() and time.monotonic() < deadline, f"the stream did not start: {self.failure!r}"
+            time.sleep(0.005)
+
+    def wait_for(self, chunks: int, timeout_s: float = 30.0) -> None:
+        """Until `chunks` token chunks have arrived."""
+        deadline = time.monotonic() + timeout_s
+        while sum(isinstance(i, dict) and "choices" in i for _, i in list(self.items)) < chunks:
+            assert self.is_alive() and time.monotonic() < deadline, f"{chunks} chunks did not stream: {self.items[-2:]}"
+            time.sleep(0.005)
+
+    def result(self, timeout_s: float) -> "Stream":
+        self.join(timeout_s)
+        assert not self.is_alive(), f"the stream did not end within {timeout_s} s (a hang)"
+        assert self.failure is None, f"the stream broke: {self.failure!r}"
+        return self
+
+    @property
+    def error(self) -> tuple[float, dict] | None:
+        """(arrival, error object) of the stream's error event, or of the HTTP error."""
+        if self.http_error is not None:
+            return time.monotonic(), self.http_error["error"]
+        return next(((t, i["error"]) for t, i in self.items if isinstance(i, dict) and "error" in i), None)
+
+    @property
+    def smartgen(self) -> dict | None:
+        return next((i["smartgen"] for _, i in reversed(self.items) if isinstance(i, dict) and "smartgen" in i), None)
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.items) and self.items[-1][1] == "[DONE]"
+
+
+def outcome_of(stream: Stream, since: float, expected: list[int] | None = None) -> tuple[str, float | None]:
+    """What the client saw, in words, and how long after `since` an error arrived (None: it did not fail)."""
+    error = stream.error
+    if error is not None:
+        at, err = error
+        return f"{stream.status}, error event: {err['message'][:160]}", at - since
+    sg = stream.smartgen or {"token_ids": []}
+    saw = f"{stream.status}, completed: {len(sg['token_ids'])} tokens"
+    if expected is not None and sg["token_ids"] == expected:
+        saw += " = colocated"
+    if sg.get("recomputed"):
+        saw += f", recomputed ({sg['recompute_reason'][:120]})"
+    return saw, None
+
+
+def assert_error_event(stream: Stream, *words: str) -> None:
+    """An error event naming the cause, then [DONE]."""
+    assert stream.error is not None, f"no error event: {stream.items[-3:]}"
+    message = stream.error[1]["message"]
+    assert any(w in message for w in words), message
+    assert stream.is_done, "the stream did not end with [DONE]"
+
+
+def assert_recomputed(stream: Stream, expected: list[int]) -> None:
+    """Completed, with the colocated tokens, and saying it recomputed."""
+    assert stream.error is None, stream.error
+    sg = stream.smartgen
+    assert sg is not None and sg["token_ids"] == expected, (sg and sg["token_ids"], expected)
+    assert sg["recomputed"] is True and sg["recompute_reason"] and sg["failure_policy"] == "recompute"
+
+
+# --- the faults --------------------------------------------------------------------------------------------
+def test_failure_policy_is_validated(fstack):
+    """failure_policy takes fail or recompute; anything else is a 400 naming the parameter."""
+    status, body, _ = complete(fstack, failure_policy="retry")
+    assert status == 400 and body["error"]["param"] == "failure_policy" and "recompute" in body["error"]["message"]
+
+
+def test_link_cut_mid_transfer(fstack, reference):
+    """The prefill's data-plane connections dropped mid-push (POST /fault cut_links): `fail` errors at once
+    naming the link, `recompute` completes with the colocated tokens."""
+    pace(fstack, "prefill", SLOW_GBPS)
+    try:
+        fail = Stream(fstack, transfer_mode="full")
+        recompute = Stream(fstack, transfer_mode="full", failure_policy="recompute")
+        fail.wait_started()
+        recompute.wait_started()
+        cut = admin_post(fstack, worker(fstack, "prefill"), "/fault", {"kind": "cut_links"})
+        at = time.monotonic()
+        assert cut["links_cut"] >= 1
+        fail.result(10), recompute.result(10)
+    finally:
+        pace(fstack, "prefill", 0)
+    assert_error_event(fail, "link", "cut")
+    assert fail.error[0] - at < 2
+    assert_recomputed(recompute, reference["dense"])
+    check_after(fstack, "data-plane link cut mid-transfer", [outcome_of(fail, at)])
+    check_after(fstack, "data-plane link cut mid-transfer, recompute", [outcome_of(recompute, at, reference["dense"])])
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_corrupted_chunk(fstack, reference, policy):
+    """A pushed chunk arrives corrupted (crc32 mismatch): the prefill's push fails and it tells the decode worker;
+    `fail` is a 502 naming the checksum, `recompute` a 200 with the colocated tokens."""
+    admin_post(fstack, worker(fstack, "prefill"), "/fault", {"kind": "corrupt_next_chunk"})
+    started = time.monotonic()
+    status, body, _ = complete(fstack, transfer_mode="full", failure_policy=policy, timeout_s=20)
+    took = time.monotonic() - started
+    if policy == "fail":
+        assert status == 502 and "crc32" in body["error"]["message"], body
+        assert body["error"]["code"] == "worker_failed" and took < 5
+        saw, time_to_error = f"{status} {body['error']['code']}: {body['error']['message'][:160]}", took
+    else:
+        assert status == 200, body
+        sg = body["smartgen"]
+        assert sg["token_ids"] == reference["dense"] and sg["recomputed"] and "crc32" in sg["recompute_reason"]
+        saw, time_to_error = f"200, completed: {len(sg['token_ids'])} tokens = colocated, recomputed", None
+    check_after(fstack, f"corrupted chunk (checksum mismatch), {policy}", [(saw, time_to_error)])
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_refused_on_demand_read(fstack, reference, policy):
+    """smartgen with every entry left remote, and the prefill refusing every ticket (POST /fault refuse_tickets):
+    the first on-demand read fails; `fail` ends the stream with an error event, `recompute` rebuilds the cache
+    on the decode worker mid-step and decodes exactly what colocated selective attention decodes."""
+    prefill = worker(fstack, "prefill")
+    admin_post(fstack, prefill, "/fault", {"kind": "refuse_tickets", "on": True})
+    try:
+        started = time.monotonic()
+        stream = Stream(fstack, failure_policy=policy, **SELECTIVE).result(20)
+    finally:
+        admin_post(fstack, prefill, "/fault", {"kind": "clear"})
+    if policy == "fail":
+        assert_error_event(stream, "refused")
+    else:
+        assert_recomputed(stream, reference["quest"])
+        assert "refused" in stream.smartgen["recompute_reason"]
+    check_after(fstack, f"ticket refused on an on-demand read, {policy}",
+                [outcome_of(stream, started, reference["quest"])])
+
+
+def test_lease_expires_when_decode_stops_keeping_it(fstack):
+    """A decode worker paused (SIGSTOP) mid-way through a smartgen request stops extending the prefill's lease:
+    the prefill frees the KV within about a lease and counts it; the client gets an error event once the
+    decode worker's heartbeats are missed; resumed, the decode worker frees its side too."""
+    decode, prefill = worker(fstack, "decode"), worker(fstack, "prefill")
+    expired_before = get_json(prefill["admin_url"] + "/stats")["leases_expired"]
+    stream = Stream(fstack, max_tokens=600, ignore_eos=True, **SELECTIVE)
+    stream.wait_for(3)
+    assert get_json(prefill["admin_url"] + "/stats")["active_requests"] == 1, "the prefill should hold the KV"
+    os.kill(decode["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        freed_at = None
+        while time.monotonic() - stopped < 4 * LEASE_S + 2:
+            stats = get_json(prefill["admin_url"] + "/stats")
+            if stats["leases_expired"] > expired_before and stats["active_requests"] == 0:
+                freed_at = time.monotonic()
+                break
+            time.sleep(0.05)
+        stream.result(TTL_S + 10)
+    finally:
+        os.kill(decode["pid"], signal.SIGCONT)
+    assert freed_at is not None, "the prefill kept the KV of a decode worker that stopped keeping its lease"
+    metrics = urllib.request.urlopen(prefill["admin_url"] + "/metrics").read().decode()
+    assert any(line.startswith("smartgen_kv_leases_expired_total") and float(line.split()[-1]) > expired_before
+               for line in metrics.splitlines())
+    assert_error_event(stream, decode["id"])
+    check_after(fstack, "decode SIGSTOP mid-stream, longer than the lease",
+                [("prefill: lease expired, KV freed, smartgen_kv_leases_expired_total +1", freed_at - stopped),
+                 outcome_of(stream, stopped)])
+
+
+def test_nats_restart_mid_request(fstack):
+    """NATS killed and restarted on the same port while a request streams: the request completes or fails
+    clearly (never hangs), every service reconnects, and the next request works."""
+    stream = Stream(fstack, transfer_mode="full", max_tokens=900, ignore_eos=True, prompt="Tell me a long story.")
+    stream.wait_for(5)
+    fstack.restart_nats()
+    restarted = time.monotonic()
+    stream.result(TTL_S + 20)
+    if stream.error is None:
+        assert stream.is_done and len(stream.smartgen["token_ids"]) == 900
+    else:
+        assert_error_event(stream, "NATS", "heartbeats", "lost")
+    wait_healthy(fstack)
+    leaks = find_leaks(fstack.gateway_url, 15.0)  # NOTE: the aborts of a failed request follow its error event
+    assert not leaks, leaks
+    status, body, _ = complete(fstack, transfer_mode="full")
+    assert status == 200, body
+    check_after(fstack, "NATS restarted mid-stream", [outcome_of(stream, restarted),
+                                                      ("then 200: the next request works", None)])
+
+
+def test_full_decode_worker_answers_429(fstack):
+    """Three requests at once, each needing most of the decode worker's KV pages (a long prompt): the one that
+    fits completes, the others get a 429 (code overloaded) with Retry-After at once, not a queue or a hang."""
+    body = {"prompt": PROMPT * 4, "max_tokens": 16, "transfer_mode": "full", "ignore_eos": True}  # ~800 tokens
+    started = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: (*complete(fstack, **body), time.monotonic() - started), range(3)))
+    statuses = sorted(r[0] for r in results)
+    refused = [r for r in results if r[0] == 429]
+    assert statuses[0] == 200 and refused and set(statuses) == {200, 429}, [r[1] for r in results]
+    for _, reply, headers, _ in refused:
+        assert reply["error"]["code"] == "overloaded" and "every decode worker is full" in reply["error"]["message"]
+        assert "Retry-After" in headers
+    assert all(len(r[1]["smartgen"]["token_ids"]) == 16 for r in results if r[0] == 200)
+    check_after(fstack, "decode worker full (3 requests, room for 1)",
+                [(f"{statuses.count(200)}× 200 completed, {len(refused)}× 429 overloaded + Retry-After",
+                  max(r[3] for r in refused))])
+
+
+def test_prefill_paused_before_the_first_token(fstack, reference):
+    """A prefill worker frozen (SIGSTOP) before it answers: after the TTL the `fail` request is a 502 naming it,
+    and the `recompute` request is run by the decode worker from the prompt, with the colocated tokens."""
+    prefill = worker(fstack, "prefill")
+    os.kill(prefill["pid"], signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            fail = pool.submit(complete, fstack, transfer_mode="full", timeout_s=30)
+            recompute = pool.submit(complete, fstack, transfer_mode="full", failure_policy="recompute", timeout_s=30)
+            (fail_status, fail_body, _), (status, body, _) = fail.result(40), recompute.result(40)
+        took = time.monotonic() - paused
+    finally:
+        os.kill(prefill["pid"], signal.SIGCONT)
+    assert fail_status == 502 and prefill["id"] in fail_body["error"]["message"], fail_body
+    assert status == 200 and body["smartgen"]["token_ids"] == reference["dense"], body
+    assert body["smartgen"]["recomputed"] and prefill["id"] in body["smartgen"]["recompute_reason"]
+    assert took < TTL_S + 5
+    check_after(fstack, "prefill SIGSTOP before token 1",
+                [(f"502 {fail_body['error']['code']}: {fail_body['error']['message'][:120]}", took)])
+    check_after(fstack, "prefill SIGSTOP before token 1, recompute",
+                [("200, completed = colocated, recomputed by decode", None)])
+
+
+def test_prefill_killed_mid_transfer(fstack, reference):
+    """kill -9 of the prefill while two full-mode pushes crawl over a slow link: the decode worker hears the
+    link drop at once; the `fail` request ends with an error event, the `recompute` one completes with the
+    colocated tokens. (The prefill stays dead: the one test after this runs colocated.)"""
+    prefill = worker(fstack, "prefill")
+    pace(fstack, "prefill", SLOW_GBPS)
+    fail = Stream(fstack, transfer_mode="full")
+    recompute = Stream(fstack, transfer_mode="full", failure_policy="recompute")
+    fail.wait_started()
+    recompute.wait_started()
+    os.kill(prefill["pid"], signal.SIGKILL)
+    KILLED.add("prefill-0")  # and left dead: only the last test follows, which needs no prefill
+    killed = time.monotonic()
+    fail.result(10), recompute.result(10)
+    assert_error_event(fail, "link", "prefill")
+    assert fail.error[0] - killed < 2, "the decode worker should hear the lost link at once, not after the TTL"
+    assert_recomputed(recompute, reference["dense"])
+    wait_forgotten(fstack, prefill["id"])
+    check_after(fstack, "prefill kill -9 mid-transfer", [outcome_of(fail, killed)])
+    check_after(fstack, "prefill kill -9 mid-transfer, recompute", [outcome_of(recompute, killed, reference["dense"])])
+
+
+def test_decode_killed_mid_stream(fstack):
+    """kill -9 of the decode worker while it streams: an error event naming it within the TTL, and with no decode
+    worker left the next request is a 503 at once. (The last test: the decode worker stays dead. A prefill
+    holding KV for a dead decode worker: test_lease_expires… here, test_worker_death.py for full mode.)"""
+    decode = worker(fstack, "decode")
+    stream = Stream(fstack, transfer_mode="colocated", max_tokens=800, ignore_eos=True, prompt="Tell me a long story.")
+    stream.wait_for(5)
+    os.kill(decode["pid"], signal.SIGKILL)
+    KILLED.add("decode-0")
+    killed = time.monotonic()
+    stream.result(TTL_S + 10)
+    assert_error_event(stream, decode["id"])
+    assert stream.error[0] - killed < TTL_S + 2
+    wait_forgotten(fstack, decode["id"])
+    asked = time.monotonic()
+    status, body, headers = complete(fstack, transfer_mode="full")
+    answered_s = time.monotonic() - asked
+    assert status == 503 and body["error"]["code"] == "no_worker" and answered_s < 2
+    assert "Retry-After" in headers
+    check_after(fstack, "decode kill -9 mid-stream", [outcome_of(stream, killed),
+                                                      (f"then 503 {body['error']['code']} + Retry-After (no decode "
+                                                       "worker left)", answered_s)])

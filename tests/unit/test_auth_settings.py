@@ -1,0 +1,132 @@
+"""Secrets in settings (files, repr, connect options) and the admin-token middleware, without processes."""
+from __future__ import annotations
+
+import ssl
+
+import pytest
+from aiohttp import web
+from aiohttp import test_utils  # NOTE: not `import TestClient`: pytest would try to collect it
+
+from shared.admin_auth import admin_headers, admin_token_from_env
+from shared.config import ConfigError, ModelWorkerConfig, ServiceConfig, load_config, write_secret_file
+from shared.natsconn import client_options, connect_options, redacted_url
+from shared.runtime import Service, build_admin_app
+
+
+def test_secrets_stay_out_of_repr_and_str():
+    """A config's repr/str (what a log line or traceback shows) never holds a token or password."""
+    config = ModelWorkerConfig(nats_token="tok-SECRET", admin_token="adm-SECRET")
+    other = ServiceConfig(nats_user="u", nats_password="pw-SECRET")
+    for text in (repr(config), str(config), repr(other)):
+        assert "SECRET" not in text
+    assert "nats_user='u'" in repr(other)
+
+
+def test_secrets_come_from_files(tmp_path):
+    """SMARTGEN_*_FILE fills the secret (one trailing newline dropped), and the file is written mode 0600."""
+    token_file = write_secret_file(tmp_path / "token", "abc def\n")
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    config = load_config(ServiceConfig, [], {"SMARTGEN_NATS_TOKEN_FILE": str(token_file),
+                                             "SMARTGEN_ADMIN_TOKEN_FILE": str(token_file)})
+    assert config.nats_token == "abc def" and config.admin_token == "abc def"
+    assert admin_token_from_env({"SMARTGEN_ADMIN_TOKEN_FILE": str(token_file)}) == "abc def"
+    assert admin_token_from_env({}) == ""
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SMARTGEN_NATS_TOKEN_FILE": "/no/such/file"}, "SMARTGEN_NATS_TOKEN_FILE"),
+    ({"SMARTGEN_NATS_TOKEN": "a", "SMARTGEN_NATS_USER": "u", "SMARTGEN_NATS_PASSWORD": "p"}, "not both"),
+    ({"SMARTGEN_NATS_USER": "u"}, "SMARTGEN_NATS_PASSWORD"),
+    ({"SMARTGEN_NATS_TLS_CERT": "/no/cert.pem"}, "SMARTGEN_NATS_TLS_KEY"),
+    ({"SMARTGEN_NATS_TLS_CA": "/no/ca.pem"}, "SMARTGEN_NATS_TLS_CA"),
+])
+def test_bad_secret_settings_say_what_to_set(env, message):
+    """A secret setting that cannot work stops the service with the variable to fix."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(ServiceConfig, [], env)
+
+
+def test_token_and_its_file_must_agree(tmp_path):
+    """Setting a secret both ways with different values is an error, not a silent pick."""
+    path = write_secret_file(tmp_path / "t", "from-file")
+    with pytest.raises(ConfigError, match="differ"):
+        load_config(ServiceConfig, [], {"SMARTGEN_ADMIN_TOKEN": "other", "SMARTGEN_ADMIN_TOKEN_FILE": str(path)})
+
+
+def test_connect_options_carry_credentials_and_tls():
+    """Token, user/password and TLS settings become nats.connect arguments; none set = just the server."""
+    assert connect_options(ServiceConfig()) == {"servers": ["nats://127.0.0.1:4222"]}
+    assert connect_options(ServiceConfig(nats_token="t"))["token"] == "t"
+    options = connect_options(ServiceConfig(nats_user="u", nats_password="p"))
+    assert (options["user"], options["password"]) == ("u", "p") and "token" not in options
+    tls = connect_options(ServiceConfig(nats_url="tls://nats.example:4222"))["tls"]
+    assert isinstance(tls, ssl.SSLContext) and tls.verify_mode == ssl.CERT_REQUIRED
+    assert client_options({"SMARTGEN_NATS_TOKEN": "t"}, server="nats://10.0.0.1:4222") == \
+        {"servers": ["nats://10.0.0.1:4222"], "token": "t"}
+
+
+def test_redacted_url_hides_credentials():
+    """A URL with credentials in it is logged without them."""
+    assert redacted_url("nats://user:pw@host:4222") == "nats://***@host:4222"
+    assert redacted_url("nats://tok@host:4222") == "nats://***@host:4222"
+    assert redacted_url("nats://host:4222") == "nats://host:4222"
+
+
+class AdminProbe(Service):
+    """A service with one state-changing admin route and one public route, to probe the middleware."""
+
+    role = "probe"
+    public_path_prefixes = ("/v1/",)
+
+    def __init__(self, config: ServiceConfig):
+        super().__init__(config)
+        self.num_changes = 0
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        async def change(_: web.Request) -> web.Response:
+            self.num_changes += 1
+            return web.json_response({"changed": self.num_changes})
+
+        async def public(_: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        return [web.post("/change", change), web.delete("/change", change), web.post("/v1/public", public)]
+
+
+async def probe(admin_token: str) -> tuple[AdminProbe, test_utils.TestClient]:
+    service = AdminProbe(ServiceConfig(admin_token=admin_token))
+    client = test_utils.TestClient(test_utils.TestServer(build_admin_app(service)))
+    await client.start_server()
+    return service, client
+
+
+async def test_admin_token_guards_state_changing_routes():
+    """POST/DELETE need the bearer token (401 naming SMARTGEN_ADMIN_TOKEN otherwise, handler not run); GET and
+    the public prefix need none."""
+    service, client = await probe("s3cret")
+    try:
+        for headers in ({}, admin_headers("wrong"), {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer"}):
+            response = await client.post("/change", headers=headers)
+            assert response.status == 401 and "SMARTGEN_ADMIN_TOKEN" in (await response.json())["error"]
+            assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        assert service.num_changes == 0
+        assert (await client.post("/change", headers=admin_headers("s3cret"))).status == 200
+        assert (await client.delete("/change", headers=admin_headers("s3cret"))).status == 200
+        assert service.num_changes == 2
+        assert (await client.get("/stats")).status == 200
+        assert (await client.post("/v1/public")).status == 200
+        assert (await client.post("/stats")).status == 405 and (await client.post("/nowhere")).status == 404
+    finally:
+        await client.close()
+
+
+async def test_without_an_admin_token_state_changing_routes_are_off():
+    """No admin token configured: even a request with a bearer token gets 403 saying how to turn them on."""
+    service, client = await probe("")
+    try:
+        response = await client.post("/change", headers=admin_headers("anything"))
+        assert response.status == 403 and "SMARTGEN_ADMIN_TOKEN" in (await response.json())["error"]
+        assert service.num_changes == 0
+        assert (await client.get("/health")).status in (200, 503)
+    finally:
+        await client.close()

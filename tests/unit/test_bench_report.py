@@ -1,0 +1,82 @@
+"""The measurement harness's arithmetic on synthetic inputs: bench serve's summaries and ratios, eval accuracy's
+scoring, and simulate's projections."""
+from __future__ import annotations
+
+import pytest
+
+from shared.workloads import Sample
+from tools.bench import cluster, report, simulate
+from tools.bench.serve import summarize
+from tools.eval import accuracy
+
+
+def _record(mode: str, times: list[float], pressure=2.0, gbps=0.1, **extra) -> dict:
+    return {"mode": mode, "prompt_tokens_asked": 2048, "pressure": pressure, "link_gbps": gbps, "prompt_tokens": 2000,
+            "token_times_s": times, "ttft_s": times[0], "ttst_s": times[1] - times[0],
+            "tbt_s": (times[-1] - times[1]) / (len(times) - 2), "e2e_s": times[-1] + 0.01,
+            "kv_bytes": extra.pop("kv_bytes", {}), "local_share": extra.pop("local_share", 1.0),
+            "step_local_share": extra.pop("step_local_share", []), "on_demand_wait_s": 0.0, "all_local_step": -1, **extra}
+
+
+def test_summaries_of_known_timelines():
+    """Percentiles, TBT and CTL of a mode come out of known token timelines exactly."""
+    # full: token 1 at 10 s, a 5 s stall, then 0.1 s per token; two requests 2 s apart in TTFT
+    a = [10.0, 15.0] + [15.0 + 0.1 * i for i in range(1, 63)]
+    b = [12.0, 17.0] + [17.0 + 0.1 * i for i in range(1, 63)]
+    runs = summarize([_record("full", a, kv_bytes={"full": 100}), _record("full", b, kv_bytes={"full": 300})])
+    (r,) = runs
+    assert r["num_requests"] == 2
+    assert r["ttft_p50_s"] == pytest.approx(11.0) and r["ttft_p99_s"] == pytest.approx(11.98)
+    assert r["ttst_p50_s"] == pytest.approx(5.0) and r["tbt_mean_s"] == pytest.approx(0.1)
+    assert r["ctl_s"]["2"] == pytest.approx(16.0) and r["ctl_s"]["64"] == pytest.approx(16.0 + 6.2)
+    assert r["kv_bytes"] == {"full": 200} and len(r["ctl_curve_s"]) == 64
+
+
+def test_ratios_come_from_the_same_run():
+    """TTST and TBT ratios are taken against full at the same pressure and the unpaced colocated references."""
+    t = lambda ttft, ttst, tbt: [ttft, ttft + ttst] + [ttft + ttst + tbt * i for i in range(1, 63)]  # noqa: E731
+    runs = summarize([_record("full", t(10, 4.0, 0.1)), _record("smartgen", t(10, 0.4, 0.11)),
+                      _record("full", t(10, 13.0, 0.1), pressure=6.5, gbps=0.03),
+                      _record("colocated", t(10, 0.1, 0.1), pressure=None, gbps=0.0),
+                      _record("colocated-selective", t(10, 0.1, 0.1), pressure=None, gbps=0.0)])
+    report.add_ratios(runs)
+    sg = next(r for r in runs if r["mode"] == "smartgen")
+    assert sg["ttst_vs_full"] == pytest.approx(0.1)
+    assert sg["ttst_vs_colocated"] == pytest.approx(4.0)
+    assert sg["tbt_vs_colocated_selective"] == pytest.approx(1.1)
+    full_65 = next(r for r in runs if r["mode"] == "full" and r["pressure"] == 6.5)
+    assert full_65["ttst_vs_full"] == pytest.approx(1.0)
+
+
+def test_accuracy_scores_and_token_agreement():
+    """Gold answers score 100, dense is colocated, and transfer modes are checked token for token against the
+    all-local selective run of the same selector."""
+    samples = [Sample("needle", "p1", ["12345"], "string_match", 8), Sample("needle", "p2", ["777"], "string_match", 8)]
+    reply = lambda text, ids: {"text": text, "token_ids": ids, "kv_bytes": {"full": 10}}  # noqa: E731
+    answers = {"colocated": [reply("12345", [1]), reply("777", [2])],
+               "colocated-selective/quest": [reply("12345", [1]), reply("no", [3])],
+               "smartgen/quest": [reply("12345", [1]), reply("nope", [4])]}
+    configs = accuracy.configurations(["colocated", "colocated-selective", "smartgen"], ["quest"])
+    assert configs == [("colocated", None), ("colocated-selective", "quest"), ("smartgen", "quest")]
+    rows = {r["mode"]: r for r in accuracy.score(configs, samples, answers)}
+    assert rows["colocated"]["mean"] == 100.0 and rows["colocated"]["delta_vs_dense"] == 0.0
+    assert rows["colocated-selective"]["mean"] == 50.0 and rows["colocated-selective"]["same_tokens_as_local"] is None
+    assert rows["smartgen"]["delta_vs_dense"] == -50.0 and rows["smartgen"]["same_tokens_as_local"] == 0.5
+
+
+def test_simulated_cluster_follows_the_pressure():
+    """On the modelled L20 cluster: R grows as the link slows; where full transfer hides behind the prefill auto
+    keeps full; where it does not, SmartGen's TTST gain over full grows with R."""
+    calib = {**simulate.DEFAULT_CALIBRATION,
+             "hits": {m: [(0.0, 0.5, 0.7), (1.0, 1.0, 1.0)] for m in ("smartgen", "partial")}}
+    m = cluster.LLAMA_31_8B
+    at = lambda gbps, batch: simulate.project(simulate.Setting(m, gbps, 32768, batch, 0.9, 0.1), calib)  # noqa: E731
+    fast, slow = at(32, 6), at(15, 6)
+    assert slow["full"]["R"] > fast["full"]["R"] > 1
+    gain = lambda p: p["full"]["ttst_s"] / p["smartgen"]["ttst_s"]  # noqa: E731
+    assert gain(slow) > gain(fast) > 1
+    easy = at(32, 1)
+    assert easy["full"]["R"] < 1 and easy["auto"] == easy["full"]
+    assert simulate.local_hits(calib, "smartgen", 0.5) == pytest.approx((0.75, 0.85))
+    # the equivalent rate inverts the pressure
+    assert cluster.pressure(m, 8192, cluster.equivalent_gbps(3.0, m, 8192)) == pytest.approx(3.0)

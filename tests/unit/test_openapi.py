@@ -1,0 +1,141 @@
+"""The gateway's OpenAPI document against its validation: the same enums, every field described, and
+bodies generated from the document (valid and invalid, by schemathesis) judged the same way by parse_job."""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import jsonschema_rs
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from schemas import FAILURE_POLICIES, SMARTGEN_PATHS, TRANSFER_MODES
+from services.gateway import requests as gateway_requests
+from services.gateway.api import _error
+from services.gateway.openapi import openapi_document
+from services.gateway.requests import KV_BITS, SELECTORS, ApiError, parse_job
+
+MODEL, MAX_POSITIONS, VOCAB = "tiny", 64, 300
+DOCUMENT = openapi_document(MODEL, MAX_POSITIONS, VOCAB)
+SCHEMAS = DOCUMENT["components"]["schemas"]
+BODIES = {"completion": "CompletionRequest", "chat": "ChatCompletionRequest"}
+EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundred per second)
+# Constraints between fields that the schema states in words only: a valid body may still get a 400 for these.
+CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
+                      "ablate"}
+
+
+class FakeTokenizer:
+    """One token per character; like the real (Rust) tokenizer it refuses text that is not valid Unicode."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        text.encode("utf-8")  # the real one raises TypeError on lone surrogates; this raises too
+        return {"input_ids": [ord(c) % VOCAB for c in text]}
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@functools.cache
+def loaded() -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_dict(DOCUMENT)
+
+
+def is_integral_float(value: object) -> bool:
+    """5.0: an integer to JSON Schema, but parse_job wants JSON integers where the schema says integer."""
+    return isinstance(value, float) and value.is_integer()
+
+
+def parse(body: object, kind: str):
+    return parse_job(body, kind, FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16)
+
+
+def test_enums_come_from_the_validation_constants():
+    """transfer_mode, selector, kv_bits, ablate and failure_policy list exactly what parse_job accepts."""
+    fields = SCHEMAS["CompletionRequest"]["properties"]
+    assert fields["transfer_mode"]["enum"] == list(TRANSFER_MODES)
+    assert fields["selector"]["enum"] == [*SELECTORS, None]
+    assert fields["kv_bits"]["enum"] == [*KV_BITS, None]
+    assert fields["ablate"]["items"]["enum"] == list(SMARTGEN_PATHS)
+    assert fields["failure_policy"]["enum"] == list(FAILURE_POLICIES)
+
+
+def test_every_field_parse_job_reads_is_described():
+    """Each body field parse_job reads (body.get("…"), or the max_tokens names) is a property of both bodies."""
+    source = inspect.getsource(gateway_requests.parse_job)
+    read = set(re.findall(r'body\.get\("(\w+)"', source)) | {"max_tokens", "max_completion_tokens"}
+    assert {"transfer_mode", "kv_budget", "ignore_eos"} <= read  # the pattern still finds what it should
+    for kind, name in BODIES.items():
+        described = set(SCHEMAS[name]["properties"])
+        prompt_field = {"completion": "prompt", "chat": "messages"}[kind]
+        assert read - {"prompt", "messages"} <= described and prompt_field in described, read - described
+
+
+def test_schemathesis_loads_every_operation():
+    """The document is valid OpenAPI to schemathesis: every operation loads."""
+    operations = [result.ok() for result in loaded().get_all_operations()]
+    assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+                                               "GET /health", "GET /workers", "GET /stats", "GET /metrics"}
+
+
+@pytest.mark.parametrize("kind", BODIES)
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_parse_job_judges_generated_bodies_as_the_schema_does(kind, mode):
+    """Bodies schemathesis generates from the document: one the schema refuses gets a 400/404 ApiError; one it
+    accepts is parsed, or refused for a constraint between fields; parse_job never raises anything else."""
+    route = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}[kind]
+    operation = loaded()[route]["POST"]
+    validator = jsonschema_rs.validator_for(SCHEMAS[BODIES[kind]])
+
+    def fits(body: object) -> bool:
+        try:
+            return validator.is_valid(body)
+        except (TypeError, ValueError):  # no body at all (schemathesis's NOT_SET), or not JSON data
+            return False
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        body = case.body
+        try:
+            parse(body, kind)
+        except ApiError as exc:
+            assert exc.status in (400, 404), exc.message
+            assert not fits(body) or exc.param in CROSS_FIELD_PARAMS or is_integral_float(body.get(exc.param)), \
+                (body, exc.param, exc.message)
+            return
+        assert fits(body), body
+
+    run()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "seed": 2**70}, "seed"),  # did not fit msgpack: a 500 after the workers were asked
+    ({"prompt": "x", "selector": "quest", "kv_budget": 10**400}, "kv_budget"),  # float() overflowed: a 500
+    ({"prompt": "x\ud800"}, "prompt"),  # the tokenizer's TypeError: a 500
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    ({"prompt": "x", "n": True}, "n"),  # True == 1 slipped through
+    ({"prompt": "x", "stop": 0}, "stop"),  # falsy values slipped through as "no stop"
+    ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": "no"}, "max_completion_tokens"),  # max_tokens hid it
+])
+def test_values_that_slipped_through_are_400(body, param):
+    """Values that used to pass validation (or crash past it) are a 400 naming the parameter."""
+    kind = "chat" if "messages" in body else "completion"
+    with pytest.raises(ApiError) as raised:
+        parse(body, kind)
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+@pytest.mark.parametrize("status, retry_after", [(429, "1"), (503, "5")])
+def test_busy_and_unavailable_answers_say_when_to_retry(status, retry_after):
+    """429 and 503 error responses carry a Retry-After header in seconds (a default, or the error's own); a 400
+    has none."""
+    assert _error(ApiError(status, "busy")).headers["Retry-After"] == retry_after
+    assert _error(ApiError(status, "busy", retry_after_s=30)).headers["Retry-After"] == "30"
+    assert "Retry-After" not in _error(ApiError(400, "bad")).headers

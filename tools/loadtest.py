@@ -1,0 +1,224 @@
+"""`smartgen loadtest`: many streaming clients for a fixed time against a stack on this machine, then what
+failed and how, latency percentiles, throughput, every process's memory, and what the workers still hold.
+
+    smartgen loadtest [--url URL | --model PATH --prefill N --decode M] [--concurrency 16] [--duration 300]
+                      [--max-tokens 32] [--prompt-tokens 256] [--transfer-mode MODE …] [--grace 10] [--json PATH]
+
+1. Starts its own stack unless --url names a running gateway. It only talks to loopback: the gateway URL and
+   the admin ports /workers lists (read only: /workers, /stats, /transfers).
+2. Each of `concurrency` clients (asyncio tasks on one aiohttp session) loops until the deadline: one
+   streaming /v1/completions (`ignore_eos`: every request generates `max_tokens`; transfer modes in turn),
+   read the SSE events to [DONE], record the outcome (stream_client.py); after a failure it waits as a
+   polite client does (a refusal's Retry-After, else 0.1 s). Prompts are cut from the Python standard library's
+   source at random places; `prompt_tokens` is approximate (≈ 3.5 characters a token), the report gives the
+   real mean.
+3. At the deadline requests in flight get `grace` seconds, then are cancelled: their connections close, which
+   the gateway must turn into aborts (counted apart from errors; the leak check shows whether it did).
+4. RSS of every process at the start, every `sample_every_s` (the max) and at the end (service_memory.py);
+   after the run the stack's leak check (shared/leaks.py). Progress on stderr, a Markdown report on stdout
+   (loadtest_report.py), everything as JSON with --json.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from shared.leaks import find_leaks, get_json
+from shared.workloads import stdlib_files
+from tools import loadtest_report
+from tools.service_memory import MIB, StackMemory
+from tools.stream_client import ABORTED, OK, Outcome, stream_completion
+
+CHARS_PER_TOKEN = 3.5  # SmolLM2's tokenizer on Python source, roughly
+ERROR_PAUSE_S = 0.1  # a client waits this long after a failed request, so a dead stack is not a busy loop…
+MAX_PAUSE_S = 10.0  # …or what the refusal's Retry-After says, up to this (and never past the deadline)
+
+
+@dataclass
+class LoadConfig:
+    url: str = ""  # a running gateway on loopback; "" = start a stack
+    model: str = ""  # for the stack it starts ("" = the default SmolLM2)
+    num_prefill: int = 1
+    num_decode: int = 1
+    concurrency: int = 16  # clients, each with one request in flight
+    duration_s: float = 300.0
+    max_tokens: int = 32
+    prompt_tokens: int = 256  # approximate
+    transfer_modes: list[str] = field(default_factory=list)  # used in turn; [] = the gateway's default
+    grace_s: float = 10.0  # after the deadline, before in-flight requests are cancelled
+    request_timeout_s: float = 120.0  # one request, whole
+    sample_every_s: float = 2.0  # RSS sampling period
+    leak_timeout_s: float = 10.0
+    json_path: str = ""
+    progress: bool = True
+
+
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Prompts:
+    """Varied prompts: a random standard-library file, a random place in it, about `prompt_tokens` long."""
+
+    def __init__(self, prompt_tokens: int, seed: int = 0):
+        self.num_chars = int(prompt_tokens * CHARS_PER_TOKEN)
+        self.texts = [p.read_text(errors="replace") for p in stdlib_files(min_chars=self.num_chars)]
+        self.rng = random.Random(seed)
+        self.num_made = 0
+
+    def next(self) -> str:
+        text = self.rng.choice(self.texts)
+        start = self.rng.randrange(max(1, len(text) - self.num_chars))
+        self.num_made += 1
+        return f"# request {self.num_made}\n{text[start:start + self.num_chars]}"
+
+
+class Load:
+    """The clients of one run and what they have seen so far."""
+
+    def __init__(self, cfg: LoadConfig, url: str):
+        self.cfg, self.url = cfg, url.rstrip("/")
+        self.prompts = Prompts(cfg.prompt_tokens)
+        self.outcomes: list[Outcome] = []
+        self.num_in_flight = 0
+
+    def next_body(self) -> dict:
+        body = {"prompt": self.prompts.next(), "max_tokens": self.cfg.max_tokens, "temperature": 0, "ignore_eos": True}
+        modes = self.cfg.transfer_modes
+        if modes:
+            body["transfer_mode"] = modes[self.prompts.num_made % len(modes)]
+        return body
+
+    async def client(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            body, started = self.next_body(), time.monotonic()
+            self.num_in_flight += 1
+            try:
+                outcome = await stream_completion(session, self.url, body, self.cfg.request_timeout_s)
+            except asyncio.CancelledError:  # the hard stop: leaving the `async with` closes the connection
+                self.outcomes.append(Outcome(ABORTED, body.get("transfer_mode", ""), time.monotonic() - started))
+                raise
+            finally:
+                self.num_in_flight -= 1
+            self.outcomes.append(outcome)
+            if outcome.kind != OK:
+                pause = ERROR_PAUSE_S if outcome.retry_after_s is None else min(outcome.retry_after_s, MAX_PAUSE_S)
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+
+    async def watch(self, memory: StackMemory, started: float, bar) -> None:
+        """Progress every second; an RSS sample every `sample_every_s`."""
+        rss, next_sample = 0, started  # the first sample, now, gives the start figures
+        while True:
+            now = time.monotonic()
+            if now >= next_sample:
+                rss, next_sample = memory.sample(), now + self.cfg.sample_every_s
+            num_ok = sum(o.kind == OK for o in self.outcomes)
+            num_errors = sum(o.kind not in (OK, ABORTED) for o in self.outcomes)
+            bar.n = min(bar.total, round(now - started))
+            bar.set_postfix_str(f"ok {num_ok}  errors {num_errors}  in flight {self.num_in_flight}  RSS {rss / MIB:,.0f} MiB")
+            await asyncio.sleep(1.0)
+
+    async def drive(self, memory: StackMemory) -> float:
+        """Run every client to the deadline (+ grace, then cancel). Returns the elapsed time in seconds."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=round(cfg.duration_s), desc="loadtest", unit="s", disable=not cfg.progress,
+                   bar_format="{desc} {bar} {n}/{total} s{postfix}")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.concurrency)) as session:
+            started = time.monotonic()
+            watcher = asyncio.create_task(self.watch(memory, started, bar))
+            clients = [asyncio.create_task(self.client(session, started + cfg.duration_s)) for _ in range(cfg.concurrency)]
+            _, late = await asyncio.wait(clients, timeout=cfg.duration_s + cfg.grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            elapsed = time.monotonic() - started
+            watcher.cancel()
+        bar.close()
+        return elapsed
+
+
+def run(cfg: LoadConfig) -> dict:
+    """The whole load test; prints the report and returns the result (see loadtest_report.summarize)."""
+    if cfg.url and not is_loopback(cfg.url):
+        raise SystemExit(f"smartgen loadtest: {cfg.url} is not a loopback address; it only drives a stack on this machine")
+    stack = _start_stack(cfg) if not cfg.url else None
+    url = cfg.url or stack.gateway_url
+    try:
+        try:
+            health = get_json(url + "/health")
+        except OSError as exc:
+            raise SystemExit(f"smartgen loadtest: no gateway answers at {url} ({exc})") from None
+        if health.get("status") != "ok":
+            raise SystemExit(f"smartgen loadtest: the gateway at {url} is not ready: {health}")
+        workers = get_json(url + "/workers")["workers"]
+        remote = [w["id"] for w in workers if not is_loopback(w["admin_url"])]
+        if remote:
+            raise SystemExit(f"smartgen loadtest: admin ports not on loopback ({', '.join(remote)}); "
+                             "it only reads a stack on this machine")
+        memory = StackMemory.discover(url, stack.nats.process.pid if stack and stack.nats else None)
+        load = Load(cfg, url)
+        elapsed = asyncio.run(load.drive(memory))
+        leaks = find_leaks(url, cfg.leak_timeout_s)
+        memory.finish()
+    finally:
+        if stack is not None:
+            stack.stop()
+    result = {"config": asdict(cfg), "url": url, "elapsed_s": elapsed, **loadtest_report.summarize(load.outcomes, elapsed),
+              "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
+                          for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
+              "memory": memory.as_dict(), "leaks": leaks, "requests": [asdict(o) for o in load.outcomes]}
+    print(loadtest_report.markdown(result))
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {cfg.json_path}")
+    return result
+
+
+def _start_stack(cfg: LoadConfig):
+    from shared.models import prepare_default_model
+    from shared.nats_server import free_port
+    from shared.stack import Stack, StackSpec
+
+    if not cfg.model:
+        prepare_default_model()
+    log_file = Path(tempfile.gettempdir()) / f"smartgen-loadtest-{os.getpid()}.log"
+    print(f"loadtest: starting NATS, {cfg.num_prefill} prefill + {cfg.num_decode} decode workers (log: {log_file})",
+          file=sys.stderr, flush=True)
+    spec = StackSpec(cfg.num_prefill, cfg.num_decode, cfg.model, (cfg.transfer_modes or ["full"])[0], free_port(),
+                     log_file=log_file)
+    stack = Stack(spec).start()
+    try:
+        stack.wait_ready(300)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def main(args) -> int:
+    """`smartgen loadtest` (arguments from shared/cli.py). Exit code 1 when a request failed or state leaked."""
+    cfg = LoadConfig(url=args.url, model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                     concurrency=args.concurrency, duration_s=args.duration, max_tokens=args.max_tokens,
+                     prompt_tokens=args.prompt_tokens, transfer_modes=args.transfer_mode, grace_s=args.grace,
+                     json_path=args.json or "")
+    result = run(cfg)
+    return 1 if result["num_errors"] or result["leaks"] else 0
