@@ -19,7 +19,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import structlog
 from aiohttp import web
 from nats.aio.client import Client

@@ -78,7 +78,11 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
                  transfer_mode=job.transfer_mode, stream=job.stream)
         try:
             if job.stream:
-                return await _stream(gw, request, run)
+                try:
+                    return await _stream(gw, request, run)
+                except ConnectionResetError:  # the client left mid-stream; `close()` below aborts the workers
+                    log.info("client_gone", tokens=len(run.token_ids))
+                    return web.Response(status=499)  # aiohttp ignores the write to the closed connection
             return await _respond(gw, run)
         finally:
             await run.close()

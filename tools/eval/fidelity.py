@@ -59,7 +59,7 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
     started = time.monotonic()
 
     # 1. teacher-forced fidelity on held-out continuations of long documents (stdlib sources)
-    for d, file in enumerate(data.stdlib_files(min_chars=40_000)[:num_docs]):
+    for d, file in enumerate(workloads.stdlib_files(min_chars=40_000)[:num_docs]):
         ids = tokenizer(file.read_text(errors="replace"))["input_ids"]
         prompt, continuation = ids[:prompt_tokens], ids[prompt_tokens: prompt_tokens + tokens]
         logits, cache = runner.prefill(prompt)
