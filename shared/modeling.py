@@ -42,6 +42,17 @@ class ModelRunner:
         self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         self.max_positions = self.config.max_position_embeddings
+        self.vocab_size = self.config.vocab_size
+
+    def token_problem(self, token_ids: list[int]) -> str:
+        """Why these prompt ids cannot run on this model ("" if they can): empty, too long, or outside the vocabulary."""
+        if not token_ids:
+            return "the prompt is empty"
+        if len(token_ids) > self.max_positions:
+            return f"prompt of {len(token_ids)} tokens exceeds the model's {self.max_positions}"
+        if not all(0 <= t < self.vocab_size for t in token_ids):
+            return f"prompt token ids must be in 0..{self.vocab_size - 1}"
+        return ""
 
     def kv_layout(self, page_tokens: int) -> KvLayout:
         return layout_for(self.num_layers, self.num_kv_heads, self.head_dim, page_tokens, self.dtype)

@@ -41,6 +41,9 @@ class Service:
     role: ClassVar[str] = ""
     # Admin paths anyone may POST to (the gateway's OpenAI API); every other non-GET route needs the admin token
     public_path_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Cancel an HTTP handler when its client disconnects (the gateway: a client that leaves a non-streamed
+    # completion must free the workers at once). Off elsewhere: an admin action runs to its end.
+    cancel_on_disconnect: ClassVar[bool] = False
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -130,7 +133,8 @@ async def run_service(service: Service) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     async with AsyncExitStack() as stack:
-        runner = web.AppRunner(build_admin_app(service), access_log=None)
+        runner = web.AppRunner(build_admin_app(service), access_log=None,
+                               handler_cancellation=service.cancel_on_disconnect)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.host, service.http_port())

@@ -14,7 +14,8 @@ failed and how, latency percentiles, throughput, every process's memory, and wha
    real mean.
 3. At the deadline requests in flight get `grace` seconds, then are cancelled: their connections close, which
    the gateway must turn into aborts (counted apart from errors; the leak check shows whether it did).
-4. RSS of every process at the start, every `sample_every_s` (the max) and at the end (service_memory.py);
+4. RSS of every process at the start, after the warm-up (a tenth of the run in), every `sample_every_s` (the max)
+   and at the end (service_memory.py);
    after the run the stack's leak check (shared/leaks.py). Progress on stderr, a Markdown report on stdout
    (loadtest_report.py), everything as JSON with --json.
 """
@@ -125,10 +126,13 @@ class Load:
     async def watch(self, memory: StackMemory, started: float, bar) -> None:
         """Progress every second; an RSS sample every `sample_every_s`."""
         rss, next_sample = 0, started  # the first sample, now, gives the start figures
+        warm_at: float | None = started + self.cfg.duration_s / 10
         while True:
             now = time.monotonic()
-            if now >= next_sample:
-                rss, next_sample = memory.sample(), now + self.cfg.sample_every_s
+            if now >= next_sample or (warm_at is not None and now >= warm_at):
+                is_warm_mark = warm_at is not None and now >= warm_at
+                rss, next_sample = memory.sample(is_warm_mark), now + self.cfg.sample_every_s
+                warm_at = None if is_warm_mark else warm_at
             num_ok = sum(o.kind == OK for o in self.outcomes)
             num_errors = sum(o.kind not in (OK, ABORTED) for o in self.outcomes)
             bar.n = min(bar.total, round(now - started))

@@ -65,9 +65,10 @@ def markdown(result: dict) -> str:
                               [[m, s["num_ok"], s["num_errors"], s["num_aborted"], _num(s["latency_s"]["ttft"]["p50"]),
                                 _num(s["latency_s"]["ttst"]["p50"]), _num(s["latency_s"]["e2e"]["p50"])]
                                for m, s in result["by_mode"].items()])]
-    lines += ["", *_table(["process", "role", "pid", "RSS start (MiB)", "max", "end", "note"],
-                          [[name, m["role"], m["pid"] or "–", _num(m["start_mib"], 1), _num(m["max_mib"], 1),
-                            _num(m["end_mib"], 1), m["note"]] for name, m in result["memory"].items()])]
+    lines += ["", *_table(["process", "role", "pid", "RSS start (MiB)", "after warm-up", "max", "end", "note"],
+                          [[name, m["role"], m["pid"] or "–", _num(m["start_mib"], 1), _num(m.get("warm_mib"), 1),
+                            _num(m["max_mib"], 1), _num(m["end_mib"], 1), m["note"]]
+                           for name, m in result["memory"].items()])]
     leaks = result["leaks"]
     lines += ["", "Leak check: " + ("clean (no requests, KV pages, leases, tickets or transfer plans held)" if not leaks
                                     else f"**workers still hold request state**: {leaks}")]

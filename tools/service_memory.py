@@ -36,6 +36,7 @@ class ProcessMemory:
     role: str
     pid: int | None
     start: int | None = None
+    warm: int | None = None  # after the warm-up (the first tenth of the run): growth from here on suggests a leak
     max: int | None = None
     end: int | None = None
     note: str = ""
@@ -49,8 +50,8 @@ class ProcessMemory:
 
     def as_dict(self) -> dict:
         mib = lambda b: None if b is None else round(b / MIB, 1)  # noqa: E731
-        return {"role": self.role, "pid": self.pid, "start_mib": mib(self.start), "max_mib": mib(self.max),
-                "end_mib": mib(self.end), "note": self.note}
+        return {"role": self.role, "pid": self.pid, "start_mib": mib(self.start), "warm_mib": mib(self.warm),
+                "max_mib": mib(self.max), "end_mib": mib(self.end), "note": self.note}
 
 
 @dataclass
@@ -76,9 +77,15 @@ class StackMemory:
         processes.append(ProcessMemory("nats-server", "nats", nats_pid, note=note))
         return cls(sorted(processes, key=lambda p: (p.role, p.name)))
 
-    def sample(self) -> int:
-        """Sample every process; returns the total RSS seen now, in bytes."""
-        return sum(p.sample() or 0 for p in self.processes)
+    def sample(self, is_warm_mark: bool = False) -> int:
+        """Sample every process (the warm-up figures too if `is_warm_mark`); returns the total RSS now, in bytes."""
+        total = 0
+        for p in self.processes:
+            rss = p.sample()
+            total += rss or 0
+            if is_warm_mark:
+                p.warm = rss
+        return total
 
     def finish(self) -> None:
         """The end figures: one last sample."""

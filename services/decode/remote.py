@@ -69,6 +69,7 @@ class RemoteKv:
     num_read_local: int = 0  # entries attention read that were local, all steps
     num_read_remote: int = 0
     is_closed: bool = False
+    failure: str = ""  # set when the prefill node is lost: every later read fails at once with it
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -104,6 +105,8 @@ class RemoteKv:
     def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
+        if self.failure:
+            raise RemoteReadError(self.failure)
         if self.is_closed:
             raise RemoteReadError("the request's remote KV was released")
         present = self.present[layer]
@@ -170,6 +173,8 @@ class RemoteKv:
             self.bytes_background += size
 
     async def _read(self, segments: list[Segment], lane: Lane) -> None:
+        if self.failure:
+            raise RemoteReadError(self.failure)
         if self.is_closed:
             raise RemoteReadError("the request's remote KV was released")
         task = asyncio.current_task()
@@ -210,6 +215,11 @@ class RemoteKv:
         n_pad = self.num_pages * self.page_tokens - self.num_tokens
         full = np.pad(self.present.all(axis=1), ((0, 0), (0, n_pad)), constant_values=True)
         return full.reshape(full.shape[0], self.num_pages, self.page_tokens).all(axis=2)
+
+    def fail(self, reason: str) -> None:
+        """The prefill node is lost: reads from now on fail at once (the caller cuts the link, which fails the
+        reads in flight)."""
+        self.failure = self.failure or reason
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """No new reads; wait until every read in flight has settled (their bytes land in the slab)."""

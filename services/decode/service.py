@@ -202,9 +202,26 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             log.warning("bad_message", subject=msg.subject, error=str(exc))
             return
         state = self.active.get(failed.request_id)
-        if state is not None and not state.landed.is_set():
+        if state is None:
+            return
+        if not state.landed.is_set():
             state.failure = failed.error
             state.landed.set()
+        elif state.remote is not None and not state.remote.is_closed:
+            self._lose_prefill(state.remote, failed.error)
+
+    def _lose_prefill(self, remote: RemoteKv, error: str) -> None:
+        """Mid-decode, the prefill node holding the rest of the KV is gone (the gateway saw its heartbeats stop):
+        fail this request's reads now rather than after the read timeout. A frozen peer never answers, so the
+        link to it is cut too, which fails the reads in flight (they are every request's reads from that peer:
+        all of them need it). The step that needed them fails, or under `recompute` recomputes."""
+        remote.fail(f"on-demand read impossible: {error}")
+        assert self.dataplane
+        try:
+            cut = self.dataplane.cut_links(f"cut: {error}", peer=remote.source.dataplane_addr)
+        except NotImplementedError:  # RDMA: a dead peer's queue pair errors by itself
+            cut = 0
+        log.warning("prefill_lost_mid_decode", error=error, links_cut=cut)
 
     def link_lost(self, peer: str, error: DataPlaneError) -> None:
         """A data-plane connection dropped: requests still waiting for KV pushed from that peer stop waiting."""
@@ -427,6 +444,8 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             return "max_tokens must be ≥ 1"
         if req.failure_policy not in FAILURE_POLICIES:
             return f"failure_policy {req.failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}"
+        if problem := self.runner.token_problem(req.token_ids):  # type: ignore[union-attr]
+            return problem
         if req.transfer_mode == "colocated":
             return ""
         recomputing = req.first_token < 0 and req.failure_policy == "recompute"  # the prefill failed before token 1

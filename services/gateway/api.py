@@ -8,6 +8,7 @@ transfer figures. Bad requests get a 400 with an OpenAI-style error body and tou
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,9 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
                     log.info("client_gone", tokens=len(run.token_ids))
                     return web.Response(status=499)  # aiohttp ignores the write to the closed connection
             return await _respond(gw, run)
+        except asyncio.CancelledError:  # the client disconnected (handler cancellation): `close()` aborts the workers
+            log.info("client_gone", tokens=len(run.token_ids))
+            raise
         finally:
             await run.close()
             gw.record(run)

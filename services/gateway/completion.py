@@ -70,7 +70,9 @@ class CompletionRun:
     decode_layers: int = 0  # from the KvHandle, to report the plan's block count
     recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
     _liveness: Liveness | None = None
-    _watch_prefill: bool = False  # until decode's first event, decode may be waiting on the prefill's pushes
+    # Whether the prefill's death matters now: "push" until decode's first event (decode may wait on its pushes),
+    # then "reads" to the end in partial and smartgen modes (decode reads the rest of the KV from it), else "".
+    _watch_prefill: str = ""
     _next_index: int = 0  # the index the next token event must have
     _aborted: set[str] = field(default_factory=set)  # workers already told to abort
     _sub: Any = None
@@ -105,7 +107,7 @@ class CompletionRun:
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
             raise ApiError(status, f"{exc.message}", code=exc.code) from None
-        self._watch_prefill = done is not None
+        self._watch_prefill = "push" if done is not None else ""
         self._next_index = 0 if first < 0 else 1
         if first >= 0:
             yield self._stamp(first)
@@ -205,7 +207,8 @@ class CompletionRun:
                                              self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
-            self._watch_prefill = False
+            if self._watch_prefill == "push":
+                self._watch_prefill = "reads" if self.mode in SELECTIVE_MODES else ""
             try:
                 event = decode(TokenEvent, msg.data)
             except SchemaError as exc:
@@ -240,7 +243,9 @@ class CompletionRun:
                     self._liveness.is_suspect = False  # something came: the worker still has the request
                     return task.result()
                 for worker in self._liveness.dead([awaited, *also]):
-                    if worker is awaited or self.job.failure_policy != "recompute":
+                    # NOTE: once decoding, the decode worker decides: it fails (or recomputes) only if it still
+                    # needs KV from the dead prefill; a request already all local completes.
+                    if worker is awaited or (self.job.failure_policy != "recompute" and self._watch_prefill != "reads"):
                         raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats "
                                             f"during {what}")
                     also.remove(worker)
@@ -251,11 +256,12 @@ class CompletionRun:
                 task.cancel()
 
     async def _report_prefill_lost(self, prefill: WorkerInfo) -> None:
-        """failure_policy recompute: the decode worker may still wait for this prefill's pushes; tell it they
-        will not come (it recomputes), instead of failing the request."""
+        """Tell the decode worker that this prefill's pushes or on-demand reads will not be served: under failure
+        policy recompute it recomputes; while decoding, it fails the request only if it still needs that KV."""
         assert self.decode
-        self._watch_prefill = False
-        log.warning("prefill_lost", prefill_worker_id=prefill.worker_id, failure_policy="recompute")
+        phase, self._watch_prefill = self._watch_prefill, ""
+        log.warning("prefill_lost", prefill_worker_id=prefill.worker_id, failure_policy=self.job.failure_policy,
+                    phase=phase)
         failed = TransferFailed(self.job.request_id, f"prefill worker {prefill.worker_id} stopped sending heartbeats")
         await self.nc.publish(subjects.worker("decode", self.decode.worker_id, "transfer_failed"), encode(failed))
 

@@ -24,6 +24,7 @@ from shared.registry import WorkerRegistry
 class GatewayService(Service):
     role = "gateway"
     public_path_prefixes = ("/v1/",)  # the OpenAI API is the public API: no admin token
+    cancel_on_disconnect = True  # a client that leaves a non-streamed completion frees the workers at once
     config: GatewayConfig
 
     def __init__(self, config: GatewayConfig):

@@ -157,8 +157,8 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused("not_found", f"request {req.request_id} was aborted")
         if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
             raise RequestRefused("bad_request", "the prompt is empty or does not match the KV handle's token count")
-        if len(req.token_ids) > self.runner.max_positions:
-            raise RequestRefused("bad_request", f"prompt of {len(req.token_ids)} tokens exceeds the model's {self.runner.max_positions}")
+        if problem := self.runner.token_problem(req.token_ids):
+            raise RequestRefused("bad_request", problem)
         if req.handle.layout != self.store.layout:
             raise RequestRefused("bad_request", f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
         if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:

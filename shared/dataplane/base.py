@@ -199,9 +199,10 @@ class DataPlane(abc.ABC):
         if self.on_link_lost is not None:
             self.on_link_lost(peer, error)
 
-    def cut_links(self, reason: str = "cut by fault injection") -> int:
-        """Fault injection: fail every open link now, as a lost connection would (transfers on them fail; later
-        ones dial again). Returns how many were cut. Transports that cannot do it raise NotImplementedError."""
+    def cut_links(self, reason: str = "cut by fault injection", peer: str | None = None) -> int:
+        """Fail every open link (or those to `peer`) now, as a lost connection would: transfers on them fail,
+        later ones dial again. For fault injection, and to stop reads from a peer known to be gone. Returns how
+        many were cut. Transports that cannot do it raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot cut its links")
 
     def pause_background(self) -> None:

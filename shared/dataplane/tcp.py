@@ -127,6 +127,10 @@ class _Link:
                     await self.has_work.wait()
                     continue
                 lane, frame = picked
+                if self._is_abandoned(frame):
+                    if frame.on_done:
+                        frame.on_done()
+                    continue
                 started = time.monotonic()
                 try:
                     header = frame.header
@@ -153,6 +157,17 @@ class _Link:
         except Exception as exc:  # a bug must not leave waiters hanging: fail the link loudly
             log.exception("dataplane_writer_crashed", peer=self.peer)
             self.fail(DataPlaneError(f"data-plane link to {self.peer} failed: {exc!r}"))
+
+    def _is_abandoned(self, frame: _Frame) -> bool:
+        """A chunk of our own push or read whose caller is gone (the request was aborted, or the transfer failed on
+        another chunk): it would only take link time from live requests, so it is dropped unsent."""
+        if frame.header.op not in (frames.OP_PUSH, frames.OP_READ):
+            return False  # a reply or ack to the peer: always owed
+        waiting = self.waiting.get(frame.header.seq)
+        if waiting is None or not waiting.done.done():
+            return False
+        del self.waiting[frame.header.seq]  # no reply will come: the peer never sees the frame
+        return True
 
     async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
         loop = asyncio.get_running_loop()
@@ -470,8 +485,8 @@ class TcpDataPlane(DataPlane):
         self.links[peer] = link
         return link
 
-    def cut_links(self, reason: str = "cut by fault injection") -> int:
-        links = list(self.links.values())
+    def cut_links(self, reason: str = "cut by fault injection", peer: str | None = None) -> int:
+        links = [link for link in self.links.values() if peer is None or link.peer == peer]
         for link in links:
             link.fail(DataPlaneError(f"data-plane link to {link.peer} {reason}"))
         return len(links)

@@ -110,7 +110,14 @@ def semantically_bad(ids: dict[str, str]) -> list[tuple[str, object]]:
     kvprofile = {verb: subjects.worker("kvprofile", ids["kvprofile"], verb) for verb in ("get", "show", "delete",
                                                                                           "build")}
     handle = schemas.KvHandle("fuzz-2", "d", "a:1", 1, LAYOUT, 3, 0, 16)
+    decode_generate = subjects.worker("decode", ids["decode"], "generate")
+    out_of_vocab = [1, 2, 10**9]  # an id past the embedding table: a clear refusal, not an IndexError
     return [
+        (decode_generate, schemas.Generate("fuzz-4", "colocated", out_of_vocab, -1, 4, [], schemas.Sampling(),
+                                           "fuzz.stream")),
+        (decode_generate, schemas.Generate("fuzz-4", "colocated", [1, -7], -1, 4, [], schemas.Sampling(),
+                                           "fuzz.stream")),
+        (prefill, schemas.Prefill("fuzz-2", out_of_vocab, "full", schemas.Sampling(), handle)),
         (decode_open, schemas.OpenKv("fuzz-1", 8, 4, "teleport")),
         (decode_open, schemas.OpenKv("fuzz-1", -5, 4, "full")),
         (decode_open, schemas.OpenKv("fuzz-1", 8, 2**62, "full")),

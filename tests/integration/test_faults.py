@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,8 +73,16 @@ def reference(fstack: Stack) -> dict[str, list[int]]:
     return {"dense": dense[1]["smartgen"]["token_ids"], "quest": quest[1]["smartgen"]["token_ids"]}
 
 
-def worker(stack: Stack, role: str) -> dict:
-    return next(w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == role)
+def worker(stack: Stack, role: str, timeout_s: float = 10.0) -> dict:
+    """The gateway's entry for the worker of `role` (waiting for it: one paused by a test before may not have
+    heartbeated again yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == role]
+        if found or time.monotonic() > deadline:
+            assert found, f"no {role} worker listed"
+            return found[0]
+        time.sleep(0.1)
 
 
 def admin_post(stack: Stack, w: dict, path: str, body: dict) -> dict:
@@ -260,6 +270,32 @@ def test_link_cut_mid_transfer(fstack, reference):
     check_after(fstack, "data-plane link cut mid-transfer, recompute", [outcome_of(recompute, at, reference["dense"])])
 
 
+def test_client_leaves_a_non_streamed_completion(fstack):
+    """A client that closes its connection while waiting for a non-streamed completion: the gateway aborts the
+    request at once (handler cancellation), so the prefill and decode workers free it long before the paced
+    push (~8 s) would have ended."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 16, "transfer_mode": "full"}).encode()
+    host, port = urllib.parse.urlsplit(fstack.gateway_url).netloc.rsplit(":", 1)
+    pace(fstack, "prefill", SLOW_GBPS / 5)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while not get_json(worker(fstack, "decode")["admin_url"] + "/stats")["active_requests"]:
+                assert time.monotonic() < deadline, "the request never reached the decode worker"
+                time.sleep(0.02)
+            time.sleep(0.3)  # mid-push
+        left = time.monotonic()
+        leaks = find_leaks(fstack.gateway_url, 3.0)
+        freed_after = time.monotonic() - left
+    finally:
+        pace(fstack, "prefill", 0)
+    assert not leaks, f"the workers still hold the abandoned request 3 s after the client left: {leaks}"
+    check_after(fstack, "client closed its connection during a non-streamed completion",
+                [(f"(gone) workers freed the request {freed_after:.2f} s after", None)])
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_corrupted_chunk(fstack, reference, policy):
     """A pushed chunk arrives corrupted (crc32 mismatch): the prefill's push fails and it tells the decode worker;
@@ -395,6 +431,40 @@ def test_prefill_paused_before_the_first_token(fstack, reference):
                 [(f"502 {fail_body['error']['code']}: {fail_body['error']['message'][:120]}", took)])
     check_after(fstack, "prefill SIGSTOP before token 1, recompute",
                 [("200, completed = colocated, recomputed by decode", None)])
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_paused_during_on_demand_reads(fstack, policy):
+    """smartgen with every entry left remote, and the prefill frozen (SIGSTOP) a few tokens into decoding: its
+    on-demand reads would hang until the read timeout (30 s here). Once its heartbeats stop, the gateway tells
+    the decode worker, which cuts the link: `fail` ends with an error event naming the prefill within about a
+    TTL, `recompute` rebuilds the cache on the decode worker and decodes what colocated selective decodes."""
+    long = {"max_tokens": 300, "ignore_eos": True}
+    expected = complete(fstack, transfer_mode="colocated", selector="quest", kv_budget=0.1, **long)[1]
+    prefill = worker(fstack, "prefill")
+    pace(fstack, "prefill", SLOW_GBPS)  # each step's reads take ~0.1 s: one is in flight when the prefill freezes
+    try:
+        stream = Stream(fstack, failure_policy=policy, **SELECTIVE, **long)
+        stream.wait_for(3)
+        os.kill(prefill["pid"], signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            stream.result(60)
+        finally:
+            os.kill(prefill["pid"], signal.SIGCONT)
+    finally:
+        pace(fstack, "prefill", 0)
+    arrivals = [t for t, item in stream.items if isinstance(item, dict)]
+    stalled = max(later - earlier for earlier, later in zip(arrivals, arrivals[1:]))  # ≈ detection + recompute
+    assert stalled < TTL_S + 5, f"the stream stalled {stalled:.1f} s on a frozen prefill (the read timeout is 30 s)"
+    if policy == "fail":
+        assert_error_event(stream, prefill["id"])
+    else:
+        assert_recomputed(stream, expected["smartgen"]["token_ids"])
+        assert prefill["id"] in stream.smartgen["recompute_reason"]
+    saw, time_to_error = outcome_of(stream, paused, expected["smartgen"]["token_ids"])
+    check_after(fstack, f"prefill SIGSTOP during on-demand reads, {policy}",
+                [(f"{saw}; longest stall {stalled:.2f} s", time_to_error)])
 
 
 def test_prefill_killed_mid_transfer(fstack, reference):

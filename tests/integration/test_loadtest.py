@@ -17,5 +17,6 @@ def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean
     assert {w["role"] for w in workers} >= {"gateway", "prefill", "decode", "broker", "kvprofile"}
     for name in [w["id"] for w in workers] + ["nats-server"]:
         rss = result["memory"][name]
-        assert rss["start_mib"] > 0 and rss["max_mib"] >= rss["start_mib"] and rss["end_mib"] > 0, (name, rss)
+        assert rss["start_mib"] > 0 and rss["warm_mib"] > 0 and rss["max_mib"] >= rss["start_mib"] and rss["end_mib"] > 0, \
+            (name, rss)
     assert result["leaks"] == {}

@@ -209,7 +209,7 @@ async def test_garbage_frame_closes_only_that_connection():
 
 
 async def test_pacing_holds_the_set_rate():
-    """A paced link moves data within ±5% of link_gbps."""
+    """A paced link moves data at link_gbps: never faster (±5%), and not much slower."""
     a, b, _, _ = await pair("tcp", size=16 << 20)
     try:
         b.grant(Grant(1, [(0, 16 << 20)]))
@@ -219,7 +219,8 @@ async def test_pacing_holds_the_set_rate():
         started = time.monotonic()
         await a.push(b.address, 1, [Segment(0, 0, 16 << 20)])
         rate_gbps = (16 << 20) * 8 / (time.monotonic() - started) / 1e9
-        assert rate_gbps == pytest.approx(0.4, rel=0.05)
+        # NOTE: never above the rate (+5% for timer slack); below it only by what a busy 2-core VM steals
+        assert 0.4 * 0.85 < rate_gbps < 0.4 * 1.05, rate_gbps
     finally:
         await a.close()
         await b.close()
@@ -252,6 +253,47 @@ async def test_on_demand_overtakes_a_saturating_background_lane():
     finally:
         await a.close()
         await b.close()
+
+
+async def test_cancelled_push_leaves_the_link_at_once():
+    """A push whose caller is cancelled (the request was aborted) sends none of its queued chunks: the next
+    push does not wait behind them, and the peer receives only what was in flight."""
+    a, b, _, _ = await pair("tcp", link_gbps=0.05)  # 6.25 MB/s: the 4 MiB push would take ~0.7 s
+    try:
+        b.grant(Grant(1, [(0, SIZE)]))
+        push = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, SIZE)]))
+        await asyncio.sleep(0.1)
+        push.cancel()
+        started = time.monotonic()
+        await a.push(b.address, 1, [Segment(0, 0, 1000)])
+        assert time.monotonic() - started < 0.2  # not behind the ~0.6 s of abandoned chunks
+        await asyncio.sleep(0.05)
+        assert b.num_bytes_received < SIZE / 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_cut_links_to_one_peer_leaves_the_others():
+    """cut_links(peer=…): transfers to that peer fail at once; links to other peers carry on."""
+    a, b, _, _ = await pair("tcp", link_gbps=0.02)
+    c = make_dataplane("tcp", link_gbps=0.02)
+    c.register_region(memoryview(bytearray(SIZE)))
+    await c.start()
+    try:
+        b.grant(Grant(1, [(0, SIZE)]))
+        c.grant(Grant(1, [(0, SIZE)]))
+        to_b = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, 1 << 20)]))
+        to_c = asyncio.create_task(a.push(c.address, 1, [Segment(0, 0, 64 << 10)]))
+        await asyncio.sleep(0.05)
+        assert a.cut_links("cut: peer gone", peer=b.address) == 1
+        with pytest.raises(DataPlaneError, match="peer gone"):
+            await asyncio.wait_for(to_b, 1)
+        await asyncio.wait_for(to_c, 5)
+    finally:
+        await a.close()
+        await b.close()
+        await c.close()
 
 
 def test_split_into_chunks_respects_the_chunk_size():
