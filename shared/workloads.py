@@ -25,6 +25,9 @@ class Sample:
     answers: list[str]
     metric: str
     max_new_tokens: int
+    # Sent as one user message through the chat template (an instruct model answers a bare "Answer:" with its end
+    # token). False, as in LongBench, for completion-style prompts: code, few-shot, "The pass key is".
+    is_chat: bool = False
 
 
 def stdlib_files(min_chars: int = 6000) -> list[Path]:
@@ -104,7 +107,7 @@ def squad_docqa(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sa
         # keep the answer's paragraph inside the window: put the text before it first and cut from the start
         prompt = _fit(tokenizer, template, context[: context.find(para["context"]) + len(para["context"])],
                       prompt_tokens, input=qa["question"])
-        samples.append(Sample("squad_docqa", prompt, [a["text"] for a in qa["answers"]], "qa_f1", 64))
+        samples.append(Sample("squad_docqa", prompt, [a["text"] for a in qa["answers"]], "qa_f1", 64, is_chat=True))
     return samples
 
 
@@ -123,7 +126,8 @@ def aclsum_report(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
         abstract = paper.get("abstract", "")
         abstract = " ".join(a.get("text", "") for a in abstract) if isinstance(abstract, list) else str(abstract)
         if body and abstract:
-            samples.append(Sample("aclsum_report", _fit(tokenizer, template, body, prompt_tokens), [abstract], "rouge_l", 128))
+            samples.append(Sample("aclsum_report", _fit(tokenizer, template, body, prompt_tokens), [abstract], "rouge_l",
+                                  128, is_chat=True))
     return samples
 
 
@@ -184,7 +188,7 @@ def hotpotqa_long(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
         rng.shuffle(parts)
         context = "\n\n".join(f"Passage {i + 1}:\n{p}" for i, p in enumerate(parts))
         samples.append(Sample("hotpotqa_long", _fit(tokenizer, template, context, prompt_tokens, input=item["question"]),
-                              [item["answer"]], "qa_f1", 32))
+                              [item["answer"]], "qa_f1", 32, is_chat=True))
     return samples
 
 

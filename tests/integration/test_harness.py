@@ -32,14 +32,15 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
 
 
 def test_eval_accuracy_small_run(clean_stack, tmp_path):
-    """Dense, full and smartgen answers are scored per task, and smartgen decodes the same tokens as the same
-    selector with all KV local."""
-    report = accuracy.run(["colocated", "full", "colocated-selective", "smartgen"], ["quest"], 0.25, ["needle"], 2,
-                          256, url=clean_stack.gateway_url, model=str(clean_stack.spec.model), out=str(tmp_path),
-                          progress=False)
+    """Dense, full and smartgen answers are scored per task (the QA task through the chat route, the needle
+    through completions), and smartgen decodes the same tokens as the same selector with all KV local."""
+    report = accuracy.run(["colocated", "full", "colocated-selective", "smartgen"], ["quest"], 0.25,
+                          ["needle", "squad_docqa"], 2, 256, url=clean_stack.gateway_url,
+                          model=str(clean_stack.spec.model), out=str(tmp_path), progress=False)
     rows = {(r["mode"], r["selector"]): r for r in report["rows"]}
     assert set(rows) == {("colocated", None), ("full", None), ("colocated-selective", "quest"), ("smartgen", "quest")}
     assert rows[("colocated", None)]["delta_vs_dense"] == 0
     assert rows[("smartgen", "quest")]["same_tokens_as_local"] == 1.0
     assert 0 <= rows[("full", None)]["scores"]["needle"] <= 100
+    assert 0 <= rows[("full", None)]["scores"]["squad_docqa"] <= 100
     assert json.loads((tmp_path / "accuracy.json").read_text())["rows"]

@@ -100,11 +100,16 @@ class Gateway:
             return exc.code, json.load(exc)
 
     def complete(self, body: dict, timeout: float = 1800) -> dict:
+        """POST /v1/completions, or /v1/chat/completions when `body` has `messages`: the reply's `smartgen`
+        object plus its `text` and the client's end-to-end time."""
         started = time.monotonic()
-        status, reply = self._post(self.url + "/v1/completions", body, timeout)
+        is_chat = "messages" in body
+        status, reply = self._post(self.url + ("/v1/chat/completions" if is_chat else "/v1/completions"), body, timeout)
         if status != 200:
             raise RuntimeError(f"request failed ({status}): {reply.get('error', reply)}")
-        return {**reply["smartgen"], "text": reply["choices"][0]["text"], "e2e_s": time.monotonic() - started}
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] if is_chat else choice["text"]
+        return {**reply["smartgen"], "text": text, "e2e_s": time.monotonic() - started}
 
     def build_profile(self, selector: str, prompt_tokens: int, num_prompts: int, kv_budget: float) -> dict:
         """Calibrate the selector's profile for this prompt length in the stack's kvprofile service."""

@@ -6,7 +6,8 @@
 
 1. Starts its own stack (embedded NATS, 1 prefill + 1 decode) unless `--url` names a running gateway.
 2. Builds `samples` prompts per task from local data (shared/workloads.py, LongBench templates).
-3. Sends every prompt through the OpenAI API once per (mode, selector): greedy, each task's own answer length.
+3. Sends every prompt through the OpenAI API once per (mode, selector): greedy, each task's own answer length;
+   QA and report prompts as a chat message when the model has a chat template (as LongBench does for chat models).
    Modes that select nothing (colocated, full, quantized…) run once; the selective ones once per selector.
 4. Scores each answer with its task's LongBench metric (tools/eval/metrics.py); `dense` is `colocated`.
    For every selective mode it also reports the share of answers whose tokens equal `colocated-selective`'s
@@ -45,6 +46,7 @@ def run(modes: list[str], selectors: list[str], kv_budget: float, tasks: list[st
         prepare_default_model()
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    has_chat = bool(getattr(tokenizer, "chat_template", None))  # QA and report tasks go through it (Sample.is_chat)
     configs = configurations(modes, selectors)
     for mode, selector in configs:
         mode_body(mode, selector or "quest", kv_budget)  # unknown names fail before anything starts
@@ -63,8 +65,9 @@ def run(modes: list[str], selectors: list[str], kv_budget: float, tasks: list[st
             body = mode_body(mode, selector or "quest", kv_budget)
             replies = []
             for sample in samples:
-                replies.append(gateway.complete({**body, "prompt": sample.prompt, "temperature": 0,
-                                                 "max_tokens": sample.max_new_tokens}))
+                prompt = ({"messages": [{"role": "user", "content": sample.prompt}]} if sample.is_chat and has_chat
+                          else {"prompt": sample.prompt})
+                replies.append(gateway.complete({**body, **prompt, "temperature": 0, "max_tokens": sample.max_new_tokens}))
                 bar.update(1)
             answers[label(mode, selector)] = replies
         bar.close()
