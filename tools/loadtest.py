@@ -189,7 +189,7 @@ def run(cfg: LoadConfig) -> dict:
     result = {"config": asdict(cfg), "url": url, "elapsed_s": elapsed, **loadtest_report.summarize(load.outcomes, elapsed),
               "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
                           for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
-              "memory": memory.as_dict(), "leaks": leaks, "requests": [asdict(o) for o in load.outcomes]}
+              "memory": memory.as_dict(), "memory_timeline": memory.timeline, "leaks": leaks, "requests": [asdict(o) for o in load.outcomes]}
     print(loadtest_report.markdown(result))
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(result, indent=1))

@@ -35,6 +35,20 @@ def summarize(outcomes: list, elapsed_s: float) -> dict:
     }
 
 
+def memory_growth(timeline: list, duration_s: float) -> tuple[float, float] | None:
+    """Growth of the total RSS (MiB) over the two halves of the run after its warm-up (the first tenth), from
+    (seconds, MiB) samples; None if there are too few samples."""
+    warm, end = duration_s / 10, duration_s
+    middle = (warm + end) / 2
+
+    def at(t: float) -> float:
+        return min(timeline, key=lambda sample: abs(sample[0] - t))[1]
+
+    if len(timeline) < 3 or timeline[-1][0] < 0.9 * end:
+        return None
+    return at(middle) - at(warm), at(end) - at(middle)
+
+
 def _num(x: float | None, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
@@ -69,6 +83,11 @@ def markdown(result: dict) -> str:
                           [[name, m["role"], m["pid"] or "–", _num(m["start_mib"], 1), _num(m.get("warm_mib"), 1),
                             _num(m["max_mib"], 1), _num(m["end_mib"], 1), m["note"]]
                            for name, m in result["memory"].items()])]
+    growth = memory_growth(result.get("memory_timeline") or [], cfg["duration_s"])
+    if growth:
+        lines += ["", f"Total RSS after the warm-up: +{growth[0]:.1f} MiB in the first half of the rest of the run, "
+                      f"+{growth[1]:.1f} MiB in the second (a leak grows alike in both; warm-up and allocator "
+                      "settling shrink)."]
     leaks = result["leaks"]
     lines += ["", "Leak check: " + ("clean (no requests, KV pages, leases, tickets or transfer plans held)" if not leaks
                                     else f"**workers still hold request state**: {leaks}")]

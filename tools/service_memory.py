@@ -9,6 +9,7 @@ is not this machine's name, or whose pid is not alive here, are listed with no f
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,8 @@ class StackMemory:
     """Every process of the stack, sampled together."""
 
     processes: list[ProcessMemory] = field(default_factory=list)
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (seconds since the first sample, total MiB)
+    _first_sample_at: float | None = None
 
     @classmethod
     def discover(cls, gateway_url: str, nats_pid: int | None = None) -> "StackMemory":
@@ -85,6 +88,9 @@ class StackMemory:
             total += rss or 0
             if is_warm_mark:
                 p.warm = rss
+        now = time.monotonic()
+        self._first_sample_at = self._first_sample_at if self._first_sample_at is not None else now
+        self.timeline.append((round(now - self._first_sample_at, 1), round(total / MIB, 1)))
         return total
 
     def finish(self) -> None:

@@ -19,4 +19,5 @@ def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean
         rss = result["memory"][name]
         assert rss["start_mib"] > 0 and rss["warm_mib"] > 0 and rss["max_mib"] >= rss["start_mib"] and rss["end_mib"] > 0, \
             (name, rss)
+    assert result["memory_timeline"] and result["memory_timeline"][-1][1] > 0
     assert result["leaks"] == {}

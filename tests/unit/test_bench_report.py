@@ -80,3 +80,15 @@ def test_simulated_cluster_follows_the_pressure():
     assert simulate.local_hits(calib, "smartgen", 0.5) == pytest.approx((0.75, 0.85))
     # the equivalent rate inverts the pressure
     assert cluster.pressure(m, 8192, cluster.equivalent_gbps(3.0, m, 8192)) == pytest.approx(3.0)
+
+
+def test_loadtest_memory_growth_splits_the_run_after_warm_up():
+    """Linear growth shows in both halves alike; growth that stops shows in the first half only; a run cut
+    short gives no verdict."""
+    from tools.loadtest_report import memory_growth
+
+    linear = [(t, 100.0 + t) for t in range(0, 101)]  # 1 MiB a second, sampled every second
+    assert memory_growth(linear, 100) == (45.0, 45.0)
+    settling = [(t, 100.0 + min(t, 40)) for t in range(0, 101)]
+    assert memory_growth(settling, 100) == (30.0, 0.0)
+    assert memory_growth(linear[:40], 100) is None
