@@ -103,15 +103,15 @@ def squad_docqa(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[Sa
     rng.shuffle(articles)
     template = ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based "
                 "on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:")
+    # other articles go before the one asked about, so that a short article still fills the prompt
+    others = "\n\n".join(p["context"] for other in articles[n: n + 8] for p in other["paragraphs"])
     samples = []
     for article in articles[:n]:
         paragraphs = article["paragraphs"]
         answerable = [(p, qa) for p in paragraphs for qa in p["qas"] if qa.get("answers")]
         para, qa = rng.choice(answerable)
         context = "\n\n".join(p["context"] for p in paragraphs)
-        # keep the answer's paragraph inside the window: the article up to it comes last and the prompt is cut
-        # from the start; other articles go before it, so that a short article still fills the prompt
-        others = "\n\n".join(p["context"] for other in articles[n: n + 8] for p in other["paragraphs"])
+        # keep the answer's paragraph inside the window: the article up to it comes last, the prompt is cut from the start
         prompt = _fit(tokenizer, template, others + "\n\n" + context[: context.find(para["context"]) + len(para["context"])],
                       prompt_tokens, input=qa["question"])
         samples.append(Sample("squad_docqa", prompt, [a["text"] for a in qa["answers"]], "qa_f1", 64, is_chat=True))

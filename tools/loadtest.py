@@ -126,10 +126,10 @@ class Load:
     async def watch(self, memory: StackMemory, started: float, bar) -> None:
         """Progress every second; an RSS sample every `sample_every_s`."""
         rss, next_sample = 0, started  # the first sample, now, gives the start figures
-        warm_at: float | None = started + self.cfg.duration_s / 10
+        warm_at: float | None = started + self.cfg.duration_s / 10  # the first sample from then on is the warm one
         while True:
             now = time.monotonic()
-            if now >= next_sample or (warm_at is not None and now >= warm_at):
+            if now >= next_sample:
                 is_warm_mark = warm_at is not None and now >= warm_at
                 rss, next_sample = memory.sample(is_warm_mark), now + self.cfg.sample_every_s
                 warm_at = None if is_warm_mark else warm_at
@@ -189,7 +189,8 @@ def run(cfg: LoadConfig) -> dict:
     result = {"config": asdict(cfg), "url": url, "elapsed_s": elapsed, **loadtest_report.summarize(load.outcomes, elapsed),
               "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
                           for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
-              "memory": memory.as_dict(), "memory_timeline": memory.timeline, "leaks": leaks, "requests": [asdict(o) for o in load.outcomes]}
+              "memory": memory.as_dict(), "memory_timeline": memory.timeline, "leaks": leaks,
+              "requests": [asdict(o) for o in load.outcomes]}
     print(loadtest_report.markdown(result))
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(result, indent=1))

@@ -105,10 +105,7 @@ class RemoteKv:
     def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
-        if self.failure:
-            raise RemoteReadError(self.failure)
-        if self.is_closed:
-            raise RemoteReadError("the request's remote KV was released")
+        self._check_readable()
         present = self.present[layer]
         if idx is None:
             remote = ~present
@@ -173,10 +170,7 @@ class RemoteKv:
             self.bytes_background += size
 
     async def _read(self, segments: list[Segment], lane: Lane) -> None:
-        if self.failure:
-            raise RemoteReadError(self.failure)
-        if self.is_closed:
-            raise RemoteReadError("the request's remote KV was released")
+        self._check_readable()
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -215,6 +209,12 @@ class RemoteKv:
         n_pad = self.num_pages * self.page_tokens - self.num_tokens
         full = np.pad(self.present.all(axis=1), ((0, 0), (0, n_pad)), constant_values=True)
         return full.reshape(full.shape[0], self.num_pages, self.page_tokens).all(axis=2)
+
+    def _check_readable(self) -> None:
+        if self.failure:
+            raise RemoteReadError(self.failure)
+        if self.is_closed:
+            raise RemoteReadError("the request's remote KV was released")
 
     def fail(self, reason: str) -> None:
         """The prefill node is lost: reads from now on fail at once (the caller cuts the link, which fails the
