@@ -7,21 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Transfer modes (DESIGN.md, "Transfer modes"). `auto` resolves, in the broker, to `smartgen` or `full`.
-TRANSFER_MODES = ("colocated", "full", "partial", "quantized", "smartgen", "auto")
-SERVABLE_TRANSFER_MODES = TRANSFER_MODES
-SELECTIVE_MODES = ("partial", "smartgen")  # decode attends selectively while part of the KV is still remote
-DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector (InfiniGen, HATA, Quest); smartgen pushes them whole
-# The three paths of `smartgen`; a request may switch any off for ablation (`ablate`).
-SMARTGEN_PATHS = ("proactive", "parallel", "background")
-# What a decode worker does when a request's KV cannot come from the prefill node (README, "When things fail"):
-# `fail` the request with an error naming what failed, or `recompute` the prefill itself and carry on.
-FAILURE_POLICIES = ("fail", "recompute")
-# A transfer plan's states, in order; `failed` and `expired` can follow any state before `released`.
-PLAN_STATES = ("opening", "transferring", "all_local", "released", "failed", "expired")
+from schemas.transfer import DEFAULT_KV_BUDGET, FAILURE_POLICIES
 
-# KV paths, as counted in `kv_bytes` and `smartgen_kv_transfer_bytes_total{path}`.
-KV_PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
+# The transfer modes, their defaults and the plan geometry: schemas/transfer.py.
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +65,7 @@ class KvHandle:
     """Decode → gateway → prefill: where a request's KV must land on the decode node.
 
     The decode worker's slab for the request starts at byte `offset` of its registered region and holds
-    `capacity` tokens (prompt plus room for the completion); see shared/kvstore.py for its layout.
+    `capacity` tokens (prompt plus room for the completion); see shared/compute/kvstore.py for its layout.
     """
 
     request_id: str
@@ -88,7 +76,7 @@ class KvHandle:
     num_tokens: int  # prompt tokens the prefill must deliver
     offset: int  # bytes
     capacity: int  # tokens
-    aux_offset: int = 0  # bytes: where selector metadata or quantized codes land (see shared/kvstore.py)
+    aux_offset: int = 0  # bytes: where selector metadata or quantized codes land (see shared/compute/kvstore.py)
     aux_bytes: int = 0
 
 
@@ -122,7 +110,7 @@ class OpenKv:
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """Broker → gateway → prefill and decode: how one request's KV moves (DESIGN.md, "The three transfer paths").
+    """Broker → gateway → prefill and decode: how one request's KV moves (docs/architecture.md, "Transfer modes").
 
     Blocks are (layer, page) pairs: tokens [page·page_tokens, (page+1)·page_tokens) of one layer, K and V of
     every KV head. `push_blocks` is a bitmap over num_layers × num_pages (layer-major, bit i of byte i // 8
@@ -143,6 +131,7 @@ class TransferPlan:
     parallel: bool = True  # path 2: fetch remote entries while gathering local ones (False: one after the other)
     background: bool = False  # path 3: speculative transfer of the rest
     reason: str = ""  # why this mode (auto) and this push budget, in words
+    selector: str = ""  # the selector the request runs with, as resolved here ("" = dense: auto chose full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +186,14 @@ class Generate:
     stop_token_ids: list[int]
     sampling: Sampling
     stream_subject: str  # where TokenEvents go
-    selector: str = ""  # "" = dense attention; else a KV selector name (see shared/selectors)
+    selector: str = ""  # "" = dense attention; else a KV selector name (see shared/compute/selectors)
     kv_budget: float = 0.0  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1
     plan: TransferPlan | None = None
     source: KvSource | None = None  # partial, smartgen
     kv_bits: int = 0  # quantized
     prefill_worker_id: str = ""  # who prefilled (every mode but colocated)
     prefill_dataplane_addr: str = ""  # where its pushes come from: if that link drops, waiting for them stops
-    failure_policy: str = "fail"  # one of FAILURE_POLICIES
+    failure_policy: str = FAILURE_POLICIES[0]  # one of FAILURE_POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +373,7 @@ class BuildProfile:
     prompt_tokens: int
     num_prompts: int = 4
     decode_steps: int = 16
-    kv_budget: float = 0.1
+    kv_budget: float = DEFAULT_KV_BUDGET
     progress_subject: str = ""  # where BuildProgress events go ("" = none)
 
 

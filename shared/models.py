@@ -79,23 +79,3 @@ def prepare_default_model(force: bool = False) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"model ready in {time.monotonic() - started:.0f} s", flush=True)
     return target
-
-
-def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers: int = 4, seed: int = 0,
-                    model_type: str = "llama") -> Path:
-    """A random-weight causal LM with the real tokenizer, for fast tests (seconds to load, ms per step)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from or resolve_model())
-    config = AutoConfig.for_model(
-        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-        initializer_range=0.3)  # NOTE: wide weights give varied greedy tokens (0.02 repeats one token)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return target

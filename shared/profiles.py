@@ -83,16 +83,3 @@ def blend(current: np.ndarray, observed: np.ndarray, seen: np.ndarray, weight: f
     out = current.copy()
     out[:, seen] = (1 - weight) * current[:, seen] + weight * observed[:, seen]
     return out
-
-
-def pack_bits(flags: np.ndarray) -> bytes:
-    """A bool array → the bitmap of TransferPlan.push_blocks (flattened, LSB first)."""
-    return np.packbits(np.asarray(flags, dtype=bool).ravel(), bitorder="little").tobytes()
-
-
-def unpack_bits(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
-    n = math.prod(shape)
-    if len(data) != math.ceil(n / 8):
-        raise ValueError(f"a bitmap of {len(data)} bytes does not describe {n} blocks")
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n, bitorder="little")
-    return bits.astype(bool).reshape(shape)

@@ -4,12 +4,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 from nats.aio.client import Client
 
-from schemas import Discover, SchemaError, WorkerInfo, decode, encode, subjects
+from schemas import Discover, WorkerInfo, encode, subjects
+from shared.rpc import subscriber
 
 log = structlog.get_logger()
 
@@ -30,20 +30,15 @@ class WorkerRegistry:
         """Keep this registry current from every service's heartbeats, and ask for one from each now.
         `on_info` sees every heartbeat too (the broker reads plan registrations from them)."""
 
-        async def on_heartbeat(msg: Any) -> None:
-            try:
-                info = decode(WorkerInfo, msg.data)
-            except SchemaError as exc:
-                log.warning("bad_heartbeat", subject=msg.subject, error=str(exc))
-                return
+        async def on_heartbeat(info: WorkerInfo) -> None:
             if not (subjects.is_token(info.role) and subjects.is_token(info.worker_id)):  # both go into subjects
-                log.warning("bad_heartbeat", subject=msg.subject, error="role and worker_id must be subject tokens")
+                log.warning("bad_heartbeat", worker_id=info.worker_id[:64], error="role and worker_id must be subject tokens")
                 return
             self.update(info)
             if on_info is not None:
                 on_info(info)
 
-        await nc.subscribe(subjects.HEARTBEATS, cb=on_heartbeat)
+        await nc.subscribe(subjects.HEARTBEATS, cb=subscriber(WorkerInfo, on_heartbeat))
         await nc.publish(subjects.DISCOVER, encode(Discover(asker)))
 
     def update(self, info: WorkerInfo) -> None:

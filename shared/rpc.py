@@ -83,3 +83,19 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]]) -> C
             await req.respond(encode(reply))
 
     return handle
+
+
+def subscriber(message_type: type[T], handler: Callable[[T], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """Wrap `handler(message)` as the callback of a plain pub/sub subscription (`nc.subscribe(..., cb=)`): the
+    payload is decoded as `message_type`, and one that does not decode is logged and dropped (nothing replies
+    on pub/sub). The counterpart of `endpoint` for request/reply."""
+
+    async def on_msg(msg: Any) -> None:
+        try:
+            message = decode(message_type, msg.data)
+        except SchemaError as exc:
+            log.warning("bad_message", subject=msg.subject, type=message_type.__name__, error=str(exc))
+            return
+        await handler(message)
+
+    return on_msg

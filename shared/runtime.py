@@ -24,13 +24,14 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import Discover, WorkerInfo, decode, encode, subjects
+from schemas import Discover, WorkerInfo, encode, subjects
 from shared import __version__
 from shared.admin_auth import require_admin_token
 from shared.config import ServiceConfig
 from shared.logging import setup_logging
 from shared.metrics import Registry
 from shared.natsconn import connect_options, redacted_url
+from shared.rpc import subscriber
 
 log = structlog.get_logger()
 
@@ -171,14 +172,10 @@ async def run_service(service: Service) -> None:
         await service.start(nc, micro)
         stack.push_async_callback(service.stop)
 
-        async def answer_discover(msg: Any) -> None:
-            try:
-                decode(Discover, msg.data)
-            except ValueError:
-                return
+        async def answer_discover(_: Discover) -> None:
             await service.publish_heartbeat()
 
-        await nc.subscribe(subjects.DISCOVER, cb=answer_discover)
+        await nc.subscribe(subjects.DISCOVER, cb=subscriber(Discover, answer_discover))
         heartbeats = asyncio.create_task(_heartbeat_loop(service))
         stack.callback(heartbeats.cancel)
         log.info("service_started", admin_url=service.admin_url, nats_url=redacted_url(config.nats_url),

@@ -2,11 +2,9 @@
 the data plane, and the numbers every model worker reports (`/stats`, heartbeats)."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
 from typing import Any, Callable, TypeVar
 
@@ -19,9 +17,10 @@ from schemas import RdmaEndpoint, subjects
 from shared.config import ModelWorkerConfig
 from shared.dataplane import DataPlane, DataPlaneError, make_dataplane
 from shared.dataplane.rdma import rdma_devices
-from shared.kvstore import KvStore
+from shared.compute.kvstore import KvStore
 from shared.metrics import LatencyMetrics
-from shared.modeling import ModelRunner, set_torch_threads
+from shared.compute.modeling import ModelRunner, set_torch_threads
+from shared.compute.torch_thread import TorchThread
 from shared.models import resolve_model
 from shared.rpc import call, endpoint
 from shared.runtime import Service
@@ -40,7 +39,7 @@ class ModelWorkerService(Service):
     def __init__(self, config: ModelWorkerConfig):
         super().__init__(config)
         # NOTE: every torch call runs on this one thread; handlers never call torch directly.
-        self.torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.torch_thread = TorchThread()
         self.runner: ModelRunner | None = None
         self.store: KvStore | None = None
         self.dataplane: DataPlane | None = None
@@ -51,7 +50,8 @@ class ModelWorkerService(Service):
         self.metrics.gauge("smartgen_active_requests", "Requests in progress", lambda: len(self.active))
 
     async def in_torch(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
+        """`fn(*args)` on the torch thread (never on the event loop)."""
+        return await self.torch_thread.run(fn, *args)
 
     async def start(self, nc: Client, micro: MicroService) -> None:
         path = resolve_model(self.config.model)
@@ -59,7 +59,7 @@ class ModelWorkerService(Service):
         await self.in_torch(set_torch_threads, self.config.torch_threads)
         self.runner = await self.in_torch(ModelRunner, path, self.config.device, self.config.dtype)
         layout = self.runner.kv_layout(self.config.page_tokens)
-        self.store = KvStore.with_capacity_mb(layout, self.config.kv_cache_mb)
+        self.store = await self.in_torch(KvStore.with_capacity_mb, layout, self.config.kv_cache_mb)
         self.dataplane = await self._start_dataplane(nc, micro)
         log.info("model_loaded", model=str(path), load_s=round(time.monotonic() - started, 2),
                  kv_pages=self.store.num_pages_total, page_bytes=self.store.page_bytes, dataplane=self.dataplane.address)
@@ -100,7 +100,7 @@ class ModelWorkerService(Service):
     async def stop(self) -> None:
         if self.dataplane is not None:
             await self.dataplane.close()
-        self.torch_thread.shutdown(wait=False, cancel_futures=True)
+        self.torch_thread.close()
 
     def is_ready(self) -> bool:
         return super().is_ready() and self.runner is not None

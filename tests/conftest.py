@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.models import make_tiny_model, prepare_default_model
+from shared.models import prepare_default_model
+from tools.tiny_model import make_tiny_model
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -26,7 +27,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, real_model_path: P
 
 @pytest.fixture
 def nats_server():
-    from shared.nats_server import NatsServer
+    from tools.nats_server import NatsServer
 
     with NatsServer() as server:
         yield server

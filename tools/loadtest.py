@@ -16,7 +16,7 @@ failed and how, latency percentiles, throughput, every process's memory, and wha
    the gateway must turn into aborts (counted apart from errors; the leak check shows whether it did).
 4. RSS of every process at the start, after the warm-up (a tenth of the run in), every `sample_every_s` (the max)
    and at the end (service_memory.py);
-   after the run the stack's leak check (shared/leaks.py). Progress on stderr, a Markdown report on stdout
+   after the run the stack's leak check (tools/leaks.py). Progress on stderr, a Markdown report on stdout
    (loadtest_report.py), everything as JSON with --json.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from shared.leaks import find_leaks, get_json
+from tools.leaks import find_leaks, get_json
 from shared.workloads import stdlib_files
 from tools import loadtest_report
 from tools.service_memory import MIB, StackMemory
@@ -200,8 +200,8 @@ def run(cfg: LoadConfig) -> dict:
 
 def _start_stack(cfg: LoadConfig):
     from shared.models import prepare_default_model
-    from shared.nats_server import free_port
-    from shared.stack import Stack, StackSpec
+    from tools.nats_server import free_port
+    from tools.stack import Stack, StackSpec
 
     if not cfg.model:
         prepare_default_model()
@@ -220,7 +220,7 @@ def _start_stack(cfg: LoadConfig):
 
 
 def main(args) -> int:
-    """`smartgen loadtest` (arguments from shared/cli.py). Exit code 1 when a request failed or state leaked."""
+    """`smartgen loadtest` (arguments from tools/cli.py). Exit code 1 when a request failed or state leaked."""
     cfg = LoadConfig(url=args.url, model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                      concurrency=args.concurrency, duration_s=args.duration, max_tokens=args.max_tokens,
                      prompt_tokens=args.prompt_tokens, transfer_modes=args.transfer_mode, grace_s=args.grace,

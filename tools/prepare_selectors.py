@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from services.decode import selective
-from shared.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
-from shared.selectors.hata import NUM_BITS
-from shared.selectors.infinigen import RATIO
-from shared.modeling import ModelRunner
+from shared.compute import selective
+from shared.compute.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
+from shared.compute.selectors.hata import NUM_BITS
+from shared.compute.selectors.infinigen import RATIO
+from shared.compute.modeling import ModelRunner
 from shared.models import resolve_model
 
 KEEP_POSITIONS = 512  # per prompt and layer, the last positions kept as calibration samples
@@ -39,17 +39,13 @@ def collect(runner: ModelRunner, texts: list[str], prompt_tokens: int) -> dict[i
 
     tokenizer = AutoTokenizer.from_pretrained(runner.path)
     selective.install(runner.model)
-    selective.CAPTURE = {}
-    try:
+    with selective.capture() as captured:
         for text in texts:
             ids = tokenizer(text)["input_ids"][:prompt_tokens]
             runner.prefill(ids)
-            for layer, pairs in selective.CAPTURE.items():
+            for layer, pairs in captured.items():
                 q, k = pairs[-1]
                 pairs[-1] = (q[:, -KEEP_POSITIONS:].float(), k[:, -KEEP_POSITIONS:].float())
-        captured = selective.CAPTURE
-    finally:
-        selective.CAPTURE = None
     return {layer: (torch.cat([q for q, _ in pairs], 1), torch.cat([k for _, k in pairs], 1))
             for layer, pairs in captured.items()}
 

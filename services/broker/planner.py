@@ -8,13 +8,13 @@ without it), then layers 0–1 in full (they stay dense), then profile blocks in
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import DENSE_LAYERS, OpenPlan, TransferPlan
-from shared.profiles import pack_bits, page_importance
+from schemas import DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits
+from schemas.transfer import Push
+from shared.profiles import page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
 # NOTE: the push may fill this share of the link time the prefill takes, not all of it: the last layer's blocks
@@ -54,22 +54,24 @@ def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
 
 
 def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link: LinkEstimate, broker_id: str,
-                  profile: tuple[str, int, str] = ("", 0, ""), reason: str = "") -> PlannedTransfer:
-    """The plan for `mode` (already resolved). `importance` (num_layers, M) orders blocks for smartgen."""
+                  profile: tuple[str, int, str] = ("", 0, ""), reason: str = "", selector: str = "") -> PlannedTransfer:
+    """The plan for `mode` (already resolved), run with `selector` ("" = dense). `importance` (num_layers, M)
+    orders blocks for the modes that order them by profile (smartgen)."""
     lay = req.layout
-    num_pages = math.ceil(req.num_tokens / lay.page_tokens)
+    num_pages = pages_of(req.num_tokens, lay.page_tokens)
     num_blocks = lay.num_layers * num_pages
     base = dict(request_id=req.request_id, mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
                 link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
-                parallel="parallel" not in req.ablate)
-    if mode in ("full", "quantized"):
+                parallel="parallel" not in req.ablate, selector=selector)
+    spec = mode_of(mode)
+    if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])
 
     block_bytes = lay.page_tokens * lay.token_bytes / lay.num_layers  # one layer's K and V of one page
     t_prefill = req.num_tokens / link.prefill_tokens_per_s
     fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - req.aux_bytes)
     budget = min(num_blocks, int(fits // block_bytes))
-    if mode == "partial":  # the baseline: the prompt's first pages (every layer), in memory order
+    if not spec.orders_by_profile:  # partial, the baseline: the prompt's first pages (every layer), in memory order
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
         pushed = order[:budget]
         why = f"partial: the first {budget} of {num_blocks} blocks in memory order fit behind the prefill"

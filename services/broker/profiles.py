@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import structlog
 from nats.aio.client import Client
 
-from schemas import Profile, ProfileInfo, ProfileQuery, SchemaError, decode, subjects
+from schemas import Profile, ProfileInfo, ProfileQuery, subjects
 from shared.profiles import NUM_BLOCKS, POSITIONAL, bucket_for, importance_of, positional_importance, profile_key
 from shared.registry import WorkerRegistry
-from shared.rpc import RemoteError, call
+from shared.rpc import RemoteError, call, subscriber
 
 log = structlog.get_logger()
 ASK_TIMEOUT_S = 2.0
@@ -42,13 +41,10 @@ class ProfileCache:
     async def follow(self, nc: Client) -> None:
         self.nc = nc
 
-        async def on_updated(msg: Any) -> None:
-            try:
-                self._cache.pop(decode(ProfileInfo, msg.data).key, None)
-            except SchemaError as exc:
-                log.warning("bad_message", subject=msg.subject, error=str(exc))
+        async def on_updated(info: ProfileInfo) -> None:
+            self._cache.pop(info.key, None)
 
-        await nc.subscribe(subjects.PROFILE_UPDATED, cb=on_updated)
+        await nc.subscribe(subjects.PROFILE_UPDATED, cb=subscriber(ProfileInfo, on_updated))
 
     async def get(self, model: str, selector: str, num_tokens: int, num_layers: int) -> ChosenProfile:
         key = profile_key(model, selector, bucket_for(num_tokens))

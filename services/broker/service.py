@@ -24,11 +24,10 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
-                     Progress, SchemaError, TransferPlan, WorkerInfo, WorkerList, decode)
-from shared.profiles import unpack_bits
+from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
+                     Progress, TransferPlan, WorkerInfo, WorkerList)
 from shared.registry import WorkerRegistry
-from shared.rpc import RequestRefused, endpoint
+from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime import Service
 from services.broker.config import BrokerConfig
 from services.broker.planner import LinkEstimate, choose_mode, plan_transfer, smartgen_order
@@ -40,6 +39,7 @@ EXPIRY_CHECK_S = 1.0
 # NOTE: what a plan may cover (layers × pages): bounds what one request, or one heartbeat, makes the broker
 # allocate. A 128K-token prompt of an 80-layer model in 16-token pages is 655,360 blocks.
 MAX_PLAN_BLOCKS = 1 << 22
+NUM_ENDED_REMEMBERED = 256  # a request can end (client gone) while its plan is still being opened
 
 
 class BrokerService(Service):
@@ -52,6 +52,7 @@ class BrokerService(Service):
         self.book = PlanBook(config.speculative_ratio, config.plan_ttl_s)
         self.profiles = ProfileCache(self.registry, config.profile_ttl_s)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.ended_unplanned: deque[str] = deque(maxlen=NUM_ENDED_REMEMBERED)  # final events before their plan
         self.plans_opened = self.metrics.counter("smartgen_transfer_plans_total", "Transfer plans opened", ["mode"])
         self.plans_restored = self.metrics.counter("smartgen_transfer_plans_restored_total",
                                                    "Plans rebuilt from decode heartbeats")
@@ -60,7 +61,7 @@ class BrokerService(Service):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await self.add_endpoints(micro, open=endpoint(OpenPlan, self.open), progress=endpoint(Progress, self.progress),
                                  workers=endpoint(ListQuery, self.workers))
-        await nc.subscribe(self.subject("event"), cb=self.event)
+        await nc.subscribe(self.subject("event"), cb=subscriber(PlanEvent, self.event))
         await self.profiles.follow(nc)
         await self.registry.follow(nc, self.worker_id, on_info=self._on_heartbeat)
         self._spawn(self._expire_loop())
@@ -69,12 +70,17 @@ class BrokerService(Service):
     async def open(self, req: OpenPlan) -> TransferPlan:
         self._check(req)
         link = self._link_estimate(req.prefill_worker_id)
-        mode, reason = (choose_mode(req, link) if req.mode == "auto" else (req.mode, ""))
+        # NOTE: the one place a mode is resolved; the plan carries the mode and selector to everyone after
+        mode, reason = (req.mode, "") if mode_of(req.mode).is_resolved else choose_mode(req, link)
+        # auto's default selector serves its selective choice only: chosen full, the request attends densely
+        selector = req.selector if mode == req.mode or mode_of(mode).needs_selector else ""
         profile = None
-        if mode == "smartgen":
+        if mode_of(mode).orders_by_profile:
             profile = await self.profiles.get(req.model, req.selector, req.num_tokens, req.layout.num_layers)
         planned = plan_transfer(req, mode, profile.importance if profile else None, link, self.worker_id,
-                                profile.label if profile else ("", 0, ""), reason)
+                                profile.label if profile else ("", 0, ""), reason, selector)
+        if req.request_id in self.ended_unplanned:  # its gateway gave up while the profile was fetched
+            raise RequestRefused("not_found", f"request {req.request_id} ended before its plan was opened")
         self.book.add(Plan(planned.plan, req.prefill_worker_id, req.decode_worker_id, req.num_tokens,
                            deque(planned.queue)))
         self.plans_opened.inc(mode=mode)
@@ -87,13 +93,14 @@ class BrokerService(Service):
         blocks, remaining = self.book.next_batch(req.request_id, req.backlog_blocks)
         return BackgroundBatch(req.request_id, blocks, remaining)
 
-    async def event(self, msg: Any) -> None:
+    async def event(self, ev: PlanEvent) -> None:
         try:
-            ev = decode(PlanEvent, msg.data)
             plan = self.book.advance(ev.request_id, ev.state, ev.reason)
-        except (SchemaError, PlanStateError) as exc:
-            log.warning("bad_plan_event", subject=msg.subject, error=str(exc))
+        except PlanStateError as exc:
+            log.warning("bad_plan_event", request_id=ev.request_id, error=str(exc))
             return
+        if plan is None and ev.state in FINAL_STATES:
+            self.ended_unplanned.append(ev.request_id)
         if plan is not None:
             log.info("plan_state", request_id=ev.request_id, state=ev.state, reason=ev.reason or None)
 
@@ -102,14 +109,14 @@ class BrokerService(Service):
 
     # --- internals -------------------------------------------------------------------------
     def _check(self, req: OpenPlan) -> None:
-        if req.mode not in ("full", "partial", "quantized", "smartgen", "auto"):
+        if req.mode not in modes_where(is_disaggregated=True):
             raise RequestRefused("bad_request", f"the broker plans disaggregated modes, not {req.mode!r}")
         if req.num_tokens < 1 or req.layout.num_layers < 1 or req.layout.page_tokens < 1 or req.aux_bytes < 0:
             raise RequestRefused("bad_request", "a plan needs a prompt, a layout and a non-negative aux area")
         num_blocks = req.layout.num_layers * -(-req.num_tokens // req.layout.page_tokens)
         if num_blocks > MAX_PLAN_BLOCKS:
             raise RequestRefused("bad_request", f"a plan of {num_blocks} blocks exceeds the limit of {MAX_PLAN_BLOCKS}")
-        if req.mode in ("partial", "smartgen", "auto") and not req.selector:
+        if mode_of(req.mode).needs_selector and not req.selector:
             raise RequestRefused("bad_request", f"transfer_mode {req.mode!r} needs a selector")
         if not set(req.ablate) <= set(SMARTGEN_PATHS):
             raise RequestRefused("bad_request", f"ablate names paths from {', '.join(SMARTGEN_PATHS)} only")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,74 +32,40 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (FAILURE_POLICIES, SELECTIVE_MODES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, SchemaError,
-                     SelectionStats, TokenEvent, TransferFailed, decode, encode, subjects)
+from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, SelectionStats, TokenEvent,
+                     TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages, subjects)
+from schemas.transfer import Aux
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.kvstore import OutOfPages
+from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
-from shared.kvstore import OutOfPages, Slab
-from shared.profiles import NUM_BLOCKS, tokens_per_block, unpack_bits
-from shared.quantization import QuantLayout
-from shared.rpc import RequestRefused, endpoint
-from shared.selectors import Budget, PreparationMissing, default_prep_dir
-from shared.selectors.metadata import MetadataLayout
+from shared.profiles import NUM_BLOCKS, tokens_per_block
+from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
-from services.decode.engine import DecodeEngine
 from services.decode.remote import RemoteKv, RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle, background_read_bytes
+from services.decode.request import DecodeRequest, Phase
 
 log = structlog.get_logger()
+
+
+# colocated, and every disaggregated mode as the broker resolves it (auto reaches decode only at `open`)
+MODES_SERVED = modes_where(resolves_to=())
 
 
 class TransferError(RuntimeError):
     """The KV for a request did not arrive (push failed, or timed out)."""
 
 
-@dataclass
-class DecodeRequest:
-    request_id: str
-    transfer_mode: str  # as opened; `generate` may resolve auto to full or smartgen
-    num_tokens: int = 0
-    slab: Slab | None = None
-    grant: Grant | None = None
-    expected_bytes: int = 0  # what the plan pushes; known from `generate` on
-    landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
-    failure: str = ""
-    task: asyncio.Task[None] | None = None
-    expiry: asyncio.TimerHandle | None = None
-    is_claimed: bool = False  # `generate` has taken the request and is preparing to run it
-    is_aborted: bool = False
-    req: Generate | None = None
-    remote: RemoteKv | None = None  # partial, smartgen: the KV still on the prefill node
-    plan_state: str = "opening"
-    is_released: bool = False  # the prefill node's lease is ended (or there never was one)
-    all_local_step: int = -1
-    backlog: int = 0  # background blocks handed out by the broker and not read yet
-    helpers: list[asyncio.Task[Any]] = field(default_factory=list)  # lease keeper, background reader
-    # NOTE: unbounded, but bounded by construction: one progress call at a time, and the broker hands out no
-    # batch while the blocks it already gave (`backlog`) are a batch or more (services/broker/plans.py).
-    background: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)
-    progress_call: asyncio.Task[None] | None = None
-    ending_remote: asyncio.Task[None] | None = None  # _end_remote's work, awaited by every caller
-    recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
-    is_finishing: bool = False  # the last event is going out; an abort no longer cancels the task
-
-    def on_landed(self, num_bytes: int) -> None:
-        if self.expiry is not None:  # the prefill is delivering: the reservation is in use
-            self.expiry.cancel()
-        self.check_landed()
-
-    def check_landed(self) -> None:
-        if self.grant is not None and self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
-            self.landed.set()
-
-
-class DecodeService(RemoteKvLifecycle, ModelWorkerService):
+class DecodeService(ModelWorkerService):
     role = "decode"
     config: DecodeConfig
 
     def __init__(self, config: DecodeConfig):
         super().__init__(config)
         self.engine: DecodeEngine | None = None
+        self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
         self.recomputes = self.metrics.counter("smartgen_kv_recomputes_total",
@@ -109,17 +74,19 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        self.engine = DecodeEngine(self.runner, self.store, default_prep_dir(self.runner.path))
+        self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path))
+        self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
+                                           self.engine.detach_remote)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort))
-        await nc.subscribe(self.subject("transfer_failed"), cb=self.transfer_failed)
+        await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))
         assert self.dataplane
         self.dataplane.on_link_lost = self.link_lost
 
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenKv) -> KvHandle:
         assert self.store and self.dataplane and self.runner
-        if req.transfer_mode not in ("full", "quantized", "auto", *SELECTIVE_MODES):
+        if req.transfer_mode not in modes_where(is_disaggregated=True):
             raise RequestRefused("bad_request", f"open is for disaggregated transfer modes, not {req.transfer_mode!r}")
         if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
             raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
@@ -138,7 +105,7 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
         rows = [r for layer in range(self.store.layout.num_layers) for r in self.store.rows(slab, layer, 0, req.num_tokens)]
         aux_at = self.store.aux_offset(slab)
         ranges = [(off, off + n) for off, n in rows] + ([(aux_at, aux_at + aux_bytes)] if aux_bytes else [])
-        state = DecodeRequest(req.request_id, req.transfer_mode, req.num_tokens, slab)
+        state = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
         state.grant = Grant(secrets.randbits(63), ranges, state.on_landed)
         self.dataplane.grant(state.grant)
         state.expiry = asyncio.get_running_loop().call_later(
@@ -148,12 +115,12 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
                         req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes)
 
     async def generate(self, req: Generate) -> Accepted:
-        if req.transfer_mode == "colocated":
+        if req.transfer_mode in MODES_SERVED and not mode_of(req.transfer_mode).is_disaggregated:  # colocated
             self._admit(req.request_id)
-            state = self.active[req.request_id] = DecodeRequest(req.request_id, req.transfer_mode)
+            state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode))
         else:
             state = self.active.get(req.request_id)
-            if state is None or state.task is not None or state.is_claimed:
+            if state is None or state.phase is not Phase.RESERVED:
                 raise RequestRefused("not_found", f"no open KV reservation for request {req.request_id}")
             if state.expiry:
                 state.expiry.cancel()
@@ -164,14 +131,14 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
         if req.selector:
             # NOTE: claimed while we wait on the torch thread, so an abort now only flags the request (it must
             # not cancel this handler: nats runs an endpoint's handlers in one long-lived task).
-            state.is_claimed = True
+            state.advance(Phase.PREPARING)
             try:
                 await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
                 Budget(req.kv_budget)
             except (ValueError, PreparationMissing) as exc:
                 await self._release(state)
                 raise RequestRefused("bad_request", str(exc)) from None
-            if state.is_aborted:
+            if state.phase is Phase.ABORTED:
                 await self._release(state)
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted")
         state.req = req
@@ -179,28 +146,24 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             state.expected_bytes = self._pushed_bytes(state, req)
             state.check_landed()
         self.streaming.add(req.request_id)
+        state.advance(Phase.RUNNING)
         state.task = asyncio.create_task(self._run(state, req))
         return Accepted(req.request_id, self.worker_id)
 
     async def abort(self, req: Abort) -> Ack:
         state = self.active.get(req.request_id)
         if state is not None:
-            log.info("request_aborted", reason=req.reason)
-            if state.task is not None:
-                if not state.is_finishing:
-                    state.task.cancel()
-            elif state.is_claimed:
-                state.is_aborted = True  # `generate` is mid-way; it releases the request itself
-            else:
+            log.info("request_aborted", reason=req.reason, phase=state.phase.value)
+            if state.phase is Phase.RUNNING:
+                assert state.task is not None
+                state.task.cancel()
+            elif state.phase is Phase.PREPARING:
+                state.advance(Phase.ABORTED)  # `generate` is mid-way; it releases the request itself
+            elif state.phase is Phase.RESERVED:
                 await self._release(state)
         return Ack()
 
-    async def transfer_failed(self, msg: Any) -> None:
-        try:
-            failed = decode(TransferFailed, msg.data)
-        except SchemaError as exc:
-            log.warning("bad_message", subject=msg.subject, error=str(exc))
-            return
+    async def transfer_failed(self, failed: TransferFailed) -> None:
         state = self.active.get(failed.request_id)
         if state is None:
             return
@@ -239,7 +202,7 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
         kv_wait_s, reason, error = 0.0, "length", ""
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
-                if req.transfer_mode == "colocated":
+                if not state.mode.is_disaggregated:
                     tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling))
                     await self._emit(req, TokenEvent(rid, 0, tokens[0]))
                 else:
@@ -250,14 +213,14 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
                 while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens:
                     tokens.append(await self._step(state, req, tokens))
                     await self._emit(req, TokenEvent(rid, len(tokens) - 1, tokens[-1]))
-                    await self._after_step(state, len(tokens) - 1)
+                    await self.remote_kv.after_step(state, len(tokens) - 1)
                 reason = "stop" if tokens[-1] in stop_ids else "length"
             except asyncio.CancelledError:
                 reason = "abort"
             except Exception as exc:
                 reason, error = "error", f"{type(exc).__name__}: {exc}"
                 log.warning("decode_failed", error=error)
-            state.is_finishing = True
+            state.advance(Phase.FINISHING)
             try:
                 final = self._final_event(state, req, len(tokens), reason, error, kv_wait_s)
                 self.latency.requests.inc(status=reason)
@@ -318,10 +281,10 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
         state.recompute_reason = why
         self.recomputes.inc()
         if req.plan is not None:
-            self._plan_event(state, "failed", f"recomputed on the decode node: {why}")
+            self.remote_kv.plan_event(state, "failed", f"recomputed on the decode node: {why}")
         # NOTE: stops the remote reads in the background (one may wait on a peer that is gone); the slab keeps
         # its pages until _release, which waits for that, so nothing still landing can hit reused memory.
-        self._end_remote(state, "recompute")
+        self.remote_kv.end(state, "recompute")
         first = await self.in_torch(self.engine.recompute, rid, req.token_ids, tokens, req.sampling, req.selector,
                                     req.kv_budget, NUM_BLOCKS)
         if not tokens:
@@ -330,17 +293,17 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
 
     async def _load(self, state: DecodeRequest, req: Generate) -> None:
         """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
-        assert self.engine and self.store and state.slab is not None and self.dataplane
-        rid, n = req.request_id, len(req.token_ids)
-        if req.transfer_mode == "quantized":
+        assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
+        rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
+        if mode.aux is Aux.CODES:
             await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
         else:
             await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
-        if req.transfer_mode not in SELECTIVE_MODES:
-            self._plan_event(state, "all_local")
+        if not mode.keeps_source:
+            self.remote_kv.plan_event(state, "all_local")
             return
         assert req.plan is not None and req.source is not None
-        pushed = unpack_bits(req.plan.push_blocks, (self.store.layout.num_layers, req.plan.num_pages))
+        pushed = pushed_pages(req.plan, self.store.layout.num_layers)
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                                 self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps))
@@ -349,11 +312,9 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
                             NUM_BLOCKS)
         state.plan_state = "transferring"
         if remote is None:
-            await self._all_local(state, 0)
+            await self.remote_kv.all_local(state, 0)
             return
-        state.helpers.append(asyncio.create_task(self._keep_lease(state)))
-        if req.plan.background:
-            state.helpers.append(asyncio.create_task(self._read_background(state)))
+        self.remote_kv.start(state)
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:
         loop = asyncio.get_running_loop()
@@ -374,14 +335,14 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
     def _final_event(self, state: DecodeRequest, req: Generate, index: int, reason: str, error: str,
                      kv_wait_s: float) -> TokenEvent:
         landed = state.grant.bytes_landed if state.grant else 0
-        aux = state.slab.aux_bytes if state.slab and req.transfer_mode in SELECTIVE_MODES else 0
-        if req.transfer_mode in ("full", "quantized"):
-            kv_bytes = {req.transfer_mode: landed}
-        elif req.transfer_mode in SELECTIVE_MODES:
-            remote = state.remote
-            kv_bytes = {"metadata": min(aux, landed), "proactive": max(0, landed - aux),
+        mode = mode_of(req.transfer_mode)
+        if mode.keeps_source:
+            aux, remote = (state.slab.aux_bytes if state.slab else 0), state.remote
+            kv_bytes = {mode.aux_path: min(aux, landed), mode.rows_path: max(0, landed - aux),
                         "on_demand": remote.bytes_on_demand if remote else 0,
                         "background": remote.bytes_background if remote else 0}
+        elif mode.is_disaggregated:  # everything was pushed: as codes, or row by row
+            kv_bytes = {mode.aux_path if mode.aux is Aux.CODES else mode.rows_path: landed}
         else:
             kv_bytes = {}
         selection = self.engine.selections.get(req.request_id) if self.engine else None
@@ -408,35 +369,20 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
     # --- sizes ------------------------------------------------------------------------------
     async def _aux_bytes(self, req: OpenKv) -> int:
         """The aux area a mode needs: selector metadata (selective modes and auto) or low-bit codes."""
-        assert self.engine and self.store
-        lay = self.store.layout
-        if req.transfer_mode == "quantized":
-            try:
-                return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, req.num_tokens, req.kv_bits).nbytes
-            except ValueError as exc:
-                raise RequestRefused("bad_request", str(exc)) from None
-        if req.transfer_mode in (*SELECTIVE_MODES, "auto"):
-            if not req.selector:
-                raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
-            try:
-                selector = await self.in_torch(self.engine.selector, req.selector)
-            except (ValueError, PreparationMissing) as exc:
-                raise RequestRefused("bad_request", str(exc)) from None
-            return MetadataLayout(selector, lay.num_layers, req.num_tokens).nbytes
-        return 0
+        assert self.engine
+        mode = mode_of(req.transfer_mode)
+        if mode.aux is Aux.METADATA and not req.selector:
+            raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
+        try:
+            return await self.in_torch(self.engine.aux_bytes, mode.aux, req.num_tokens, req.selector, req.kv_bits)
+        except (ValueError, PreparationMissing) as exc:
+            raise RequestRefused("bad_request", str(exc)) from None
 
     def _pushed_bytes(self, state: DecodeRequest, req: Generate) -> int:
         """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
         assert self.store and state.slab is not None
-        lay, n = self.store.layout, state.num_tokens
-        if req.transfer_mode == "full":
-            return n * lay.token_bytes
-        if req.transfer_mode == "quantized":
-            return state.slab.aux_bytes
-        assert req.plan is not None
-        pushed = unpack_bits(req.plan.push_blocks, (lay.num_layers, req.plan.num_pages))
-        tokens = np.minimum(lay.page_tokens, n - np.arange(req.plan.num_pages) * lay.page_tokens)  # per page
-        return state.slab.aux_bytes + int((pushed * tokens).sum()) * lay.token_bytes // lay.num_layers
+        return pushed_bytes(mode_of(req.transfer_mode), req.plan, self.store.layout, state.num_tokens,
+                            state.slab.aux_bytes)
 
     def _problem(self, state: DecodeRequest, req: Generate) -> str:
         """Why `generate` cannot run this request as asked ("" if it can)."""
@@ -446,26 +392,27 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             return f"failure_policy {req.failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}"
         if problem := self.runner.token_problem(req.token_ids):  # type: ignore[union-attr]
             return problem
-        if req.transfer_mode == "colocated":
+        if req.transfer_mode not in MODES_SERVED:
+            return f"decode serves transfer modes {', '.join(MODES_SERVED)}, not {req.transfer_mode!r}"
+        mode = mode_of(req.transfer_mode)
+        if not mode.is_disaggregated:
             return ""
         recomputing = req.first_token < 0 and req.failure_policy == "recompute"  # the prefill failed before token 1
         if req.first_token < 0 and not recomputing:
             return f"{req.transfer_mode} mode needs the first token from the prefill"
-        if req.transfer_mode not in ("full", "quantized", *SELECTIVE_MODES):
-            return f"decode serves transfer modes colocated, full, quantized, partial and smartgen, not {req.transfer_mode!r}"
-        opened = state.transfer_mode
-        if opened != req.transfer_mode and not (opened == "auto" and req.transfer_mode in ("full", "smartgen")):
-            return f"the KV was reserved for {opened!r}, not {req.transfer_mode!r}"
+        if not state.mode.may_run_as(req.transfer_mode):
+            return f"the KV was reserved for {state.mode.name!r}, not {req.transfer_mode!r}"
         if len(req.token_ids) != state.num_tokens:
             return "the prompt does not match the reservation's token count"
-        if req.transfer_mode in SELECTIVE_MODES:
+        if mode.keeps_source:
             if not req.selector or req.plan is None or (req.source is None and not recomputing) \
                     or req.plan.mode != req.transfer_mode:
                 return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
-            if req.plan.num_pages != -(-state.num_tokens // self.store.layout.page_tokens):  # type: ignore[union-attr]
-                return "the transfer plan does not describe this prompt's blocks"
-        if req.transfer_mode == "quantized" and req.kv_bits not in (2, 4):
-            return "quantized transfer needs kv_bits 2 or 4"
+            lay = self.store.layout  # type: ignore[union-attr]
+            if problem := plan_problem(req.plan, lay.num_layers, state.num_tokens, lay.page_tokens):
+                return problem
+        if mode.kv_bits and req.kv_bits not in mode.kv_bits:
+            return f"{mode.name} transfer needs kv_bits {' or '.join(map(str, mode.kv_bits))}"
         return ""
 
     # --- cleanup ----------------------------------------------------------------------------
@@ -477,7 +424,7 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
 
     async def _expire(self, request_id: str) -> None:
         state = self.active.get(request_id)
-        if state is not None and state.task is None and not state.is_claimed:
+        if state is not None and state.phase is Phase.RESERVED:
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
@@ -487,9 +434,10 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             del self.active[state.request_id]
         if state.expiry:
             state.expiry.cancel()
-        await asyncio.shield(self._end_remote(state, reason or plan_state))
+        assert self.remote_kv
+        await asyncio.shield(self.remote_kv.end(state, reason or plan_state))
         if state.plan_state not in ("released", "failed"):
-            self._plan_event(state, plan_state, reason)
+            self.remote_kv.plan_event(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
             self.dataplane.revoke(state.grant.ticket)
             await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
@@ -501,7 +449,8 @@ class DecodeService(RemoteKvLifecycle, ModelWorkerService):
             self.store.free(state.request_id)
 
     def load_info(self) -> dict[str, Any]:
-        return {**super().load_info(), "plans": [r for r in map(self._registration, list(self.active.values())) if r],
+        plans = [self.remote_kv.registration(state) for state in list(self.active.values())] if self.remote_kv else []
+        return {**super().load_info(), "plans": [r for r in plans if r],
                 "request_ids": sorted(set(self.active) | self.streaming)}
 
     async def stop(self) -> None:

@@ -29,11 +29,12 @@ from typing import Any, TypeVar
 import structlog
 from nats.aio.client import Client
 
-from schemas import (SELECTIVE_MODES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
+from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
                      PrefillDone, Sampling, SchemaError, TokenEvent, TransferFailed, TransferPlan, WorkerInfo, decode,
-                     encode, subjects)
+                     encode, mode_of, subjects)
+from schemas.transfer import Aux
 from shared.rpc import RemoteError, call
-from shared.timeline import Timeline
+from services.gateway.timeline import Timeline
 from shared.registry import WorkerRegistry
 from services.gateway.liveness import Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
@@ -75,6 +76,7 @@ class CompletionRun:
     _watch_prefill: str = ""
     _next_index: int = 0  # the index the next token event must have
     _aborted: set[str] = field(default_factory=set)  # workers already told to abort
+    _plan_asked: bool = False  # broker.open was sent: the broker may hold a plan even if its reply never came
     _sub: Any = None
     _closed: bool = False
 
@@ -90,13 +92,14 @@ class CompletionRun:
         self.mode, self.selector = job.transfer_mode, job.selector or ""
         self._liveness = Liveness(self.nc, self.registry, job.request_id)
         self.decode = self._pick("decode")
-        if job.transfer_mode != "colocated":
+        disaggregated = mode_of(job.transfer_mode).is_disaggregated
+        if disaggregated:
             self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed)
         first, done = -1, None
         try:
-            if job.transfer_mode == "colocated":
+            if not disaggregated:
                 await self._on_some_decode(lambda: self._generate(first, None, sampling))
             else:
                 handle = await self._open()
@@ -142,10 +145,11 @@ class CompletionRun:
             self.decode = following
 
     async def _open(self) -> KvHandle:
-        """decode.open → broker.open: the slab (on a decode worker with room), then the plan."""
+        """decode.open → broker.open: the slab (on a decode worker with room), then the plan, which carries the
+        mode and selector the request runs with (the broker resolves `auto`; nothing here decides it again)."""
         job = self.job
         assert self.prefill and self.broker
-        wants_metadata = job.transfer_mode in (*SELECTIVE_MODES, "auto")
+        wants_metadata = mode_of(job.transfer_mode).aux is Aux.METADATA
 
         def open_kv() -> Awaitable[KvHandle]:
             assert self.decode
@@ -155,13 +159,12 @@ class CompletionRun:
 
         handle = await self._on_some_decode(open_kv)
         assert self.decode
+        self._plan_asked = True
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
                                         self.decode.worker_id, job.ablate), TransferPlan, CONTROL_TIMEOUT_S)
-        self.mode, self.decode_layers = self.plan.mode, handle.layout.num_layers
-        if job.transfer_mode == "auto" and self.mode == "full":
-            self.selector = ""  # the whole KV arrives in time: attend densely
+        self.mode, self.selector, self.decode_layers = self.plan.mode, self.plan.selector, handle.layout.num_layers
         return handle
 
     async def _run_prefill(self, handle: KvHandle, sampling: Sampling) -> PrefillDone | None:
@@ -169,12 +172,12 @@ class CompletionRun:
         failed and failure_policy `recompute` leaves the prefill to the decode worker."""
         job = self.job
         assert self.prefill
-        selective = self.mode in SELECTIVE_MODES
+        sends_metadata = mode_of(self.mode).aux is Aux.METADATA
         try:
             return await self._wait(
                 call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                      Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
-                             self.selector if selective else "", job.kv_bits),
+                             self.selector if sends_metadata else "", job.kv_bits),
                      PrefillDone, self.timeout_s), self.prefill, "the prefill")
         except (RequestFailed, RemoteError) as exc:
             if job.failure_policy != "recompute" or getattr(exc, "code", "") == "bad_request":
@@ -208,7 +211,7 @@ class CompletionRun:
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
             if self._watch_prefill == "push":
-                self._watch_prefill = "reads" if self.mode in SELECTIVE_MODES else ""
+                self._watch_prefill = "reads" if mode_of(self.mode).keeps_source else ""
             try:
                 event = decode(TokenEvent, msg.data)
             except SchemaError as exc:
@@ -290,9 +293,10 @@ class CompletionRun:
             for worker in (self.prefill, self.decode):  # the writer stops first, then the slab it writes to is freed
                 if worker is not None:
                     await self._abort(worker, reason)
-            if self.plan is not None:
+            broker_id = self.plan.broker_worker_id if self.plan else self.broker.worker_id if self.broker else ""
+            if self._plan_asked and broker_id:
                 try:
-                    await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
+                    await self.nc.publish(subjects.worker("broker", broker_id, "event"),
                                           encode(PlanEvent(self.job.request_id, "failed", f"aborted: {reason}")))
                 except Exception as exc:  # NATS closing: the broker expires the plan instead
                     log.warning("plan_event_failed", error=str(exc))

@@ -1,7 +1,6 @@
 from dataclasses import dataclass
 
-from schemas import SERVABLE_TRANSFER_MODES
-from services.gateway.requests import SELECTORS
+from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES
 from shared.config import ConfigError, ServiceConfig
 
 
@@ -11,7 +10,7 @@ class GatewayConfig(ServiceConfig):
     model: str = ""  # where the tokenizer and chat template come from; "" = the cached default SmolLM2
     served_model_name: str = ""  # the id clients send as `model`; "" = the model folder's name
     transfer_mode: str = "full"  # default for requests that do not say
-    default_selector: str = "quest"  # for partial, smartgen and auto requests that name no selector
+    default_selector: str = DEFAULT_SELECTOR  # for partial, smartgen and auto requests that name no selector
     worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
     max_tokens_default: int = 16  # completions without max_tokens (OpenAI's default)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import FAILURE_POLICIES, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import KV_BITS, MAX_SEED, MAX_STOP_STRINGS, SELECTORS
+from schemas import FAILURE_POLICIES, KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
+from services.gateway.requests import MAX_SEED, MAX_STOP_STRINGS
 from shared import __version__
 
 Schema = dict[str, Any]

@@ -7,11 +7,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import FAILURE_POLICIES, SELECTIVE_MODES, SMARTGEN_PATHS, TRANSFER_MODES
+from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, SELECTORS,
+                     SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # as in shared/selectors
-DEFAULT_KV_BUDGET = 0.1
-KV_BITS = (2, 4)
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 
@@ -51,7 +49,7 @@ class CompletionJob:
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
-              default_max_tokens: int, default_selector: str = "quest") -> CompletionJob:
+              default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR) -> CompletionJob:
     """`default_max_tokens` applies when the body has none (capped by the context left after the prompt);
     `default_selector` when a selective mode (partial, smartgen, auto) names none."""
     if not isinstance(body, dict):
@@ -102,32 +100,32 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     mode = body.get("transfer_mode", default_mode)
     if mode not in TRANSFER_MODES:
         raise ApiError(400, f"transfer_mode {mode!r} is not one of {', '.join(TRANSFER_MODES)}", "transfer_mode")
+    spec = mode_of(mode)
     selector = body.get("selector")
     if selector is not None and selector not in SELECTORS:
         raise ApiError(400, f"selector {selector!r} is not one of {', '.join(SELECTORS)}", "selector")
     kv_budget = body.get("kv_budget")
-    is_tokens = isinstance(kv_budget, int) and 1 <= kv_budget <= max_positions  # NOTE: float(10**400) would fail
-    if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, float))
-                                  or not (0 < kv_budget <= 1 or is_tokens)):
-        raise ApiError(400, "kv_budget must be a fraction in (0, 1] or a whole number of tokens from 1 to "
-                            f"{max_positions}", "kv_budget")
-    if selector is None and (mode in SELECTIVE_MODES or mode == "auto"):
+    if kv_budget is not None and kv_budget_problem(kv_budget, max_positions):
+        raise ApiError(400, kv_budget_problem(kv_budget, max_positions), "kv_budget")
+    if selector is None and spec.needs_selector:
         selector = default_selector
     if kv_budget is not None and selector is None:
         raise ApiError(400, f"kv_budget needs a selector (one of {', '.join(SELECTORS)})", "kv_budget")
     if selector is not None and kv_budget is None:
         kv_budget = DEFAULT_KV_BUDGET
-    if selector is not None and mode == "quantized":
-        raise ApiError(400, "quantized transfer decodes densely over the dequantized KV; drop the selector", "selector")
-    kv_bits = body.get("kv_bits", KV_BITS[0] if mode == "quantized" else None)
-    if kv_bits is not None and (mode != "quantized" or not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
-                                or kv_bits not in KV_BITS):
-        raise ApiError(400, f"kv_bits is for transfer_mode 'quantized' and must be one of {KV_BITS}", "kv_bits")
+    if selector is not None and not spec.allows_selector:
+        raise ApiError(400, f"{mode} transfer decodes densely over the dequantized KV; drop the selector", "selector")
+    kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else None)
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in spec.kv_bits):
+        with_bits = modes_where(kv_bits=KV_BITS)
+        raise ApiError(400, f"kv_bits is for transfer_mode {', '.join(map(repr, with_bits))} and must be one of "
+                            f"{KV_BITS}", "kv_bits")
     ablate = body.get("ablate", [])
     if not isinstance(ablate, list) or not all(isinstance(p, str) and p in SMARTGEN_PATHS for p in ablate):
         raise ApiError(400, f"ablate must be a list of paths to switch off, from {', '.join(SMARTGEN_PATHS)}", "ablate")
-    if ablate and mode not in ("smartgen", "auto"):
-        raise ApiError(400, "ablate switches off paths of transfer_mode 'smartgen' (or 'auto')", "ablate")
+    if ablate and not spec.has_paths:
+        names = " or ".join(repr(name) for name in modes_where(has_paths=True))
+        raise ApiError(400, f"ablate switches off paths of transfer_mode {names}", "ablate")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")

@@ -37,11 +37,11 @@ class ProfileBuilder:
         if self._engine is None:
             from transformers import AutoTokenizer
 
-            from services.decode.engine import DecodeEngine
-            from shared.kvstore import KvStore
-            from shared.modeling import ModelRunner, set_torch_threads
+            from shared.compute.decode_engine import DecodeEngine
+            from shared.compute.kvstore import KvStore
+            from shared.compute.modeling import ModelRunner, set_torch_threads
             from shared.models import resolve_model
-            from shared.selectors import default_prep_dir
+            from shared.compute.selectors import default_prep_dir
 
             set_torch_threads(self.torch_threads)
             path: Path = resolve_model(self.model)

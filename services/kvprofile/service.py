@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,12 +24,13 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
-                     ProfileQuery, SchemaError, SelectionStats, decode, encode, from_plain, subjects)
+from schemas import (SELECTORS, Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
+                     ProfileQuery, SelectionStats, encode, from_plain, kv_budget_problem,
+                     subjects)
 from shared.profiles import NUM_BLOCKS, blend, bucket_for, importance_of, observed_importance, profile_key
-from shared.rpc import RequestRefused, endpoint
+from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime import Service
-from shared.selectors import SELECTORS
+from shared.compute.torch_thread import TorchThread
 from services.kvprofile.config import KvProfileConfig
 from services.kvprofile.engine import ProfileBuilder
 from services.kvprofile.store import ProfileStore
@@ -49,7 +49,7 @@ class KvProfileService(Service):
         self.store: ProfileStore | None = None
         self.builder = ProfileBuilder(config.model, config.device, config.dtype, config.page_tokens, config.torch_threads)
         # NOTE: calibration runs torch on this one thread; handlers never call torch directly
-        self.torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.torch_thread = TorchThread()
         self._locks: dict[str, asyncio.Lock] = {}
         self.builds_running = 0
         self.online_updates = self.metrics.counter("smartgen_profile_online_updates_total",
@@ -61,7 +61,7 @@ class KvProfileService(Service):
         await self.add_endpoints(micro, get=endpoint(ProfileQuery, self.get), list=endpoint(ListQuery, self.list),
                                  show=endpoint(ProfileKey, self.show), build=endpoint(BuildProfile, self.build),
                                  delete=endpoint(ProfileKey, self.delete))
-        await nc.subscribe(subjects.PROFILE_STATS, cb=self.on_stats)
+        await nc.subscribe(subjects.PROFILE_STATS, cb=subscriber(SelectionStats, self.on_stats))
 
     # --- handlers ------------------------------------------------------------------------
     async def get(self, query: ProfileQuery) -> Profile:
@@ -94,10 +94,10 @@ class KvProfileService(Service):
         assert self.store and self.nc
         if req.selector not in SELECTORS:
             raise RequestRefused("bad_request", f"selector {req.selector!r} is not one of {', '.join(SELECTORS)}")
-        if not (16 <= req.prompt_tokens and 1 <= req.num_prompts <= 64 and 1 <= req.decode_steps <= 512
-                and 0 < req.kv_budget <= 1):
-            raise RequestRefused("bad_request", "a build needs prompt_tokens ≥ 16, 1–64 prompts, 1–512 decode steps "
-                                                "and a kv_budget fraction in (0, 1]")
+        if not (16 <= req.prompt_tokens and 1 <= req.num_prompts <= 64 and 1 <= req.decode_steps <= 512):
+            raise RequestRefused("bad_request", "a build needs prompt_tokens ≥ 16, 1–64 prompts and 1–512 decode steps")
+        if problem := kv_budget_problem(req.kv_budget):
+            raise RequestRefused("bad_request", problem)
         loop = asyncio.get_running_loop()
         nc = self.nc
 
@@ -109,15 +109,15 @@ class KvProfileService(Service):
         started = time.monotonic()
         self.builds_running += 1
         try:
-            importance, num_prompts = await loop.run_in_executor(
-                self.torch_thread, self.builder.build, req.selector, req.prompt_tokens, req.num_prompts,
-                req.decode_steps, req.kv_budget, NUM_BLOCKS, on_progress)
+            importance, num_prompts = await self.torch_thread.run(
+                self.builder.build, req.selector, req.prompt_tokens, req.num_prompts, req.decode_steps, req.kv_budget,
+                NUM_BLOCKS, on_progress)
         except (ValueError, FileNotFoundError) as exc:  # unknown selector, missing preparation or model
             self.builds.inc(status="refused")
             raise RequestRefused("bad_request", str(exc)) from None
         finally:
             self.builds_running -= 1
-        model = self.builder.model_name
+        model = await self.torch_thread.run(lambda: self.builder.model_name)  # NOTE: loads the model if need be
         key = profile_key(model, req.selector, bucket_for(req.prompt_tokens))
         async with self._lock(key):
             old = await self.store.get(key)
@@ -132,14 +132,9 @@ class KvProfileService(Service):
         await self._announce(info)
         return info
 
-    async def on_stats(self, msg: Any) -> None:
+    async def on_stats(self, stats: SelectionStats) -> None:
         """Online profiling: fold one request's selections into its bucket's profile, bounded by online_weight."""
         assert self.store
-        try:
-            stats = decode(SelectionStats, msg.data)
-        except SchemaError as exc:
-            log.warning("bad_selection_stats", error=str(exc))
-            return
         problem = _stats_problem(stats)
         if problem:
             log.warning("bad_selection_stats", error=problem)
@@ -182,7 +177,7 @@ class KvProfileService(Service):
         return super().is_ready() and self.store is not None
 
     async def stop(self) -> None:
-        self.torch_thread.shutdown(wait=False, cancel_futures=True)
+        self.torch_thread.close()
 
     # --- admin -----------------------------------------------------------------------------
     def admin_routes(self) -> list[web.RouteDef]:

@@ -23,21 +23,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (SELECTIVE_MODES, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release,
-                     SchemaError, TransferFailed, TransferPlan, decode, encode, subjects)
+from schemas import (Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
+                     TransferMode, TransferPlan, encode, mode_of, modes_where, plan_problem, pushed_runs, subjects)
+from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
-from shared.kvstore import OutOfPages, Slab, slab_rows
-from shared.profiles import unpack_bits
-from shared.rpc import RequestRefused, endpoint
-from shared.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
+from shared.compute.kvstore import OutOfPages, Slab, slab_rows
+from shared.rpc import RequestRefused, endpoint, subscriber
+from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
-from services.prefill.engine import LayerEncoder, PrefillEngine
+from shared.compute.prefill_engine import LayerEncoder, PrefillEngine
 
 log = structlog.get_logger()
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
@@ -51,12 +50,12 @@ class Transfer:
 
     handle: KvHandle
     slab: Slab
-    mode: str
+    mode: TransferMode
     plan: TransferPlan | None
     pushes: list[asyncio.Task[None]] = field(default_factory=list)
     num_bytes: int = 0
     aux_ranges: list[tuple[int, int]] = field(default_factory=list)  # per layer: (offset in aux, length); may be empty
-    push_pages: np.ndarray | None = None  # (num_layers, num_pages) bool, selective modes
+    row_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer: the token ranges it pushes
     read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
     lease: asyncio.TimerHandle | None = None
 
@@ -80,19 +79,20 @@ class PrefillService(ModelWorkerService):
         self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path))
         await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill), abort=endpoint(Abort, self.abort),
                                  release=endpoint(Release, self.release))
-        await nc.subscribe(self.subject("keep"), cb=self.keep)
+        await nc.subscribe(self.subject("keep"), cb=subscriber(KeepLease, self.keep))
 
     # --- handlers ------------------------------------------------------------------------
     async def prefill(self, req: Prefill) -> PrefillDone:
         assert self.engine and self.store and self.runner
-        self._check(req)
+        mode = self._check(req)
         n = len(req.token_ids)
-        aux_bytes = req.handle.aux_bytes if req.transfer_mode != "full" else 0  # auto → full leaves decode's unused
+        aux_bytes = req.handle.aux_bytes if mode.aux is not Aux.NONE else 0  # auto → full leaves decode's unused
         try:
             slab = self.store.allocate(req.request_id, n, aux_bytes)
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
-        transfer = self.active[req.request_id] = Transfer(req.handle, slab, req.transfer_mode, req.plan)
+        transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
+                                                          row_runs=pushed_runs(mode, req.plan, self.store.layout, n))
         try:
             encode_layer = await self._encoder(req, transfer)
         except BaseException:
@@ -117,7 +117,7 @@ class PrefillService(ModelWorkerService):
             (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
         log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
                  mode=req.transfer_mode)
-        source = self._keep_for_reads(transfer) if req.transfer_mode in SELECTIVE_MODES else None
+        source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(self._await_pushes(req.request_id))
         return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source)
 
@@ -135,22 +135,20 @@ class PrefillService(ModelWorkerService):
             asyncio.create_task(self._finish(req.request_id, cancel=True))
         return Ack()
 
-    async def keep(self, msg: Any) -> None:
-        try:
-            req = decode(KeepLease, msg.data)
-        except SchemaError as exc:
-            log.warning("bad_message", subject=msg.subject, error=str(exc))
-            return
+    async def keep(self, req: KeepLease) -> None:
         transfer = self.active.get(req.request_id)
         if transfer is not None and transfer.lease is not None:
             self._arm_lease(transfer)
 
     # --- internals -------------------------------------------------------------------------
-    def _check(self, req: Prefill) -> None:
+    def _check(self, req: Prefill) -> TransferMode:
+        """The request's (resolved, disaggregated) mode, or RequestRefused saying why it cannot run here."""
         assert self.store and self.runner
-        if req.transfer_mode not in ("full", "quantized", *SELECTIVE_MODES):
-            raise RequestRefused("bad_request", f"prefill serves transfer modes full, quantized, partial and smartgen, "
+        served = modes_where(is_disaggregated=True, resolves_to=())
+        if req.transfer_mode not in served:
+            raise RequestRefused("bad_request", f"prefill serves transfer modes {', '.join(served)}, "
                                                 f"not {req.transfer_mode!r}")
+        mode = mode_of(req.transfer_mode)
         if req.request_id in self.active:
             raise RequestRefused("bad_request", f"request {req.request_id} is already being prefilled here")
         if req.request_id in self.aborted:
@@ -163,32 +161,31 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused("bad_request", f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
         if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:
             raise RequestRefused("bad_request", "the KV handle's slab does not fit the prompt")
-        if req.transfer_mode in SELECTIVE_MODES:
-            if req.plan is None or req.plan.mode != req.transfer_mode or not req.selector:
+        if mode.pushes is Push.PLAN_BLOCKS:
+            if req.plan is None or req.plan.mode != req.transfer_mode or (mode.aux is Aux.METADATA and not req.selector):
                 raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs its plan and a selector")
-            num_pages = -(-len(req.token_ids) // self.store.layout.page_tokens)
-            if req.plan.num_pages != num_pages or len(req.plan.push_blocks) != -(-self.store.layout.num_layers * num_pages // 8):
-                raise RequestRefused("bad_request", "the transfer plan does not describe this prompt's blocks")
-        if req.transfer_mode == "quantized" and req.kv_bits not in (2, 4):
-            raise RequestRefused("bad_request", "quantized transfer needs kv_bits 2 or 4")
+            lay = self.store.layout
+            if problem := plan_problem(req.plan, lay.num_layers, len(req.token_ids), lay.page_tokens):
+                raise RequestRefused("bad_request", problem)
+        if mode.kv_bits and req.kv_bits not in mode.kv_bits:
+            raise RequestRefused("bad_request", f"{mode.name} transfer needs kv_bits {' or '.join(map(str, mode.kv_bits))}")
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
+        return mode
 
     async def _encoder(self, req: Prefill, transfer: Transfer) -> LayerEncoder | None:
         """What the torch thread computes per layer besides storing it, and where that lands in the aux area."""
         assert self.engine and self.store
         n, layers = len(req.token_ids), self.store.layout.num_layers
-        if req.transfer_mode == "quantized":
-            layout, encode_layer = self.engine.quantizer(transfer.slab, req.kv_bits, n)
+        if transfer.mode.aux is Aux.CODES:
+            layout, encode_layer = await self.in_torch(self.engine.quantizer, transfer.slab, req.kv_bits, n)
             ranges = [layout.layer_range(layer) for layer in range(layers)]
-        elif req.transfer_mode in SELECTIVE_MODES:
+        elif transfer.mode.aux is Aux.METADATA:
             try:
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n)
             except (ValueError, PreparationMissing) as exc:
                 raise RequestRefused("bad_request", str(exc)) from None
             ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
-            assert req.plan is not None
-            transfer.push_pages = unpack_bits(req.plan.push_blocks, (layers, req.plan.num_pages))
         else:
             return None
         if layout.nbytes != req.handle.aux_bytes:
@@ -206,25 +203,19 @@ class PrefillService(ModelWorkerService):
     def _layer_pushes(self, transfer: Transfer, layer: int) -> list[tuple[str, list[Segment]]]:
         """What this layer sends during prefill, per the mode (see the life cycle above), by KV path."""
         assert self.store
-        handle, n = transfer.handle, transfer.handle.num_tokens
+        handle = transfer.handle
         pushes = []
         if transfer.aux_ranges and transfer.aux_ranges[layer][1]:
             at, length = transfer.aux_ranges[layer]
             aux = [Segment(self.store.aux_offset(transfer.slab) + at, handle.aux_offset + at, length)]
-            pushes.append(("quantized" if transfer.mode == "quantized" else "metadata", aux))
-        if transfer.mode == "full":
-            runs = [(0, n)]
-        elif transfer.push_pages is not None:
-            runs = _page_runs(transfer.push_pages[layer], self.store.layout.page_tokens, n)
-        else:
-            runs = []
+            pushes.append((transfer.mode.aux_path, aux))
         rows = []
-        for start, stop in runs:
+        for start, stop in transfer.row_runs[layer]:
             src = self.store.rows(transfer.slab, layer, start, stop)
             dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, start, stop)
             rows += [Segment(s, d, length) for (s, length), (d, _) in zip(src, dst)]
         if rows:
-            pushes.append(("full" if transfer.mode == "full" else "proactive", rows))
+            pushes.append((transfer.mode.rows_path, rows))
         return pushes
 
     async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
@@ -269,7 +260,7 @@ class PrefillService(ModelWorkerService):
             try:
                 # NOTE: every layer's push task exists by now: prefill returned after the last layer.
                 await asyncio.gather(*transfer.pushes)
-                log.info("kv_pushed", kv_bytes=transfer.num_bytes, mode=transfer.mode)
+                log.info("kv_pushed", kv_bytes=transfer.num_bytes, mode=transfer.mode.name)
                 self.latency.requests.inc(status="ok")
             except (DataPlaneError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("kv_push_failed", error=str(exc))
@@ -302,7 +293,7 @@ class PrefillService(ModelWorkerService):
         if transfer.read_grant is not None and self.dataplane is not None:
             self.dataplane.revoke(transfer.read_grant.ticket)
             await asyncio.wait_for(transfer.read_grant.wait_idle(), RELEASE_TIMEOUT_S)
-        await asyncio.shield(self.in_torch(lambda: None))
+        await asyncio.shield(self.torch_thread.barrier())
         assert self.store
         self.store.free(request_id)
 
@@ -321,12 +312,3 @@ class PrefillService(ModelWorkerService):
             await self._finish(request_id, cancel=True)
         await super().stop()
 
-
-def _page_runs(pages: np.ndarray, page_tokens: int, num_tokens: int) -> list[tuple[int, int]]:
-    """Token ranges [start, stop) covering the runs of consecutive True pages."""
-    idx = np.flatnonzero(pages)
-    if not idx.size:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts, ends = idx[np.r_[0, breaks]], idx[np.r_[breaks - 1, idx.size - 1]] + 1
-    return [(int(a) * page_tokens, min(num_tokens, int(b) * page_tokens)) for a, b in zip(starts, ends)]

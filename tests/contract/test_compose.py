@@ -85,7 +85,7 @@ def test_every_service_gets_the_nats_token(tmp_path):
 def test_nats_conf_requires_the_token():
     """compose/nats.conf turns on token auth from $SMARTGEN_NATS_TOKEN: the real nats-server accepts the file
     with it set and refuses to start without it."""
-    from shared.nats_server import nats_server_binary
+    from tools.nats_server import nats_server_binary
 
     conf = ROOT / "compose" / "nats.conf"
     assert "authorization" in conf.read_text()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.leaks import find_leaks, get_json  # noqa: F401 (tests import get_json from here)
-from shared.nats_server import free_port
-from shared.stack import Stack, StackSpec
+from tools.leaks import find_leaks, get_json  # noqa: F401 (tests import get_json from here)
+from tools.nats_server import free_port
+from tools.stack import Stack, StackSpec
 
 
 def post_json(url: str, body: object, timeout: float = 120.0, headers: dict[str, str] | None = None,
@@ -50,7 +50,7 @@ def model_workers(stack: Stack) -> list[dict]:
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
     """Every prefill and decode worker holds no request, no page, no lease and no ticket; the broker holds no
-    open transfer plan (shared/leaks.py)."""
+    open transfer plan (tools/leaks.py)."""
     leaks = find_leaks(stack.gateway_url, timeout_s)
     if leaks:
         pytest.fail(f"leak check: workers still hold request state: {leaks}")

@@ -16,9 +16,9 @@ import pytest
 
 from shared.admin_auth import admin_headers
 from shared.config import ServiceConfig
-from shared.nats_server import NatsServer
+from tools.nats_server import NatsServer
 from shared.natsconn import connect_options
-from shared.stack import Stack
+from tools.stack import Stack
 from tests.integration.conftest import get_json, model_workers, post_json
 
 

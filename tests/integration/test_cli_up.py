@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shared.nats_server import free_port
+from tools.nats_server import free_port
 from tests.integration.conftest import get_json, post_json
 
 

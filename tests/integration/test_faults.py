@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.leaks import find_leaks
-from shared.nats_server import free_port
-from shared.stack import Stack, StackSpec
+from tools.leaks import find_leaks
+from tools.nats_server import free_port
+from tools.stack import Stack, StackSpec
 from tests.integration.conftest import get_json
 
 # ~200 tokens: 1 KiB of KV per token on the tiny model, ~1.6 s to push on a link paced to 1 Mbit/s

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from shared.nats_server import free_port
+from tools.nats_server import free_port
 from tests.integration.conftest import get_json, post_json
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from shared.admin_auth import admin_headers
-from shared.nats_server import free_port
-from shared.stack import Stack, StackSpec
+from tools.nats_server import free_port
+from tools.stack import Stack, StackSpec
 from tests.integration.conftest import assert_no_leaks, get_json, model_workers, post_json
 from tests.reference import greedy_tokens, prompt_ids
 

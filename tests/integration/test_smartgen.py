@@ -10,10 +10,10 @@ import nats
 import pytest
 
 from schemas import BuildProfile, Profile, ProfileInfo, ProfileKey, ProfileQuery, subjects
-from shared.models import make_tiny_model
-from shared.nats_server import free_port
+from tools.tiny_model import make_tiny_model
+from tools.nats_server import free_port
 from shared.rpc import RemoteError, call
-from shared.stack import Stack, StackSpec
+from tools.stack import Stack, StackSpec
 from tests.integration.conftest import assert_no_leaks, get_json, post_json
 
 # ~600 tokens: 8 layers × 2 KV heads × 16 dims × fp32 × K,V = 2 KiB per token, 1.2 MB of KV; on a 4 Mbit/s link

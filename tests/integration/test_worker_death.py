@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from shared.nats_server import free_port
-from shared.stack import Stack, StackSpec
+from tools.nats_server import free_port
+from tools.stack import Stack, StackSpec
 from tests.integration.conftest import get_json
 
 

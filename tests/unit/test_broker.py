@@ -8,7 +8,8 @@ import pytest
 from schemas import KvLayout, OpenPlan
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
-from shared.profiles import positional_importance, unpack_bits
+from schemas import unpack_bits
+from shared.profiles import positional_importance
 
 LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=46080)
 N = 2048  # 128 pages per layer, 3,840 blocks of 24,576 bytes; the whole KV is 94,371,840 bytes

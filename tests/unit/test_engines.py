@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from schemas import Sampling
-from services.decode.engine import DecodeEngine
-from services.prefill.engine import PrefillEngine
-from shared.kvstore import KvStore
-from shared.modeling import ModelRunner
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.prefill_engine import PrefillEngine
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
 from tests.reference import greedy_tokens, prompt_ids
 
 PROMPT = "Once upon a time, in a valley between two mountains, there lived"

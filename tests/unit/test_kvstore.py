@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kvstore import KvStore, OutOfPages, layout_for, slab_rows
+from shared.compute.kvstore import KvStore, OutOfPages, layout_for, slab_rows
 
 
 @pytest.fixture

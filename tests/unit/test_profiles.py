@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.profiles import (bucket_for, blend, observed_importance, pack_bits, page_importance, positional_importance,
-                             profile_key, token_blocks, tokens_per_block, unpack_bits)
+from schemas import pack_bits, unpack_bits
+from shared.profiles import (bucket_for, blend, observed_importance, page_importance, positional_importance,
+                             profile_key, token_blocks, tokens_per_block)
 
 
 def test_buckets_are_powers_of_two_from_1k():

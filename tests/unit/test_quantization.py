@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.quantization import QuantLayout
+from shared.compute.quantization import QuantLayout
 
 
 @pytest.mark.parametrize("bits", [2, 4])

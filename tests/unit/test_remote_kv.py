@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from schemas import KvSource, Sampling
-from services.decode.engine import DecodeEngine
+from shared.compute.decode_engine import DecodeEngine
 from services.decode.remote import RemoteKv, RemoteReadError
-from services.prefill.engine import PrefillEngine
+from shared.compute.prefill_engine import PrefillEngine
 from shared.dataplane import Grant, make_dataplane
-from shared.kvstore import KvStore
-from shared.modeling import ModelRunner
-from shared.models import make_tiny_model
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
+from tools.tiny_model import make_tiny_model
 from tests.reference import prompt_ids
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 6

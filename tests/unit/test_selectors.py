@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from schemas import Sampling
-from services.decode.engine import DecodeEngine
-from shared.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
-from shared.kvstore import KvStore
-from shared.selectors.metadata import MetadataLayout
-from shared.modeling import ModelRunner
-from shared.models import make_tiny_model
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
+from shared.compute.kvstore import KvStore
+from shared.compute.selectors.metadata import MetadataLayout
+from shared.compute.modeling import ModelRunner
+from tools.tiny_model import make_tiny_model
 from tests.reference import prompt_ids
 from tools import prepare_selectors
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from services.decode.engine import DecodeEngine
-from shared.selectors import SELECTORS, PreparationMissing, default_prep_dir
-from shared.kvstore import KvStore
-from shared.modeling import ModelRunner
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.selectors import SELECTORS, PreparationMissing, default_prep_dir
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
 from shared.models import resolve_model
 from shared.workloads import stdlib_files
 

@@ -222,8 +222,8 @@ def run(cfg: BenchConfig) -> dict:
 
 def start_stack(model: str, out: Path, extra_env: dict[str, str] | None = None):
     """A stack of 1 prefill + 1 decode on an embedded NATS, logging to out/stack.log; ready when it returns."""
-    from shared.nats_server import free_port
-    from shared.stack import Stack, StackSpec
+    from tools.nats_server import free_port
+    from tools.stack import Stack, StackSpec
 
     # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
     env = {"SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",

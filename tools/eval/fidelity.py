@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from services.decode.engine import DecodeEngine
-from shared.selectors import default_prep_dir
-from shared.kvstore import KvStore
-from shared.modeling import ModelRunner
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.selectors import default_prep_dir
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
 from shared.models import resolve_model
 from shared import workloads
 from tools.eval.metrics import task_score

@@ -17,8 +17,10 @@ runs the model, so there is never more than one active selection.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,12 +29,35 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from shared.profiles import token_blocks
-from shared.selectors import DENSE_LAYERS, Budget, LayerState, Selector
-
-if TYPE_CHECKING:
-    from services.decode.remote import RemoteKv
+from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 
 ATTENTION_NAME = "smartgen_selective"
+
+
+class PendingRead(Protocol):
+    """A read of remote KV entries in flight; once `wait()` returns, their bytes are in the slab."""
+
+    remote: torch.Tensor | None  # (H_kv, k) bool: which of the selected entries it brings (None: a whole layer)
+
+    def wait(self) -> None:
+        """Block the torch thread until the read has landed; raise if it failed."""
+
+
+class RemoteEntries(Protocol):
+    """The KV entries of one request that are still on another node, as attention sees them. The decode
+    service implements it over its data plane (services/decode/remote.py); the compute package only asks."""
+
+    parallel: bool  # gather the local entries while the remote read is in flight (path 2)
+
+    def begin_step(self) -> None:
+        """A decode step starts (per-step counters)."""
+
+    def end_step(self) -> None:
+        """The decode step is over."""
+
+    def fetch(self, layer: int, idx: torch.Tensor | None) -> PendingRead | None:
+        """Start reading the entries of `layer` that attention needs and that are not local: `idx` (H_kv, k)
+        selected token indices, or None for every token. None when all are local."""
 
 
 @dataclass
@@ -45,7 +70,7 @@ class Selection:
     states: dict[int, LayerState] = field(default_factory=dict)
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (speculation)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
-    remote: "RemoteKv | None" = None  # the KV still on the prefill node; None once every entry is local
+    remote: RemoteEntries | None = None  # the KV still on the prefill node; None once every entry is local
     block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
     block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
     num_steps: int = 0
@@ -75,7 +100,7 @@ class Selection:
 
 
 ACTIVE: Selection | None = None
-CAPTURE: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # layer → [(query, key)] for calibration
+_CAPTURE: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # layer → [(query, key)] (capture())
 
 
 def activate(selection: Selection | None) -> None:
@@ -83,11 +108,23 @@ def activate(selection: Selection | None) -> None:
     ACTIVE = selection
 
 
+@contextmanager
+def capture() -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Offline calibration (tools/prepare_selectors.py): while inside, every attention call of a model that
+    `install` switched appends its post-RoPE (query (H, n, d), key (H_kv, n, d)) to the yielded dict, per layer."""
+    global _CAPTURE
+    _CAPTURE = captured = {}
+    try:
+        yield captured
+    finally:
+        _CAPTURE = None
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, H, 1, d); key/value (1, H_kv, n, d): the whole cache. Returns (1, 1, H, d), None."""
     sel, layer = ACTIVE, module.layer_idx
-    if CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see tools/prepare_selectors.py)
-        CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
+    if _CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see capture())
+        _CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
     if sel is None or query.shape[2] != 1 or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     keys, values = key[0], value[0]
@@ -109,11 +146,12 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
     idx = sel.selector.select(layer, state, probe, k)  # (H_kv, k')
     pending = sel.remote.fetch(layer, idx) if sel.remote is not None else None
-    if pending is not None and not pending.owner.parallel:
+    parallel = sel.remote.parallel if sel.remote is not None else True
+    if pending is not None and not parallel:
         pending.wait()  # path 2 switched off: fetch first, then gather
     gather = idx[..., None].expand(-1, -1, keys.shape[-1])
     k_sel, v_sel = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)  # (H_kv, k', d)
-    if pending is not None and pending.owner.parallel:
+    if pending is not None and parallel:
         pending.wait()  # the local entries above were gathered while the remote read was in flight
         rows, cols = pending.remote.nonzero(as_tuple=True)
         k_sel[rows, cols] = keys[rows, idx[rows, cols]]  # the remote entries, now landed in the slab

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shared.admin_auth import admin_token_from_env
 from shared.config import write_secret_file
-from shared.nats_server import NatsServer
+from tools.nats_server import NatsServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

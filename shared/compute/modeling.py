@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 from transformers.cache_utils import DynamicCache
 
 from schemas import KvLayout
-from shared.kvstore import layout_for
+from shared.compute.kvstore import layout_for
 
 # on_layer(layer, keys, values): keys/values (num_kv_heads, num_tokens, head_dim), called as each layer finishes.
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]

@@ -14,12 +14,11 @@ indices (num_kv_heads, k) int64, each row sorted. Query heads h·G … h·G+G-1 
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 
 import torch
 
-from schemas import DENSE_LAYERS
+from schemas import DENSE_LAYERS, budget_tokens, kv_budget_problem  # noqa: F401  (DENSE_LAYERS: re-exported)
 
 # (shape, dtype) of each tensor a layer's metadata exports, in order
 MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
@@ -27,17 +26,17 @@ MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A fraction of the cached tokens (0 < value ≤ 1) or a token count (value > 1, whole)."""
+    """A fraction of the cached tokens (0 < value ≤ 1) or a token count (value > 1, whole): the one rule of
+    schemas/transfer.py (`kv_budget_problem`)."""
 
     value: float
 
     def __post_init__(self) -> None:
-        if not (0 < self.value <= 1 or (self.value > 1 and float(self.value).is_integer())):
-            raise ValueError("a KV budget is a fraction in (0, 1] or a whole number of tokens > 1")
+        if problem := kv_budget_problem(self.value):
+            raise ValueError(problem)
 
     def tokens(self, num_tokens: int) -> int:
-        k = math.ceil(self.value * num_tokens) if self.value <= 1 else int(self.value)
-        return max(1, min(num_tokens, k))
+        return budget_tokens(self.value, num_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,15 @@ from pathlib import Path
 from transformers.cache_utils import DynamicCache
 
 from schemas import Sampling
-from services.decode import selective
-from services.decode.remote import RemoteKv
-from services.decode.slab_cache import SlabCache
-from shared.kvstore import KvStore, Slab
-from shared.modeling import ModelRunner
-from shared.quantization import QuantLayout
-from shared.sampling import sample
-from shared.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
-from shared.selectors.metadata import MetadataLayout
+from schemas.transfer import Aux
+from shared.compute import selective
+from shared.compute.slab_cache import SlabCache
+from shared.compute.kvstore import KvStore, Slab
+from shared.compute.modeling import ModelRunner
+from shared.compute.quantization import QuantLayout
+from shared.compute.sampling import sample
+from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
+from shared.compute.selectors.metadata import MetadataLayout
 
 
 class DecodeEngine:
@@ -36,8 +36,25 @@ class DecodeEngine:
             self._selectors[name] = make_selector(name, self.geometry, self.prep_dir)
         return self._selectors[name]
 
+    def aux_bytes(self, aux: Aux, num_tokens: int, selector: str = "", kv_bits: int = 0) -> int:
+        """The bytes of the aux area a request of `num_tokens` prompt tokens needs: its selector's metadata, or
+        its KV as `kv_bits`-bit codes (ValueError or PreparationMissing, with the fix, when it cannot have one)."""
+        lay = self.store.layout
+        if aux is Aux.CODES:
+            return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, kv_bits).nbytes
+        if aux is Aux.METADATA:
+            return MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens).nbytes
+        return 0
+
+    def detach_remote(self, request_id: str) -> None:
+        """Every entry of the request is local now: its attention reads nothing remote any more. Called between
+        steps (an assignment the torch thread sees at its next step)."""
+        selection = self.selections.get(request_id)
+        if selection is not None:
+            selection.remote = None
+
     def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False,
-                      slab: Slab | None = None, remote: RemoteKv | None = None, count_blocks: int = 0) -> None:
+                      slab: Slab | None = None, remote: selective.RemoteEntries | None = None, count_blocks: int = 0) -> None:
         """Decode this request with selective attention from now on. The selector's state for the cached
         tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given,
         else from the keys in the cache. `count_blocks` > 0 counts selections per relative block."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.selectors.base import LayerState, MetadataSpec, Selector
+from shared.compute.selectors.base import LayerState, MetadataSpec, Selector
 
 
 class PositionalSelector(Selector):

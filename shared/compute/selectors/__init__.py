@@ -9,14 +9,14 @@ from pathlib import Path
 
 import structlog
 
-from shared.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
-from shared.selectors.hata import HataSelector
-from shared.selectors.infinigen import InfiniGenSelector
-from shared.selectors.oracle import OracleSelector
-from shared.selectors.positional import PositionalSelector
-from shared.selectors.quest import QuestSelector
+from schemas import SELECTORS
+from shared.compute.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
+from shared.compute.selectors.hata import HataSelector
+from shared.compute.selectors.infinigen import InfiniGenSelector
+from shared.compute.selectors.oracle import OracleSelector
+from shared.compute.selectors.positional import PositionalSelector
+from shared.compute.selectors.quest import QuestSelector
 
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")
 PREP_DIR = "smartgen-selectors"
 log = structlog.get_logger()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
 
 NUM_BITS = 128
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)

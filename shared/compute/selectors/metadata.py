@@ -1,5 +1,5 @@
 """Where a request's selector metadata lives in bytes: one block per layer ≥ DENSE_LAYERS, in the request's
-aux area (shared/kvstore.py), identical on the prefill node (which writes and pushes it) and the decode
+aux area (shared/compute/kvstore.py), identical on the prefill node (which writes and pushes it) and the decode
 node (which restores selector state from it).
 
     aux = [layer 2 block][layer 3 block]…      each block = the layer's `metadata_specs` tensors, packed
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.packed import PackedTensors
-from shared.selectors.base import DENSE_LAYERS, Selector
+from shared.compute.packed import PackedTensors
+from shared.compute.selectors.base import DENSE_LAYERS, Selector
 
 
 class MetadataLayout:

@@ -194,7 +194,7 @@ def _csv(kind):
 
 def _up(args: argparse.Namespace) -> int:
     from shared.models import ModelNotFound, prepare_default_model, resolve_model
-    from shared.stack import Stack, StackSpec
+    from tools.stack import Stack, StackSpec
 
     if args.prefill < 1 or args.decode < 1:
         print("smartgen up: --prefill and --decode must be at least 1", file=sys.stderr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)

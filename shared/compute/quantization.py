@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from shared.packed import PackedTensors
+from shared.compute.packed import PackedTensors
 
 PARTITION = 64  # Π, values per quantization partition
 SINK_TOKENS = 4  # HACK's default: the first tokens keep 16 bits

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
 
 
 class OracleState(LayerState):

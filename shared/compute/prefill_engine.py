@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from schemas import Sampling
-from shared.kvstore import KvStore, Slab
-from shared.modeling import ModelRunner
-from shared.quantization import QuantLayout
-from shared.sampling import sample
-from shared.selectors import DENSE_LAYERS, Geometry, Selector, make_selector
-from shared.selectors.metadata import MetadataLayout
+from shared.compute.kvstore import KvStore, Slab
+from shared.compute.modeling import ModelRunner
+from shared.compute.quantization import QuantLayout
+from shared.compute.sampling import sample
+from shared.compute.selectors import DENSE_LAYERS, Geometry, Selector, make_selector
+from shared.compute.selectors.metadata import MetadataLayout
 
 # encode(layer, keys, values): derive what travels instead of, or ahead of, the layer's KV (into the aux area)
 LayerEncoder = Callable[[int, torch.Tensor, torch.Tensor], None]

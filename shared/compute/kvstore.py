@@ -6,7 +6,7 @@ so a layer's K or V for one head is one run of bytes (one segment on the wire), 
 request's cache as views of its slab, without copying. Slabs are allocated in pages of `page_tokens`
 tokens (across all layers); a page of one layer is also the block that the selective transfer modes
 push, queue and mark present. A slab may end in an *aux area* of raw bytes, right after its rows: the
-selector metadata (shared/selectors/metadata.py) or the quantized codes (shared/quantization.py) that
+selector metadata (shared/compute/selectors/metadata.py) or the quantized codes (shared/compute/quantization.py) that
 travel ahead of, or instead of, the KV itself.
 NOTE: allocate/free come from the event loop, reads and writes from the torch thread: bookkeeping is locked.
 """

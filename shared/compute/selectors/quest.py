@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from shared.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
 
 
 class QuestState(LayerState):

@@ -1,0 +1,97 @@
+"""One request on a decode worker: what it holds and where it is in its life.
+
+Phases and the only transitions there are (anything else is a bug, and `advance` says so):
+
+    RESERVED ──generate──▶ PREPARING ──▶ RUNNING ──▶ FINISHING
+        │                     │            ▲
+        │                     └─abort─▶ ABORTED (generate sees it, frees the request and refuses)
+        └──────generate (no selector to load)──┘
+
+  RESERVED   `open` reserved a slab and granted a ticket; the prefill may push into it. Unclaimed, it expires.
+  PREPARING  `generate` claimed it and waits on the torch thread (loading a selector): an abort now only
+             flags it, because nats runs an endpoint's handlers in one long-lived task that must not be cancelled.
+  ABORTED    an abort arrived while PREPARING.
+  RUNNING    its task decodes; an abort cancels the task.
+  FINISHING  the task is sending the last event and freeing; an abort no longer cancels it.
+
+colocated requests are created at `generate`, already claimed.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from schemas import Generate, TransferMode
+from shared.compute.kvstore import Slab
+from shared.dataplane import Grant
+from services.decode.remote import RemoteKv
+
+
+class Phase(Enum):
+    RESERVED = "reserved"
+    PREPARING = "preparing"
+    ABORTED = "aborted"
+    RUNNING = "running"
+    FINISHING = "finishing"
+
+
+TRANSITIONS: dict[Phase, tuple[Phase, ...]] = {
+    Phase.RESERVED: (Phase.PREPARING, Phase.RUNNING),
+    Phase.PREPARING: (Phase.RUNNING, Phase.ABORTED),
+    Phase.ABORTED: (),
+    Phase.RUNNING: (Phase.FINISHING,),
+    Phase.FINISHING: (),
+}
+
+
+class PhaseError(RuntimeError):
+    """A transition the life cycle above does not have."""
+
+
+@dataclass
+class DecodeRequest:
+    request_id: str
+    mode: TransferMode  # as opened; `generate` may run auto as one of its choices (mode.resolves_to)
+    num_tokens: int = 0  # prompt tokens
+    slab: Slab | None = None
+    grant: Grant | None = None
+    phase: Phase = Phase.RESERVED
+    expected_bytes: int = 0  # what the plan pushes; known from `generate` on
+    landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
+    failure: str = ""
+    task: asyncio.Task[None] | None = None
+    expiry: asyncio.TimerHandle | None = None
+    req: Generate | None = None
+    remote: RemoteKv | None = None  # partial, smartgen: the KV still on the prefill node
+    plan_state: str = "opening"  # as the broker knows it (schemas.PLAN_STATES)
+    all_local_step: int = -1
+    backlog: int = 0  # background blocks handed out by the broker and not read yet
+    helpers: list[asyncio.Task[Any]] = field(default_factory=list)  # lease keeper, background reader
+    # NOTE: unbounded, but bounded by construction: one progress call at a time, and the broker hands out no
+    # batch while the blocks it already gave (`backlog`) are a batch or more (services/broker/plans.py).
+    background: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)
+    progress_call: asyncio.Task[None] | None = None
+    ending_remote: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
+    recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
+
+    def advance(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise PhaseError(f"request {self.request_id}: {self.phase.value} → {phase.value} is not a transition")
+        self.phase = phase
+
+    @property
+    def is_released(self) -> bool:
+        """The prefill node's lease is ended, or ending (there may never have been one)."""
+        return self.ending_remote is not None
+
+    def on_landed(self, num_bytes: int) -> None:
+        """Data plane: bytes of a push landed in the slab."""
+        if self.expiry is not None:  # the prefill is delivering: the reservation is in use
+            self.expiry.cancel()
+        self.check_landed()
+
+    def check_landed(self) -> None:
+        if self.grant is not None and self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
+            self.landed.set()
