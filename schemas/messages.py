@@ -1,4 +1,5 @@
 """Every message that crosses NATS, as data only. Direction is in each docstring.
+(Over 400 lines on purpose: one data-only file for every message, as the wire is read in one place.)
 
 Sizes are tokens unless a field says bytes; times are seconds (monotonic clocks
 never cross processes: only durations do, plus wall-clock `*_unix` stamps).

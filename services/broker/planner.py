@@ -1,7 +1,7 @@
 """What a request's transfer plan says: which mode (for `auto`), which blocks the prefill pushes while it
 computes, and in what order the rest follows. Pure arithmetic over the profile; no I/O.
 
-The budget (DESIGN.md, path 1): pushes may take as long as the prefill itself, so
+The budget (path 1, docs/architecture.md "The three transfer paths"): pushes may take as long as the prefill itself, so
     bytes that fit = link rate × T_prefill,   T_prefill = N / measured prefill rate,
 i.e. n_push ≈ N_blocks · T_prefill / T_full. The selector metadata is pushed first (decode cannot select
 without it), then layers 0–1 in full (they stay dense), then profile blocks in importance order.

@@ -1,5 +1,5 @@
 """The part of one request's KV that is still on the prefill node, and the reads that bring it over
-(paths 2 and 3 of DESIGN.md). The decode node owns this picture; the broker only schedules.
+(paths 2 and 3: docs/architecture.md, "The three transfer paths"). The decode node owns this picture; the broker only schedules.
 
 Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks before decoding
 starts, on-demand reads mark exactly the entries a step selected, background reads mark whole blocks.

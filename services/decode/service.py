@@ -1,4 +1,7 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens.
+(Over 400 lines because the handlers and the request's task share one life cycle, told below; the request's
+state is in request.py, the remote KV in remote.py and remote_lifecycle.py, the torch work in
+shared/compute/decode_engine.py.)
 
 Life of a request here:
   1. `open`: reserve a slab for the prompt's KV and the completion, plus an aux area for what travels ahead

@@ -10,24 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
+from nats.aio.client import Client
 
 from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.openapi import openapi_document
 from services.gateway.requests import ApiError, CompletionJob, parse_job
+from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
+from shared.registry import WorkerRegistry
 
-if TYPE_CHECKING:
-    from services.gateway.service import GatewayService
+
+class Gateway(Protocol):
+    """What the routes need of the gateway service (service.py implements it)."""
+
+    config: GatewayConfig
+    nc: Client | None
+    registry: WorkerRegistry
+    tokenizer: Any  # a transformers tokenizer
+    model_id: str
+    max_positions: int
+    started_unix: float
+    stop_token_ids: list[int]
+
+    def record(self, run: CompletionRun) -> None:
+        """Count a finished request in /metrics."""
 
 log = structlog.get_logger()
 RETRY_AFTER_S = {429: 1, 503: 5}  # a worker at capacity frees up soon; a new worker registers within a heartbeat TTL
 
 
-def routes(gw: "GatewayService") -> list[web.RouteDef]:
+def routes(gw: Gateway) -> list[web.RouteDef]:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _serve(gw, request, "completion")
 
@@ -61,7 +77,7 @@ def _error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
-async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.StreamResponse:
+async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResponse:
     try:
         # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
         body = json.loads(await request.read())
@@ -93,7 +109,7 @@ async def _serve(gw: "GatewayService", request: web.Request, kind: str) -> web.S
             gw.record(run)
 
 
-async def _respond(gw: "GatewayService", run: CompletionRun) -> web.Response:
+async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:
     text = TextStream(gw.tokenizer, run.job.stop)
     try:
         async for token in run.tokens():
@@ -110,7 +126,7 @@ async def _respond(gw: "GatewayService", run: CompletionRun) -> web.Response:
     return web.json_response(_final_body(gw, run, text.emitted))
 
 
-async def _stream(gw: "GatewayService", request: web.Request, run: CompletionRun) -> web.StreamResponse:
+async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.StreamResponse:
     text = TextStream(gw.tokenizer, run.job.stop)
     response: web.StreamResponse | None = None
     sent_any = False  # the first chunk of a chat stream names the role
@@ -159,7 +175,7 @@ def _usage(run: CompletionRun) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def _chunk(gw: "GatewayService", run: CompletionRun, delta: str, finish_reason: str | None,
+def _chunk(gw: Gateway, run: CompletionRun, delta: str, finish_reason: str | None,
            first: bool = False) -> dict[str, Any]:
     job: CompletionJob = run.job
     if job.kind == "chat":
@@ -173,7 +189,7 @@ def _chunk(gw: "GatewayService", run: CompletionRun, delta: str, finish_reason: 
             "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
-def _final_body(gw: "GatewayService", run: CompletionRun, text: str) -> dict[str, Any]:
+def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
     job = run.job
     finish_reason = "stop" if run.finish_reason == "stop" else "length"
     if job.kind == "chat":

@@ -1,4 +1,4 @@
-"""Per-request latency figures from token timestamps (DESIGN.md, "What is measured").
+"""Per-request latency figures from token timestamps (docs/architecture.md, "Metrics").
 
 `token_times_s[i]` is the time of completion token i+1 measured from arrival t0, in seconds:
     TTFT   = t1 - t0

@@ -1,4 +1,6 @@
 """RDMA data plane with pyverbs: one-sided READ and WRITE between registered regions.
+(Over 400 lines because it is one transport: the verbs objects, the queue pairs' set-up and the completion
+poller share their state and are read together; split, each part would need the others' internals.)
 
 Per process: one device context, one protection domain, one memory region over the whole KV region
 (LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE), one completion queue polled by an asyncio task.

@@ -1,4 +1,6 @@
 """TCP data plane (the reference implementation): direct sockets between prefill and decode.
+(Over 400 lines because it is one transport: the link's writer and reader tasks and the plane that owns
+the links share one framing and one set of counters; the frames themselves are already in frames.py.)
 
 One socket per pair of processes, used in both directions. Each end of it (a `_Link`) has:
   - a writer task, the only one that sends: it takes the next frame by strict priority

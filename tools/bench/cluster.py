@@ -1,4 +1,4 @@
-"""An analytical model of the paper's GPU cluster (DESIGN.md, "Link emulation"): what a prefill, a decode step
+"""An analytical model of the paper's GPU cluster (docs/architecture.md, "Metrics": link emulation): what a prefill, a decode step
 and a KV transfer cost for a real model on an L20, so that a pressure R measured here can be stated as the
 bandwidth that gives the same R there, and so that `smartgen simulate` can project our measurements.
 
