@@ -83,3 +83,11 @@ def blend(current: np.ndarray, observed: np.ndarray, seen: np.ndarray, weight: f
     out = current.copy()
     out[:, seen] = (1 - weight) * current[:, seen] + weight * observed[:, seen]
     return out
+
+
+def online_update(stored: np.ndarray | None, observed: np.ndarray, seen: np.ndarray, weight: float) -> np.ndarray:
+    """A profile after one served request: the stored one, or where none is stored the positional fallback (what
+    the broker uses meanwhile), moved toward what the request selected by at most `weight` (see `blend`).
+    NOTE: a first observation never becomes the profile at weight 1: one request is one sample."""
+    base = stored if stored is not None else positional_importance(observed.shape[0], observed.shape[1])
+    return blend(base, observed, seen, weight)

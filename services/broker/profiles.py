@@ -35,6 +35,8 @@ class ProfileCache:
     def __init__(self, registry: WorkerRegistry, ttl_s: float):
         self.registry, self.ttl_s = registry, ttl_s
         self._cache: dict[str, tuple[float, ChosenProfile]] = {}
+        # NOTE: bumped by every update of a key; an answer asked for before an update is not cached after it
+        self._generation: dict[str, int] = {}
         self.nc: Client | None = None
         self.num_fallbacks = 0
 
@@ -42,7 +44,7 @@ class ProfileCache:
         self.nc = nc
 
         async def on_updated(info: ProfileInfo) -> None:
-            self._cache.pop(info.key, None)
+            self.invalidate(info.key)
 
         await nc.subscribe(subjects.PROFILE_UPDATED, cb=subscriber(ProfileInfo, on_updated))
 
@@ -51,9 +53,16 @@ class ProfileCache:
         hit = self._cache.get(key)
         if hit and time.monotonic() - hit[0] < self.ttl_s and hit[1].importance.shape[0] == num_layers:
             return hit[1]
+        generation = self._generation.get(key, 0)
         chosen = await self._ask(key, model, selector, num_tokens, num_layers)
-        self._cache[key] = (time.monotonic(), chosen)
+        if self._generation.get(key, 0) == generation:  # no update raced the question
+            self._cache[key] = (time.monotonic(), chosen)
         return chosen
+
+    def invalidate(self, key: str) -> None:
+        """The profile stored under `key` changed (or was deleted): forget it, and any answer still on its way."""
+        self._generation[key] = self._generation.get(key, 0) + 1
+        self._cache.pop(key, None)
 
     async def _ask(self, key: str, model: str, selector: str, num_tokens: int, num_layers: int) -> ChosenProfile:
         worker = self.registry.pick("kvprofile")

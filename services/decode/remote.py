@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -86,7 +87,10 @@ class RemoteKv:
         self.num_missing = int(self.missing_per_layer.sum())
         self._step_local = self._step_remote = 0
         self._tasks: set[asyncio.Task] = set()
-        self._on_demand_busy = 0
+        # NOTE: counted when `fetch` issues a read (torch thread), not when the loop starts it, so a background
+        # read never slips in between; the lock guards the count across the two threads.
+        self._on_demand_pending = 0
+        self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
 
@@ -128,23 +132,37 @@ class RemoteKv:
             tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
             if tokens.size:
                 heads.append((h, tokens))
+        with self._pending_lock:
+            self._on_demand_pending += 1
         future = asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
         return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
 
     # --- event loop ------------------------------------------------------------------------
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
         segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
-        self._on_demand_busy += 1
-        self._on_demand_idle.clear()
         try:
             await self._read(segments, Lane.ON_DEMAND)
             for h, tokens in heads:
                 self._mark(layer, h, tokens)
             self.bytes_on_demand += sum(s.length for s in segments)
         finally:
-            self._on_demand_busy -= 1
-            if not self._on_demand_busy:
+            with self._pending_lock:
+                self._on_demand_pending -= 1
+                is_idle = not self._on_demand_pending
+            if is_idle:
                 self._on_demand_idle.set()
+
+    @property
+    def is_on_demand_busy(self) -> bool:
+        """An on-demand read of this request is issued and not settled yet."""
+        with self._pending_lock:
+            return self._on_demand_pending > 0
+
+    async def _wait_on_demand_idle(self) -> None:
+        """Until no on-demand read of this request is pending (event loop only)."""
+        while self.is_on_demand_busy:
+            self._on_demand_idle.clear()  # NOTE: no await between the check and the clear: a settle cannot slip in
+            await self._on_demand_idle.wait()
 
     async def read_blocks(self, blocks: list[int]) -> None:
         """Path 3: move these (layer, page) blocks on the background lane, a small read at a time, never while
@@ -161,7 +179,7 @@ class RemoteKv:
             while units and (not group or size + sum(s.length for s in units[0][3]) <= self.background_read_bytes):
                 group.append(units.pop(0))
                 size += sum(s.length for s in group[-1][3])
-            await self._on_demand_idle.wait()
+            await self._wait_on_demand_idle()
             if self.is_closed:
                 return
             await self._read([s for *_, segs in group for s in segs], Lane.BACKGROUND)

@@ -27,6 +27,7 @@ log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
 CONTROL_TIMEOUT_S = 5.0  # release, progress: bookkeeping calls
 BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
+BACKGROUND_RETRY_S = (0.05, 1.0)  # a failed background batch is read again after this long, doubling up to the cap
 
 
 class RemoteKvLifecycle:
@@ -69,16 +70,27 @@ class RemoteKvLifecycle:
             state.background.put_nowait(batch.blocks)
 
     async def _read_background(self, state: DecodeRequest) -> None:
-        assert state.remote is not None
+        """Read the broker's batches one after another. A batch that fails is read again after a backoff (the
+        broker handed it out once: dropped, those entries would stay remote and the lease held for good), until
+        the remote KV is closed or its prefill is lost; every step's on-demand reads go on meanwhile."""
+        remote = state.remote
+        assert remote is not None
+        retry_s = BACKGROUND_RETRY_S[0]
         while True:
             blocks = await state.background.get()
-            try:
-                await state.remote.read_blocks(blocks)
-            except Exception as exc:  # the on-demand path still serves every step; the failure shows there if real
-                log.warning("background_read_failed", error=str(exc))
-                return
-            finally:
-                state.backlog -= len(blocks)
+            while True:
+                try:
+                    await remote.read_blocks(blocks)
+                    retry_s = BACKGROUND_RETRY_S[0]
+                    break
+                except Exception as exc:
+                    if remote.is_closed or remote.failure:
+                        state.backlog -= len(blocks)
+                        return
+                    log.warning("background_read_failed", error=str(exc), retry_s=retry_s)
+                    await asyncio.sleep(retry_s)
+                    retry_s = min(2 * retry_s, BACKGROUND_RETRY_S[1])
+            state.backlog -= len(blocks)
 
     async def _keep_lease(self, state: DecodeRequest) -> None:
         assert state.req and state.req.source

@@ -7,8 +7,8 @@ Life of a profile:
   2. `get` (the broker, per request): the profile of the request's bucket, or `not_found` (the broker then
      falls back to positional).
   3. Online: decode workers publish what each selective request selected (`smartgen.profile.stats`); each
-     observation moves the stored profile by at most `online_weight` (creating an `online` profile when
-     none exists), under the next version, announced like a build.
+     observation moves the stored profile by at most `online_weight` (where none exists, it moves the positional
+     fallback and stores that as an `online` profile), under the next version, announced like a build.
   4. `delete` removes one. Everything stored survives this process: it lives in the NATS server.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nats.micro.service import Service as MicroService
 from schemas import (SELECTORS, Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
                      ProfileQuery, SelectionStats, encode, from_plain, kv_budget_problem,
                      subjects)
-from shared.profiles import NUM_BLOCKS, blend, bucket_for, importance_of, observed_importance, profile_key
+from shared.profiles import NUM_BLOCKS, bucket_for, importance_of, observed_importance, online_update, profile_key
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime import Service
 from shared.compute.torch_thread import TorchThread
@@ -153,10 +153,10 @@ class KvProfileService(Service):
                 log.warning("selection_stats_mismatch", key=key, stored=(old.num_layers, old.num_blocks),
                             got=selected.shape)
                 return
+            importance = online_update(importance_of(old) if old else None, observed, seen, self.config.online_weight)
             if old is None:
-                importance, version, source, prompts, updates = observed, 1, "online", 0, 1
+                version, source, prompts, updates = 1, "online", 0, 1
             else:
-                importance = blend(importance_of(old), observed, seen, self.config.online_weight)
                 version, source, prompts, updates = old.version + 1, old.source, old.num_prompts, old.num_updates + 1
             profile = Profile(key, stats.model, stats.selector, bucket_for(stats.num_tokens), version,
                               stats.num_layers, stats.num_blocks, importance.astype(np.float32).tobytes(), source,

@@ -1,0 +1,116 @@
+"""Four transfer bugs a review found, each pinned: a first online observation moves the profile only by the
+online weight; an update that races the broker's profile question is not cached over; a failed background
+batch is read again instead of stopping the lane for good; an on-demand read counts as pending from the moment
+it is issued, so a background read cannot slip in ahead of it."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+from schemas import KvSource, mode_of
+from services.broker.profiles import ChosenProfile, ProfileCache
+from services.decode import remote_lifecycle
+from services.decode.remote import RemoteKv
+from services.decode.remote_lifecycle import RemoteKvLifecycle
+from services.decode.request import DecodeRequest
+from shared.compute.kvstore import layout_for
+from shared.dataplane import Lane
+from shared.profiles import online_update, positional_importance
+from shared.registry import WorkerRegistry
+
+LAYOUT = layout_for(num_layers=4, num_kv_heads=2, head_dim=8, page_tokens=16, dtype=torch.float32)
+N = 32  # two pages
+
+
+def test_a_first_online_observation_moves_the_fallback_by_the_weight_only():
+    """No stored profile: the positional fallback moves toward the request's selections by ≤ online_weight; the
+    one request does not become the profile."""
+    observed, seen = np.ones((2, 16), dtype=np.float32), np.ones(16, dtype=bool)
+    updated = online_update(None, observed, seen, 0.05)
+    start = positional_importance(2, 16)
+    assert np.abs(updated - start).max() <= 0.05 + 1e-6
+    assert not np.allclose(updated, observed)
+
+
+async def test_an_update_racing_a_profile_question_is_not_cached_over():
+    cache = ProfileCache(WorkerRegistry(5.0), ttl_s=30.0)
+    versions = iter(range(1, 10))
+
+    async def ask(key: str, *_args) -> ChosenProfile:
+        version = next(versions)
+        if version == 1:
+            cache.invalidate(key)  # kvprofile announces a new version while this answer is on its way
+        return ChosenProfile(np.zeros((2, 4), dtype=np.float32), key, version, "online")
+
+    cache._ask = ask  # type: ignore[method-assign]
+    first = await cache.get("m", "quest", 100, 2)
+    second = await cache.get("m", "quest", 100, 2)
+    third = await cache.get("m", "quest", 100, 2)
+    assert (first.version, second.version, third.version) == (1, 2, 2)  # the stale answer was not kept
+
+
+class FlakyRemote:
+    """What _read_background needs of a RemoteKv; its first two reads fail."""
+
+    is_closed = False
+    failure = ""
+
+    def __init__(self) -> None:
+        self.attempts: list[list[int]] = []
+
+    async def read_blocks(self, blocks: list[int]) -> None:
+        self.attempts.append(blocks)
+        if len(self.attempts) <= 2:
+            raise ConnectionResetError("link reset")
+
+
+async def test_a_failed_background_batch_is_read_again(monkeypatch):
+    monkeypatch.setattr(remote_lifecycle, "BACKGROUND_RETRY_S", (0.001, 0.002))
+    lifecycle = RemoteKvLifecycle(None, "decode-0", "m", LAYOUT, lambda request_id: None)  # type: ignore[arg-type]
+    state = DecodeRequest("r", mode_of("smartgen"))
+    state.remote = FlakyRemote()  # type: ignore[assignment]
+    state.backlog = 3
+    state.background.put_nowait([1, 2, 3])
+    reader = asyncio.create_task(lifecycle._read_background(state))
+    for _ in range(200):
+        if state.backlog == 0:
+            break
+        await asyncio.sleep(0.005)
+    reader.cancel()
+    assert state.remote.attempts == [[1, 2, 3]] * 3 and state.backlog == 0  # type: ignore[union-attr]
+
+
+class GatedPlane:
+    """A data plane whose on-demand reads wait for `release`; it records the lane of every read in order."""
+
+    address = "fake:0"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.lanes: list[Lane] = []
+
+    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane) -> None:
+        self.lanes.append(lane)
+        if lane is Lane.ON_DEMAND:
+            await self.release.wait()
+
+
+async def test_an_issued_on_demand_read_goes_before_a_background_read():
+    """fetch (here on the loop's own thread, the tightest interleaving) marks the read pending at once: a
+    background read started right after it waits until it has settled."""
+    plane = GatedPlane()
+    pages = N // LAYOUT.page_tokens
+    source = KvSource("p", plane.address, 1, 0, N, 30.0)
+    remote = RemoteKv(plane, asyncio.get_running_loop(), source, LAYOUT, 1 << 20, N, N,  # type: ignore[arg-type]
+                      np.zeros((LAYOUT.num_layers, pages), dtype=bool))
+    pending = remote.fetch(2, torch.tensor([[0, 1], [2, 3]]))
+    assert pending is not None and remote.is_on_demand_busy
+    background = asyncio.create_task(remote.read_blocks([3 * pages]))  # layer 3, page 0
+    await asyncio.sleep(0.05)
+    assert plane.lanes == [Lane.ON_DEMAND]
+    plane.release.set()
+    await asyncio.to_thread(pending.wait)
+    await background
+    assert plane.lanes == [Lane.ON_DEMAND, Lane.BACKGROUND] and not remote.is_on_demand_busy
