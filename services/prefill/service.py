@@ -221,8 +221,9 @@ class PrefillService(ModelWorkerService):
     async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
         assert self.dataplane
         handle = transfer.handle
-        # the decode node waits for every pushed byte before its first step, so these go on the ON_DEMAND lane
-        await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments, Lane.ON_DEMAND),
+        # NOTE: the PUSH lane: above background transfer (decode waits for every pushed byte before its first
+        # step), below on-demand reads (another request's decode step is waiting on those right now)
+        await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments, Lane.PUSH),
                                self.config.push_timeout_s)
         n = sum(s.length for s in segments)
         transfer.num_bytes += n

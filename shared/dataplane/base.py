@@ -25,8 +25,10 @@ from enum import IntEnum
 class Lane(IntEnum):
     """Priority of a transfer on the sending side of a link (lower value goes first)."""
 
-    ON_DEMAND = 1  # anything a request is waiting on now: on-demand reads, full and proactive pushes
-    BACKGROUND = 2  # speculative transfer of what remains; preemptible, can be paused
+    ON_DEMAND = 1  # what a decode step is waiting on now: on-demand reads
+    PUSH = 2  # full, quantized and proactive pushes during prefill: below on-demand, so one request's multi-MB
+    #           push never holds up another's on-demand read by more than one chunk
+    BACKGROUND = 3  # speculative transfer of what remains; preemptible, can be paused
 
 
 class DataPlaneError(RuntimeError):

@@ -13,7 +13,7 @@ exchanged through `rendezvous` (the services route it over NATS; tests call the 
   has acknowledged placement of every piece.
 - read: RDMA READ, one work request per remote-contiguous run, scattering into the local pieces with several
   SGEs. The owner's CPU is not involved.
-- lanes and pacing: chunks are posted ON_DEMAND first, BACKGROUND when allowed, with at most
+- lanes and pacing: chunks are posted ON_DEMAND first, then PUSH, BACKGROUND when allowed, with at most
   MAX_POSTED_BYTES outstanding per link, through the same Pacer as TCP.
 
 What RDMA does differently from TCP (see README.md): integrity relies on the link's ICRC (no crc32 per
@@ -82,7 +82,7 @@ class _Chunk:
 class _Link:
     def __init__(self, plane: "RdmaDataPlane", peer: str, qp, remote: dict):
         self.plane, self.peer, self.qp, self.remote = plane, peer, qp, remote
-        self.queues: dict[Lane, deque[_Chunk]] = {Lane.ON_DEMAND: deque(), Lane.BACKGROUND: deque()}
+        self.queues: dict[Lane, deque[_Chunk]] = {lane: deque() for lane in Lane}
         self.has_work = asyncio.Event()
         self.posted_bytes = 0
         self.pacer = Pacer(plane.link_gbps)
@@ -126,7 +126,7 @@ class _Link:
             self.plane.wake_poller()
 
     def _next_lane(self) -> Lane | None:
-        for lane in (Lane.ON_DEMAND, Lane.BACKGROUND):
+        for lane in Lane:  # strict priority: lower value first
             queue = self.queues[lane]
             if not queue or (lane == Lane.BACKGROUND and self.plane.is_background_paused):
                 continue

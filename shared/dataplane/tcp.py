@@ -80,7 +80,7 @@ class _Link:
         self.plane, self.sock, self.peer = plane, sock, peer
         # NOTE: no bound needed: every frame queued is a chunk of a push or read some caller awaits, or the ack or
         # reply to one of the peer's, so the queues hold what the requests in progress move, no more.
-        self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), Lane.ON_DEMAND: deque(), Lane.BACKGROUND: deque()}
+        self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), **{lane: deque() for lane in Lane}}
         self.has_work = asyncio.Event()
         self.waiting: dict[int, _Waiting] = {}
         self.seq = itertools.count(1)
@@ -110,7 +110,7 @@ class _Link:
 
     # --- the writer ----------------------------------------------------------------------------
     def _next_frame(self) -> tuple[int, _Frame] | None:
-        for lane in (CONTROL, Lane.ON_DEMAND, Lane.BACKGROUND):
+        for lane in (CONTROL, *Lane):  # strict priority: lower value first
             queue = self.queues[lane]
             if lane == Lane.BACKGROUND and queue and (
                     self.plane.is_background_paused or
@@ -341,7 +341,7 @@ class TcpDataPlane(DataPlane):
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
         self.use_checksums = checksums
         self.scratch = memoryview(bytearray(CHUNK_BYTES))  # where refused payloads are drained to
-        self.lane_stats = {CONTROL: LaneStats(), Lane.ON_DEMAND: LaneStats(), Lane.BACKGROUND: LaneStats()}
+        self.lane_stats = {CONTROL: LaneStats(), **{lane: LaneStats() for lane in Lane}}
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
         self.num_refused = 0
@@ -391,7 +391,7 @@ class TcpDataPlane(DataPlane):
 
     def stats(self) -> dict[str, object]:
         lanes = {name: vars(self.lane_stats[lane]).copy()
-                 for name, lane in (("control", CONTROL), ("on_demand", Lane.ON_DEMAND), ("background", Lane.BACKGROUND))}
+                 for name, lane in (("control", CONTROL), *((lane.name.lower(), lane) for lane in Lane))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
                 "refused": self.num_refused, "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,

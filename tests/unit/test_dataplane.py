@@ -255,6 +255,35 @@ async def test_on_demand_overtakes_a_saturating_background_lane():
         await b.close()
 
 
+@pytest.mark.parametrize("push_lane", [Lane.PUSH, Lane.ON_DEMAND])
+async def test_one_requests_push_delays_anothers_on_demand_read_by_one_chunk_at_most(push_lane):
+    """Two requests on one paced link: request 1's 8 MiB prefill push is under way when request 2's decode step
+    reads 16 entries on demand. On the PUSH lane (what prefill uses) the read waits about one chunk time plus
+    its own transfer; on the on-demand lane itself (what pushes used before) it queues behind the whole rest
+    of the push, which this test also shows, so it can tell the two apart."""
+    gbps = 0.2  # 25 MB/s: one 256 KiB chunk ≈ 10.5 ms, the 8 MiB push ≈ 0.34 s
+    a, b, _, _ = await pair("tcp", size=16 << 20, link_gbps=gbps)
+    try:
+        a.grant(Grant(1, [(0, 16 << 20)]))  # request 2's KV, readable on the prefill node (a)
+        b.grant(Grant(2, [(0, 16 << 20)]))  # request 1's slab on the decode node (b)
+        push = asyncio.create_task(a.push(b.address, 2, [Segment(0, 0, 8 << 20)], push_lane))
+        await asyncio.sleep(0.05)
+        chunk_s = frames.CHUNK_BYTES * 8 / (gbps * 1e9)
+        own_s = 64 * 1024 * 8 / (gbps * 1e9)
+        started = time.monotonic()
+        await b.read(a.address, 1, [Segment(i * 8192, i * 8192, 4096) for i in range(16)])  # a's reply: ON_DEMAND
+        waited = time.monotonic() - started
+        if push_lane is Lane.PUSH:
+            assert not push.done(), "the push should still be running"
+            assert waited < chunk_s + own_s + 0.02, waited
+        else:
+            assert waited > 0.1, waited  # behind what was left of the push
+        await asyncio.wait_for(push, 10)
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_cancelled_push_leaves_the_link_at_once():
     """A push whose caller is cancelled (the request was aborted) sends none of its queued chunks: the next
     push does not wait behind them, and the peer receives only what was in flight."""
