@@ -227,6 +227,10 @@ class TokenEvent:
     step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network
     all_local_step: int = -1  # the step after which every entry was local (-1: never, or no remote KV)
     recompute_reason: str = ""  # failure_policy recompute: why this worker recomputed the prefill ("" = it did not)
+    # what the first decode step needed from the link, in bytes on the wire: nothing (colocated), everything the
+    # mode pushes (full, quantized), or the metadata, the dense layers and step 1's own selection (selective)
+    step1_kv_bytes: int = 0
+    step1_compute_s: float = 0.0  # the first decode step's time less its network waits (all-local step time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,10 @@ class ModelWorkerConfig(ServiceConfig):
 
     model: str = ""  # a transformers model folder; "" = the cached default SmolLM2
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", …
-    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # compute: "auto" = float32 on CPU, bfloat16 on CUDA
+    # how KV is stored and moved, in every mode (colocated too, so tokens agree across modes): 16 bits as a
+    # deployment keeps a bf16 model's KV; "" = the compute dtype
+    kv_dtype: str = "bfloat16"
     torch_threads: int = 0  # 0 = torch's default; `smartgen up` gives each model process its share of the cores
     kv_cache_mb: int = 512  # size of the preallocated page store
     page_tokens: int = 16  # tokens per KV page
@@ -155,6 +158,8 @@ class ModelWorkerConfig(ServiceConfig):
             raise ConfigError(f"transport {self.transport!r}: use auto, tcp or rdma")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.kv_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"kv_dtype {self.kv_dtype!r}: use float32, bfloat16, float16, or '' for the compute dtype")
         if self.link_gbps < 0:
             raise ConfigError("link_gbps must be ≥ 0 (0 = unpaced)")
         if self.max_active_requests <= 0:

@@ -58,7 +58,7 @@ class ModelWorkerService(Service):
         started = time.monotonic()
         await self.in_torch(set_torch_threads, self.config.torch_threads)
         self.runner = await self.in_torch(ModelRunner, path, self.config.device, self.config.dtype)
-        layout = self.runner.kv_layout(self.config.page_tokens)
+        layout = self.runner.kv_layout(self.config.page_tokens, self.config.kv_dtype)
         self.store = await self.in_torch(KvStore.with_capacity_mb, layout, self.config.kv_cache_mb)
         self.dataplane = await self._start_dataplane(nc, micro)
         log.info("model_loaded", model=str(path), load_s=round(time.monotonic() - started, 2),

@@ -75,6 +75,8 @@ class DecodeRequest:
     progress_call: asyncio.Task[None] | None = None
     ending_remote: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
     recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
+    step1_kv_bytes: int = 0  # see TokenEvent
+    step1_compute_s: float = 0.0
 
     def advance(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:

@@ -39,8 +39,8 @@ from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle,
                      TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages, subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
-from shared.compute.kvstore import OutOfPages
-from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
+from shared.compute.kvstore import OutOfPages, Slab
+from shared.compute.selectors import DENSE_LAYERS, Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
 from shared.profiles import NUM_BLOCKS, tokens_per_block
 from shared.rpc import RequestRefused, endpoint, subscriber
@@ -95,16 +95,9 @@ class DecodeService(ModelWorkerService):
             raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
                                                 f"fit 1..{self.runner.max_positions}")
         aux_bytes = await self._aux_bytes(req)
-        capacity = req.num_tokens + req.max_tokens
-        if self.store.pages_needed(capacity, aux_bytes) > self.store.num_pages_total:
-            raise RequestRefused("bad_request", f"{req.num_tokens} + {req.max_tokens} tokens of KV exceed this worker's "
-                                                f"whole store ({self.store.num_pages_total * self.store.layout.page_tokens} "
-                                                "tokens): ask for fewer tokens or raise kv_cache_mb")
+        self._check_fits(req.num_tokens, req.max_tokens, aux_bytes)
         self._admit(req.request_id)
-        try:
-            slab = self.store.allocate(req.request_id, capacity, aux_bytes)
-        except OutOfPages as exc:
-            raise RequestRefused("overloaded", str(exc)) from None
+        slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
         rows = [r for layer in range(self.store.layout.num_layers) for r in self.store.rows(slab, layer, 0, req.num_tokens)]
         aux_at = self.store.aux_offset(slab)
         ranges = [(off, off + n) for off, n in rows] + ([(aux_at, aux_at + aux_bytes)] if aux_bytes else [])
@@ -131,6 +124,13 @@ class DecodeService(ModelWorkerService):
         if problem:
             await self._release(state)
             raise RequestRefused("bad_request", problem)
+        if state.slab is None:  # colocated: its KV goes in a slab here too, as in every mode
+            try:
+                self._check_fits(len(req.token_ids), req.max_tokens, 0)
+                state.slab = self._allocate(req.request_id, len(req.token_ids) + req.max_tokens, 0)
+            except RequestRefused:
+                await self._release(state)
+                raise
         if req.selector:
             # NOTE: claimed while we wait on the torch thread, so an abort now only flags the request (it must
             # not cancel this handler: nats runs an endpoint's handlers in one long-lived task).
@@ -206,7 +206,8 @@ class DecodeService(ModelWorkerService):
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 if not state.mode.is_disaggregated:
-                    tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling))
+                    tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling,
+                                                      state.slab))
                     await self._emit(req, TokenEvent(rid, 0, tokens[0]))
                 else:
                     kv_wait_s = await self._receive_kv(state, req, tokens)
@@ -267,12 +268,35 @@ class DecodeService(ModelWorkerService):
         assert self.engine
         index = len(tokens)
         try:
+            if index == 1:
+                return await self._first_step(state, req, tokens)
             return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
         except RemoteReadError as exc:
             if req.failure_policy != "recompute" or state.recompute_reason:
                 raise
             await self._recompute(state, req, tokens, str(exc))
             return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
+
+    async def _first_step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> int:
+        """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
+        assert self.engine and self.store
+        started = asyncio.get_running_loop().time()
+        token = await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, 1)
+        waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
+        state.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
+        mode, lay, n = mode_of(req.transfer_mode), self.store.layout, len(req.token_ids)
+        selection = self.engine.selections.get(req.request_id)
+        if not mode.is_disaggregated or state.recompute_reason:
+            state.step1_kv_bytes = 0
+        elif mode.keeps_source and selection is not None:
+            layer_token_bytes = lay.token_bytes // lay.num_layers  # K and V of one token in one layer
+            entry_bytes = layer_token_bytes // lay.num_kv_heads  # K and V of one token in one layer and KV head
+            aux = state.slab.aux_bytes if state.slab else 0
+            state.step1_kv_bytes = (aux + DENSE_LAYERS * n * layer_token_bytes
+                                    + selection.num_selected * entry_bytes)
+        else:
+            state.step1_kv_bytes = state.expected_bytes  # everything the mode pushes
+        return token
 
     async def _recompute(self, state: DecodeRequest, req: Generate, tokens: list[int], why: str) -> None:
         """failure_policy `recompute`: the prefill node cannot provide this request's KV, so build its cache here
@@ -288,7 +312,11 @@ class DecodeService(ModelWorkerService):
         # NOTE: stops the remote reads in the background (one may wait on a peer that is gone); the slab keeps
         # its pages until _release, which waits for that, so nothing still landing can hit reused memory.
         self.remote_kv.end(state, "recompute")
-        first = await self.in_torch(self.engine.recompute, rid, req.token_ids, tokens, req.sampling, req.selector,
+        if state.grant is not None and self.dataplane is not None:  # NOTE: no late push may land on recomputed KV
+            self.dataplane.revoke(state.grant.ticket)
+            await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
+        first = await self.in_torch(self.engine.recompute, rid, state.slab, req.token_ids, tokens, req.sampling,
+                                    req.selector,
                                     req.kv_budget, NUM_BLOCKS)
         if not tokens:
             tokens.append(first)
@@ -356,7 +384,8 @@ class DecodeService(ModelWorkerService):
                           on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
                           step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
                           step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
-                          all_local_step=state.all_local_step, recompute_reason=state.recompute_reason)
+                          all_local_step=state.all_local_step, recompute_reason=state.recompute_reason,
+                          step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6))
 
     def _publish_selection_stats(self, state: DecodeRequest, req: Generate) -> None:
         """Online profiling: what this request selected, per layer and relative block of its prompt."""
@@ -419,6 +448,22 @@ class DecodeService(ModelWorkerService):
         return ""
 
     # --- cleanup ----------------------------------------------------------------------------
+    def _check_fits(self, num_tokens: int, max_tokens: int, aux_bytes: int) -> None:
+        """A request bigger than this worker's whole store can never run here: a 400, not a 429."""
+        assert self.store
+        if self.store.pages_needed(num_tokens + max_tokens, aux_bytes) > self.store.num_pages_total:
+            raise RequestRefused("bad_request", f"{num_tokens} + {max_tokens} tokens of KV exceed this worker's "
+                                                f"whole store ({self.store.num_pages_total * self.store.layout.page_tokens} "
+                                                "tokens): ask for fewer tokens or raise kv_cache_mb")
+
+    def _allocate(self, request_id: str, capacity: int, aux_bytes: int) -> Slab:
+        """A slab for the request, or `overloaded` while the store is full."""
+        assert self.store
+        try:
+            return self.store.allocate(request_id, capacity, aux_bytes)
+        except OutOfPages as exc:
+            raise RequestRefused("overloaded", str(exc)) from None
+
     def _admit(self, request_id: str) -> None:
         if request_id in self.active:
             raise RequestRefused("bad_request", f"request {request_id} is already here")

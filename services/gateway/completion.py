@@ -324,12 +324,24 @@ class CompletionRun:
             _background.add(task)
             task.add_done_callback(_background.discard)
 
+    def ttst_bound_s(self) -> float | None:
+        """The best TTST any transfer schedule could reach with this request's step-1 selection on this link:
+        the all-local step time, plus the time the bytes step 1 needs take beyond what the link carries while the
+        prefill runs: step1_compute_s + max(0, B₁ − r·T_prefill) / r (r = the plan's link rate; unpaced: 0 s)."""
+        final = self.final
+        if final is None or not final.step1_compute_s:
+            return None
+        rate = self.plan.link_gbps * 1e9 / 8 if self.plan is not None else 0.0  # bytes/s
+        behind_prefill = rate * (self.prefill_s or 0.0)
+        wait_s = max(0.0, final.step1_kv_bytes - behind_prefill) / rate if rate > 0 else 0.0
+        return round(final.step1_compute_s + wait_s, 6)
+
     def summary(self) -> dict[str, Any]:
         """The `smartgen` object of the response."""
         t = Timeline.of(self.token_times_s)
         final, plan = self.final, self.plan
         return {
-            "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s,
+            "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s, "ttst_bound_s": self.ttst_bound_s(),
             "token_times_s": [round(x, 6) for x in self.token_times_s],
             "kv_bytes": self.kv_bytes,
             "kv_wait_s": self.kv_wait_s,

@@ -154,6 +154,7 @@ def _smartgen_object() -> Schema:
     return {"type": "object", "required": ["ttft_s", "token_times_s", "kv_bytes", "transfer_mode", "token_ids"],
             "properties": {
                 "ttft_s": _NUMBER_OR_NULL, "ttst_s": _NUMBER_OR_NULL, "tbt_s": _NUMBER_OR_NULL,
+                "ttst_bound_s": _NUMBER_OR_NULL,
                 "token_times_s": {"type": "array", "items": {"type": "number"}},
                 "kv_bytes": {"type": "object", "additionalProperties": _INT},
                 "transfer_mode": _STR, "requested_mode": _STR, "attention": {"enum": ["dense", "selective"]},

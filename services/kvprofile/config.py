@@ -12,6 +12,7 @@ class KvProfileConfig(ServiceConfig):
     dtype: str = "auto"
     torch_threads: int = 0
     page_tokens: int = 16
+    kv_dtype: str = "bfloat16"  # as the decode workers keep KV (shared/config.py ModelWorkerConfig.kv_dtype)
 
     def validate(self) -> None:
         ServiceConfig.validate(self)

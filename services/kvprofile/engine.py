@@ -21,9 +21,9 @@ Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
 class ProfileBuilder:
     def __init__(self, model: str = "", device: str = "cpu", dtype: str = "auto", page_tokens: int = 16,
-                 torch_threads: int = 0):
+                 torch_threads: int = 0, kv_dtype: str = "bfloat16"):
         self.model, self.device, self.dtype, self.page_tokens = model, device, dtype, page_tokens
-        self.torch_threads = torch_threads
+        self.torch_threads, self.kv_dtype = torch_threads, kv_dtype
         self._engine = None
         self._tokenizer = None
 
@@ -46,9 +46,20 @@ class ProfileBuilder:
             set_torch_threads(self.torch_threads)
             path: Path = resolve_model(self.model)
             runner = ModelRunner(path, self.device, self.dtype)
-            self._engine = DecodeEngine(runner, KvStore(runner.kv_layout(self.page_tokens), 1), default_prep_dir(path))
+            # NOTE: KV kept in kv_dtype as the decode workers keep it, so calibration selects as serving does; the
+            # store is sized per build (_fit_store)
+            self._engine = DecodeEngine(runner, KvStore(runner.kv_layout(self.page_tokens, self.kv_dtype), 1),
+                                        default_prep_dir(path))
             self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._engine
+
+    def _fit_store(self, tokens: int) -> None:
+        """Give the engine a KV store that holds one request of `tokens` tokens (a bigger one only when needed)."""
+        from shared.compute.kvstore import KvStore
+
+        store = self.engine.store
+        if store.num_pages_total < _pages(tokens, store.layout.page_tokens):
+            self.engine.store = KvStore(store.layout, _pages(tokens, store.layout.page_tokens))
 
     def prompts(self, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
         """Calibration prompts: multi-document QA (never used by an evaluation), else standard-library code."""
@@ -65,13 +76,14 @@ class ProfileBuilder:
         engine = self.engine
         engine.selector(selector)  # fails early, with the fix, if it needs preparation
         prompts = self.prompts(num_prompts, prompt_tokens)
+        self._fit_store(max(map(len, prompts)) + decode_steps)
         num_layers = engine.runner.num_layers
         selected = np.zeros((num_layers, num_blocks), dtype=np.float64)
         offered = np.zeros(num_blocks, dtype=np.float64)
         for i, ids in enumerate(prompts):
             if on_progress:
                 on_progress(i, len(prompts), f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens")
-            token = engine.prefill_local("calibration", ids, Sampling())
+            token = engine.prefill_local("calibration", ids, Sampling(), max_new_tokens=decode_steps)
             try:
                 engine.use_selection("calibration", selector, budget, count_blocks=num_blocks)
                 for step in range(1, decode_steps + 1):
@@ -85,6 +97,10 @@ class ProfileBuilder:
             on_progress(len(prompts), len(prompts), "done")
         obs, seen = observed_importance(selected.astype(np.float32), offered.astype(np.float32))
         return fill_gaps(obs, seen), len(prompts)
+
+
+def _pages(tokens: int, page_tokens: int) -> int:
+    return -(-tokens // page_tokens)
 
 
 def fill_gaps(importance: np.ndarray, seen: np.ndarray) -> np.ndarray:

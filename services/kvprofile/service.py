@@ -47,7 +47,8 @@ class KvProfileService(Service):
     def __init__(self, config: KvProfileConfig):
         super().__init__(config)
         self.store: ProfileStore | None = None
-        self.builder = ProfileBuilder(config.model, config.device, config.dtype, config.page_tokens, config.torch_threads)
+        self.builder = ProfileBuilder(config.model, config.device, config.dtype, config.page_tokens, config.torch_threads,
+                                      config.kv_dtype)
         # NOTE: calibration runs torch on this one thread; handlers never call torch directly
         self.torch_thread = TorchThread()
         self._locks: dict[str, asyncio.Lock] = {}

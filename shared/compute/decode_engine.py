@@ -1,6 +1,9 @@
 """Decode compute: build a request's cache (its landed slab, dequantized codes, or a local prefill) and step
 it, densely or with selective attention (a selector and a budget per request, its metadata restored from
-what the prefill node pushed or built from local keys). Synchronous torch; no asyncio."""
+what the prefill node pushed or built from local keys). Synchronous torch; no asyncio.
+
+Every mode decodes in place on a slab of the KV store, colocated too: a local prefill writes its KV into a
+slab exactly as a prefill worker does (rounded to the store's kv dtype), so tokens agree across modes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -24,6 +27,7 @@ class DecodeEngine:
     def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None):
         self.runner, self.store, self.prep_dir = runner, store, prep_dir
         self.caches: dict[str, DynamicCache] = {}
+        self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
         self.selections: dict[str, selective.Selection] = {}
         self._selectors: dict[str, Selector] = {}  # built once per name (offline preparation is loaded here)
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
@@ -77,7 +81,7 @@ class DecodeEngine:
         """The prompt's KV has landed in `slab`: decode from it in place (new tokens are appended there)."""
         slab.num_tokens = num_tokens
         # On CPU the cache is the slab itself (views); on an accelerator, one copy to the device.
-        rows = self.store.view(slab).to(self.runner.device, self.runner.dtype)
+        rows = self.store.view(slab).to(self.runner.device)  # NOTE: kept in the kv dtype; attention casts up
         self.caches[request_id] = SlabCache(self.runner.config, rows, num_tokens)
 
     def load_quantized(self, request_id: str, slab: Slab, num_tokens: int, bits: int) -> None:
@@ -90,19 +94,25 @@ class DecodeEngine:
             quant.dequantize(aux, layer, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
         self.load_from_store(request_id, slab, num_tokens)
 
-    def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> int:
-        """Colocated mode: run the prompt here. Returns the first completion token."""
-        logits, cache = self.runner.prefill(token_ids)
-        self.caches[request_id] = cache
+    def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling, slab: Slab | None = None,
+                      max_new_tokens: int = 64) -> int:
+        """Colocated mode: run the prompt here, into `slab` (a service allocates it: admission is its call), or
+        into one allocated here for the prompt and `max_new_tokens` (in-process tools; `end` frees it). Returns
+        the first completion token."""
+        if slab is None:
+            slab = self.store.allocate(request_id, len(token_ids) + max_new_tokens)
+            self._own_slabs.add(request_id)
+        logits, _ = self.runner.prefill(token_ids, on_layer=lambda layer, k, v: self.store.write_layer(slab, layer, k, v))
+        self.load_from_store(request_id, slab, len(token_ids))
         return sample(logits, sampling, index=0)
 
-    def recompute(self, request_id: str, token_ids: Sequence[int], completion: Sequence[int], sampling: Sampling,
-                  selector: str = "", budget: float = 0.0, count_blocks: int = 0) -> int:
-        """failure_policy `recompute`: drop whatever cache the request had and build it here as colocated mode
-        does (prefill, then the selector if any), then replay the completion so far except its last token,
+    def recompute(self, request_id: str, slab: Slab, token_ids: Sequence[int], completion: Sequence[int],
+                  sampling: Sampling, selector: str = "", budget: float = 0.0, count_blocks: int = 0) -> int:
+        """failure_policy `recompute`: drop whatever cache the request had and build it in `slab` as colocated
+        mode does (prefill, then the selector if any), then replay the completion so far except its last token,
         which the next step feeds. Returns the first completion token as sampled here."""
         self.end(request_id)
-        first = self.prefill_local(request_id, token_ids, sampling)
+        first = self.prefill_local(request_id, token_ids, sampling, slab)
         if selector:
             self.use_selection(request_id, selector, budget, False, None, None, count_blocks)
         for token in completion[:-1]:
@@ -130,5 +140,9 @@ class DecodeEngine:
                 selection.num_steps += 1
 
     def end(self, request_id: str) -> selective.Selection | None:
+        """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any."""
         self.caches.pop(request_id, None)
+        if request_id in self._own_slabs:
+            self._own_slabs.discard(request_id)
+            self.store.free(request_id)
         return self.selections.pop(request_id, None)

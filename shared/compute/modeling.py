@@ -54,8 +54,10 @@ class ModelRunner:
             return f"prompt token ids must be in 0..{self.vocab_size - 1}"
         return ""
 
-    def kv_layout(self, page_tokens: int) -> KvLayout:
-        return layout_for(self.num_layers, self.num_kv_heads, self.head_dim, page_tokens, self.dtype)
+    def kv_layout(self, page_tokens: int, kv_dtype: str = "") -> KvLayout:
+        """The KV store's geometry; KV is kept (and moved) in `kv_dtype` ("" = the compute dtype)."""
+        dtype = getattr(torch, kv_dtype) if kv_dtype else self.dtype
+        return layout_for(self.num_layers, self.num_kv_heads, self.head_dim, page_tokens, dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:

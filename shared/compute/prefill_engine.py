@@ -33,13 +33,15 @@ class PrefillEngine:
 
     def run(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling, on_layer_stored: Callable[[int], None],
             encode: LayerEncoder | None = None) -> int:
-        """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V, then `on_layer_stored(layer)`
+        """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V as stored (rounded to the store's
+        dtype, so metadata and codes describe exactly the KV decode will attend to), then `on_layer_stored(layer)`
         fires as each layer has landed. Returns the first completion token."""
 
         def store_layer(layer: int, keys, values) -> None:
             self.store.write_layer(slab, layer, keys, values)
             if encode is not None:
-                encode(layer, keys, values)
+                stored_k, stored_v = self.store.read_layer(slab, layer, keys.shape[1])
+                encode(layer, stored_k.to(keys.device, keys.dtype), stored_v.to(values.device, values.dtype))
             on_layer_stored(layer)
 
         logits, _ = self.runner.prefill(token_ids, on_layer=store_layer)

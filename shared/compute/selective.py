@@ -1,6 +1,8 @@
 """Selective attention for decode steps, through transformers' attention interface.
 
-The model runs with attention implementation "smartgen_selective". For prefill (many queries), layers 0–1,
+The model runs with attention implementation "smartgen_selective". The cache may hold K/V in a narrower
+dtype than the model computes in (kv_dtype bf16, compute fp32): what attention reads is cast up, the whole
+layer when dense, only the selected entries when selective. For prefill (many queries), layers 0–1,
 or a step without a selection context it is plain SDPA, bit for bit. For a decode step with an active
 `Selection`, each layer ≥ 2 asks the request's selector for token indices per KV head, gathers those K/V
 and attends to them only. Attention is order-invariant and RoPE is already in the cached keys, so the
@@ -126,7 +128,8 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if _CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see capture())
         _CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
     if sel is None or query.shape[2] != 1 or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, _as(query, key), _as(query, value), attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
     keys, values = key[0], value[0]
     n = keys.shape[1]
     k = sel.budget.tokens(n)
@@ -137,7 +140,8 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
             sel.mass_sum += 1.0
             sel.num_selected += n * keys.shape[0]
             sel.num_candidates += n * keys.shape[0]
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, _as(query, key), _as(query, value), attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
     state = sel.states.get(layer)
     if state is None:
         state = sel.states[layer] = sel.selector.new_state(layer)
@@ -157,6 +161,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         k_sel[rows, cols] = keys[rows, idx[rows, cols]]  # the remote entries, now landed in the slab
         v_sel[rows, cols] = values[rows, idx[rows, cols]]
     group = query.shape[1] // keys.shape[0]
+    k_sel, v_sel = _as(query, k_sel), _as(query, v_sel)
     k_sel, v_sel = k_sel.repeat_interleave(group, dim=0), v_sel.repeat_interleave(group, dim=0)  # (H, k', d)
     out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
     sel.num_selected += idx.numel()
@@ -164,11 +169,16 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if sel.block_counts is not None:
         sel._count(layer, idx)
     if sel.measure_mass:
-        probs = torch.softmax((q[:, None, :] @ keys.repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
+        probs = torch.softmax((q[:, None, :] @ _as(q, keys).repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
         kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
         sel.mass_sum += float(kept.mean())
     sel.num_selections += 1
     return out.transpose(1, 2).contiguous(), None
+
+
+def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`x` in `like`'s dtype (no copy when it already is)."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
 def _ensure_local(sel: Selection, layer: int, idx: torch.Tensor | None) -> None:

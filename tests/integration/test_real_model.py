@@ -33,7 +33,9 @@ def test_real_model_full_and_colocated_match_generate(real_model_path, tmp_path)
     assert len(ids) >= 1000
     expected = greedy_tokens(real_model_path, ids, NUM_TOKENS)
     log_file = tmp_path / "stack.log"
-    spec = StackSpec(gateway_port=free_port(), log_file=log_file, env={"SMARTGEN_KV_CACHE_MB": "256"})
+    # NOTE: fp32 KV: the tokens are held against plain transformers, which keeps its cache in fp32
+    spec = StackSpec(gateway_port=free_port(), log_file=log_file, env={"SMARTGEN_KV_CACHE_MB": "256",
+                                                                       "SMARTGEN_KV_DTYPE": "float32"})
     with Stack(spec) as stack:
         try:
             stack.wait_ready(240)

@@ -14,13 +14,20 @@ from tests.reference import greedy_tokens, prompt_ids
 PROMPT = "Once upon a time, in a valley between two mountains, there lived"
 
 
-def decode_via_slabs(runner: ModelRunner, ids: list[int], n: int, corrupt: bool = False) -> list[int]:
-    layout = runner.kv_layout(page_tokens=4)
+def decode_via_slabs(runner: ModelRunner, ids: list[int], n: int, corrupt: bool = False, kv_dtype: str = "",
+                     selector: str = "") -> list[int]:
+    layout = runner.kv_layout(page_tokens=4, kv_dtype=kv_dtype)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 5)  # so the two sides' offsets differ
-    src_slab, dst_slab = src.allocate("r", len(ids)), dst.allocate("r", len(ids) + n)
+    prefill = PrefillEngine(runner, src)
+    meta, encode = (prefill.metadata_encoder(src.allocate("probe", 1), selector, len(ids)) if selector else (None, None))
+    aux = meta.nbytes if meta else 0
+    src.free("probe")
+    src_slab, dst_slab = src.allocate("r", len(ids), aux), dst.allocate("r", len(ids) + n, aux)
+    if selector:
+        _, encode = prefill.metadata_encoder(src_slab, selector, len(ids))
     layers_done = []
-    first = PrefillEngine(runner, src).run(src_slab, ids, Sampling(), layers_done.append)
+    first = prefill.run(src_slab, ids, Sampling(), layers_done.append, encode)
     assert layers_done == list(range(runner.num_layers))  # every layer reported, in order
     for layer in range(runner.num_layers):  # what the prefill service pushes, as a memcpy
         rows = zip(src.rows(src_slab, layer, 0, len(ids)), dst.rows(dst_slab, layer, 0, len(ids)))
@@ -28,8 +35,12 @@ def decode_via_slabs(runner: ModelRunner, ids: list[int], n: int, corrupt: bool 
             dst.region[d: d + length] = src.region[s: s + length]
     if corrupt:
         dst.view(dst_slab)[1, 0] += 1.0
+    if selector:
+        dst.aux(dst_slab).copy_(src.aux(src_slab))  # the metadata push
     engine = DecodeEngine(runner, dst)
     engine.load_from_store("r", dst_slab, len(ids))
+    if selector:
+        engine.use_selection("r", selector, 0.25, slab=dst_slab)
     tokens = [first]
     for i in range(1, n):
         tokens.append(engine.step("r", tokens[-1], Sampling(), i))
@@ -80,7 +91,26 @@ def test_recompute_mid_decode_continues_with_the_colocated_tokens(tiny_model_pat
         slab = engine.store.allocate("r", len(ids) + 12)
         engine.load_from_store("r", slab, len(ids))  # garbage KV: what is lost is never read again
         tokens = expected[:5]
-        assert engine.recompute("r", ids, tokens, Sampling(), selector, 0.25) == expected[0]
+        assert engine.recompute("r", slab, ids, tokens, Sampling(), selector, 0.25) == expected[0]
         for i in range(5, 12):
             tokens.append(engine.step("r", tokens[-1], Sampling(), i))
         assert tokens == expected, selector
+
+
+def test_bf16_kv_gives_one_set_of_tokens_in_every_path(tiny_model_path):
+    """KV kept in bf16 while the model computes in fp32 (the services' default): colocated (a local prefill into a
+    slab) and transfer (a prefill worker's slab copied row by row) decode the same tokens, densely and with Quest
+    metadata pushed from the prefill side, since both round the same KV the same way; the slabs hold 2 bytes an
+    element."""
+    runner = ModelRunner(tiny_model_path)
+    ids = prompt_ids(tiny_model_path, PROMPT * 3)
+    assert runner.kv_layout(4, "bfloat16").token_bytes * 2 == runner.kv_layout(4).token_bytes
+    for selector in ("", "quest"):
+        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4, "bfloat16"), 64))
+        expected = [colocated.prefill_local("r", ids, Sampling())]
+        if selector:
+            colocated.use_selection("r", selector, 0.25)
+        for i in range(1, 16):
+            expected.append(colocated.step("r", expected[-1], Sampling(), i))
+        assert colocated.caches["r"].layers[0].keys.dtype == torch.bfloat16
+        assert decode_via_slabs(runner, ids, 16, kv_dtype="bfloat16", selector=selector) == expected, selector

@@ -30,7 +30,7 @@ def runner(tmp_path_factory, real_model_path) -> ModelRunner:
 
 
 def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float) -> list[int]:
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1))
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64))
     tokens = [engine.prefill_local("r", ids, Sampling())]
     engine.use_selection("r", selector, budget)
     for i in range(1, STEPS):
