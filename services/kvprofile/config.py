@@ -18,5 +18,7 @@ class KvProfileConfig(ServiceConfig):
         ServiceConfig.validate(self)
         if not 0 < self.online_weight <= 1:
             raise ConfigError("online_weight must be in (0, 1]")
+        if self.kv_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"kv_dtype {self.kv_dtype!r}: use float32, bfloat16, float16, or '' for the compute dtype")
         if not self.bucket.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"bucket {self.bucket!r}: use letters, digits, '-' and '_'")
