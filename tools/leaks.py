@@ -4,19 +4,9 @@ plan. Used after each integration test (tests/integration/conftest.py) and after
 """
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 
-
-def get_json(url: str, timeout: float = 5.0) -> dict:
-    """GET a JSON body; an HTTP error's JSON body comes back with its status under `_status`."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as exc:
-        return {"_status": exc.code, **json.load(exc)}
+from tools.client import get_json
 
 
 def leaks_now(gateway_url: str) -> dict[str, dict]:

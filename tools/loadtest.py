@@ -8,7 +8,7 @@ failed and how, latency percentiles, throughput, every process's memory, and wha
    the admin ports /workers lists (read only: /workers, /stats, /transfers).
 2. Each of `concurrency` clients (asyncio tasks on one aiohttp session) loops until the deadline: one
    streaming /v1/completions (`ignore_eos`: every request generates `max_tokens`; transfer modes in turn),
-   read the SSE events to [DONE], record the outcome (stream_client.py); after a failure it waits as a
+   read the SSE events to [DONE], record the outcome (client.py); after a failure it waits as a
    polite client does (a refusal's Retry-After, else 0.1 s). Prompts are cut from the Python standard library's
    source at random places; `prompt_tokens` is approximate (≈ 3.5 characters a token), the report gives the
    real mean.
@@ -21,6 +21,7 @@ failed and how, latency percentiles, throughput, every process's memory, and wha
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import json
@@ -29,21 +30,45 @@ import random
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import aiohttp
-
-from tools.leaks import find_leaks, get_json
+from schemas import SERVABLE_TRANSFER_MODES
 from shared.workloads import stdlib_files
 from tools import loadtest_report
+from tools.args import add_json, add_model
+from tools.client import ABORTED, OK, Outcome, get_json, stream_completion
+from tools.leaks import find_leaks
 from tools.service_memory import MIB, StackMemory
-from tools.stream_client import ABORTED, OK, Outcome, stream_completion
+
+if TYPE_CHECKING:  # NOTE: aiohttp loads when the clients start, so `smartgen --help` starts fast
+    import aiohttp
+
+    from tools.stack import Stack
 
 CHARS_PER_TOKEN = 3.5  # SmolLM2's tokenizer on Python source, roughly
 ERROR_PAUSE_S = 0.1  # a client waits this long after a failed request, so a dead stack is not a busy loop…
 MAX_PAUSE_S = 10.0  # …or what the refusal's Retry-After says, up to this (and never past the deadline)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `loadtest` to the `smartgen` sub-commands."""
+    load = subparsers.add_parser("loadtest", help="concurrent streaming clients for a fixed time: errors, latency, memory, leaks")
+    load.add_argument("--url", default="", help="a running gateway on this machine (default: start a stack)")
+    add_model(load, "the started stack's model")
+    load.add_argument("--prefill", type=int, default=1, metavar="N", help="the started stack's prefill replicas")
+    load.add_argument("--decode", type=int, default=1, metavar="M", help="the started stack's decode replicas")
+    load.add_argument("--concurrency", type=int, default=16, help="clients, one streaming request in flight each")
+    load.add_argument("--duration", type=float, default=300, help="seconds")
+    load.add_argument("--max-tokens", type=int, default=32)
+    load.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length")
+    load.add_argument("--transfer-mode", nargs="+", default=[], choices=SERVABLE_TRANSFER_MODES, help="used in turn")
+    load.add_argument("--grace", type=float, default=10, help="seconds in-flight requests get after the deadline")
+    add_json(load, "also write the full result here")
+    load.set_defaults(run=command)
 
 
 @dataclass
@@ -141,6 +166,7 @@ class Load:
 
     async def drive(self, memory: StackMemory) -> float:
         """Run every client to the deadline (+ grace, then cancel). Returns the elapsed time in seconds."""
+        import aiohttp
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -164,9 +190,8 @@ def run(cfg: LoadConfig) -> dict:
     """The whole load test; prints the report and returns the result (see loadtest_report.summarize)."""
     if cfg.url and not is_loopback(cfg.url):
         raise SystemExit(f"smartgen loadtest: {cfg.url} is not a loopback address; it only drives a stack on this machine")
-    stack = _start_stack(cfg) if not cfg.url else None
-    url = cfg.url or stack.gateway_url
-    try:
+    with _own_stack(cfg) if not cfg.url else nullcontext() as stack:
+        url = cfg.url or stack.gateway_url
         try:
             health = get_json(url + "/health")
         except OSError as exc:
@@ -183,9 +208,6 @@ def run(cfg: LoadConfig) -> dict:
         elapsed = asyncio.run(load.drive(memory))
         leaks = find_leaks(url, cfg.leak_timeout_s)
         memory.finish()
-    finally:
-        if stack is not None:
-            stack.stop()
     result = {"config": asdict(cfg), "url": url, "elapsed_s": elapsed, **loadtest_report.summarize(load.outcomes, elapsed),
               "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
                           for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
@@ -198,10 +220,11 @@ def run(cfg: LoadConfig) -> dict:
     return result
 
 
-def _start_stack(cfg: LoadConfig):
+def _own_stack(cfg: LoadConfig) -> AbstractContextManager[Stack]:
+    """A stack of the configured size started for the run (stopped on exit), logging to a file in the temp folder."""
     from shared.models import prepare_default_model
     from tools.nats_server import free_port
-    from tools.stack import Stack, StackSpec
+    from tools.stack import StackSpec, started_stack
 
     if not cfg.model:
         prepare_default_model()
@@ -210,17 +233,11 @@ def _start_stack(cfg: LoadConfig):
           file=sys.stderr, flush=True)
     spec = StackSpec(cfg.num_prefill, cfg.num_decode, cfg.model, (cfg.transfer_modes or ["full"])[0], free_port(),
                      log_file=log_file)
-    stack = Stack(spec).start()
-    try:
-        stack.wait_ready(300)
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
+    return started_stack(spec, 300)
 
 
-def main(args) -> int:
-    """`smartgen loadtest` (arguments from tools/cli.py). Exit code 1 when a request failed or state leaked."""
+def command(args: argparse.Namespace) -> int:
+    """`smartgen loadtest`: exit code 1 when a request failed or state leaked, else 0."""
     cfg = LoadConfig(url=args.url, model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                      concurrency=args.concurrency, duration_s=args.duration, max_tokens=args.max_tokens,
                      prompt_tokens=args.prompt_tokens, transfer_modes=args.transfer_mode, grace_s=args.grace,

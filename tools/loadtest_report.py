@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from tools.stream_client import ABORTED, OK
+from tools.client import ABORTED, OK
 
 
 

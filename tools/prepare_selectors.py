@@ -10,20 +10,38 @@ the paper calibrates on a held-out LongBench subset, which is not available offl
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from schemas import DENSE_LAYERS
+from tools.args import add_model
 
-from shared.compute import selective
-from shared.compute.selectors import DENSE_LAYERS, Geometry, default_prep_dir, prep_path
-from shared.compute.selectors.hata import NUM_BITS
-from shared.compute.selectors.infinigen import RATIO
-from shared.compute.modeling import ModelRunner
-from shared.models import resolve_model
+if TYPE_CHECKING:  # NOTE: torch and the model load at run time only, so `smartgen --help` starts fast
+    import torch
+
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import Geometry
 
 KEEP_POSITIONS = 512  # per prompt and layer, the last positions kept as calibration samples
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `prepare-selectors` to the `smartgen` sub-commands."""
+    prep = subparsers.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
+    prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
+    add_model(prep, "model folder (default SmolLM2)")
+    prep.add_argument("--num-prompts", type=int, default=4)
+    prep.add_argument("--prompt-tokens", type=int, default=1024)
+    prep.add_argument("--out", help="write here instead of <model>/smartgen-selectors")
+    prep.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen prepare-selectors`: prepare and write the selectors' files."""
+    run(args.model, args.selector, args.num_prompts, args.prompt_tokens, args.out)
 
 
 def calibration_texts(num_prompts: int) -> list[str]:
@@ -35,7 +53,10 @@ def calibration_texts(num_prompts: int) -> list[str]:
 
 def collect(runner: ModelRunner, texts: list[str], prompt_tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Post-RoPE queries (H, n, d) and keys (H_kv, n, d) per layer, over the calibration prompts."""
+    import torch
     from transformers import AutoTokenizer
+
+    from shared.compute import selective
 
     tokenizer = AutoTokenizer.from_pretrained(runner.path)
     selective.install(runner.model)
@@ -50,7 +71,14 @@ def collect(runner: ModelRunner, texts: list[str], prompt_tokens: int) -> dict[i
             for layer, pairs in captured.items()}
 
 
-def prepare_infinigen(qk: dict, geometry: Geometry, ratio: float = RATIO) -> dict[str, torch.Tensor]:
+def prepare_infinigen(qk: dict, geometry: Geometry, ratio: float | None = None) -> dict[str, torch.Tensor]:
+    """InfiniGen's tensors from the calibration queries: per layer, `skew.<layer>` (H_kv, d, d) and
+    `channels.<layer>` (H_kv, c) with c = ratio·d (ratio None = the selector's RATIO)."""
+    import torch
+
+    from shared.compute.selectors.infinigen import RATIO
+
+    ratio = RATIO if ratio is None else ratio
     out = {}
     c = max(1, round(ratio * geometry.head_dim))
     for layer, (q, _) in qk.items():
@@ -67,8 +95,15 @@ def prepare_infinigen(qk: dict, geometry: Geometry, ratio: float = RATIO) -> dic
     return out
 
 
-def train_hata(qk: dict, geometry: Geometry, num_bits: int = NUM_BITS, steps: int = 150,
+def train_hata(qk: dict, geometry: Geometry, num_bits: int | None = None, steps: int = 150,
                num_queries: int = 128) -> dict[str, torch.Tensor]:
+    """HATA's hash weights `weights.<layer>` (H_kv, num_bits, d) per layer (num_bits None = the selector's
+    NUM_BITS); the dense layers keep their random initialisation."""
+    import torch
+
+    from shared.compute.selectors.hata import NUM_BITS
+
+    num_bits = NUM_BITS if num_bits is None else num_bits
     gen = torch.Generator().manual_seed(0)
     out = {}
     for layer, (q, k) in qk.items():
@@ -95,6 +130,10 @@ def train_hata(qk: dict, geometry: Geometry, num_bits: int = NUM_BITS, steps: in
 def run(model: str = "", selector: str = "all", num_prompts: int = 4, prompt_tokens: int = 1024,
         out_dir: Path | None = None) -> list[Path]:
     from safetensors.torch import save_file
+
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import Geometry, default_prep_dir, prep_path
+    from shared.models import resolve_model
 
     path = resolve_model(model)
     out_dir = Path(out_dir) if out_dir else default_prep_dir(path)

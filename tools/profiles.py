@@ -9,27 +9,36 @@ worker from its heartbeat; a build shows a progress bar fed by the service's pro
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
 import uuid
 
-import nats
-import numpy as np
-
-from schemas import (Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList, decode,
-                     subjects)
-from shared.config import ConfigError
-from shared.natsconn import client_options, redacted_url
-from shared.profiles import importance_of
-from shared.registry import WorkerRegistry
-from shared.rpc import RemoteError, call
+from schemas import (DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, Ack, BuildProfile, BuildProgress, ListQuery, Profile,
+                     ProfileInfo, ProfileKey, ProfileList, decode, subjects)
 
 FIND_TIMEOUT_S = 5.0
 BUILD_TIMEOUT_S = 3600.0
 
 
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `profile` to the `smartgen` sub-commands."""
+    prof = subparsers.add_parser("profile", help="positional importance profiles in a running stack's kvprofile service")
+    prof.add_argument("action", choices=["build", "list", "show", "delete"])
+    prof.add_argument("key", nargs="?", help="show/delete: the profile key (see `smartgen profile list`)")
+    prof.add_argument("--selector", default=DEFAULT_SELECTOR)
+    prof.add_argument("--prompt-tokens", type=int, default=2048, help="calibration prompt length (sets the bucket)")
+    prof.add_argument("--num-prompts", type=int, default=4)
+    prof.add_argument("--decode-steps", type=int, default=16)
+    prof.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    prof.set_defaults(run=command)
+
+
 async def _kvprofile(nc) -> str:
+    """The worker id of a kvprofile service heartbeating on `nc` (SystemExit if none within FIND_TIMEOUT_S)."""
+    from shared.registry import WorkerRegistry
+
     registry = WorkerRegistry(ttl_s=30)
     await registry.follow(nc, f"cli-{uuid.uuid4().hex[:6]}")
     for _ in range(int(FIND_TIMEOUT_S / 0.1)):
@@ -42,6 +51,15 @@ async def _kvprofile(nc) -> str:
 
 
 async def _run(args) -> int:
+    # NOTE: nats and the services' helpers load here, not at import, so `smartgen --help` starts fast
+    import nats
+    import numpy as np
+
+    from shared.config import ConfigError
+    from shared.natsconn import client_options, redacted_url
+    from shared.profiles import importance_of
+    from shared.rpc import RemoteError, call
+
     try:
         options = client_options()
     except ConfigError as exc:
@@ -85,6 +103,8 @@ async def _run(args) -> int:
 async def _build(nc, subject: str, args) -> int:
     from tqdm import tqdm
 
+    from shared.rpc import call
+
     progress_subject = subjects.profile_progress(uuid.uuid4().hex[:12])
     bar = tqdm(total=args.num_prompts, desc=f"profile {args.selector}/{args.prompt_tokens}", unit="prompt")
 
@@ -105,5 +125,6 @@ async def _build(nc, subject: str, args) -> int:
     return 0
 
 
-def run(args) -> int:
+def command(args: argparse.Namespace) -> int:
+    """`smartgen profile ACTION`: exit code 0, or 1 when the service refused (its message on stderr)."""
     return asyncio.run(_run(args))

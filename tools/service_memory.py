@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.leaks import get_json
+from tools.client import get_json
 
 MIB = 1024 * 1024
 

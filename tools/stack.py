@@ -8,7 +8,6 @@ folder, never on a command line; `client_env()` points a tool at them.
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -17,15 +16,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.admin_auth import admin_token_from_env
 from shared.config import write_secret_file
+from tools.client import request
 from tools.nats_server import NatsServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LOG_TAIL_CHARS = 5000  # how much of the log a failed start-up or a dead service shows
 
 
 @dataclass
@@ -124,13 +126,18 @@ class Stack:
         return [name for name, p in self.processes.items() if p.poll() is not None]
 
     def health(self) -> dict:
+        """The gateway's GET /health body, whatever its status (`status` says what is missing until "ok")."""
         try:
-            with urllib.request.urlopen(self.gateway_url + "/health", timeout=2) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as exc:
-            return json.load(exc)
+            return request(self.gateway_url + "/health", timeout=2).body
         except OSError as exc:
             return {"status": f"gateway not answering ({exc})"}
+
+    def log_tail(self, num_chars: int = LOG_TAIL_CHARS) -> str:
+        """The last `num_chars` of the services' log file, under a heading ("" when they log to the terminal)."""
+        log_file = self.spec.log_file
+        if log_file is None or not Path(log_file).is_file():
+            return ""
+        return f"\n--- the end of {log_file} ---\n" + Path(log_file).read_text(errors="replace")[-num_chars:]
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Until the gateway says every role has a worker. Raises if a service dies first."""
@@ -183,3 +190,32 @@ class Stack:
         self.nats.process.wait()
         time.sleep(down_s)
         self.nats.start()
+
+
+class StackNotReady(RuntimeError):
+    """The stack did not become ready (a service exited, or time ran out); the message ends with the log tail."""
+
+
+@contextmanager
+def started_stack(spec: StackSpec, timeout_s: float = 180.0, may_die: Container[str] = ()) -> Iterator[Stack]:
+    """Start a stack, wait until it is ready (Stack.wait_ready), yield it, and stop it on exit.
+
+    Raises StackNotReady, with the tail of `spec.log_file`, when it is not ready within `timeout_s` (having
+    stopped what had started). On exit, if services other than those in `may_die` (read then, so a set the
+    caller fills while the stack runs works) have died, their names and the log tail go to stderr."""
+    stack = Stack(spec).start()
+    try:
+        stack.wait_ready(timeout_s)
+    except Exception as exc:
+        stack.stop()
+        raise StackNotReady(f"{exc}{stack.log_tail()}") from exc
+    except BaseException:
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        died = [name for name in stack.dead() if name not in may_die]
+        if died:
+            print(f"services died: {', '.join(died)}{stack.log_tail()}", file=sys.stderr, flush=True)
+        stack.stop()

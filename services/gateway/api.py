@@ -135,10 +135,10 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await response.prepare(request)
-            delta = text.add(token)
-            if delta:
-                await _send(response, _chunk(gw, run, delta, None, first=not sent_any))
-                sent_any = True
+            # NOTE: one chunk per token, even when the text is held back (a possible stop string, an incomplete
+            # UTF-8 sequence): a client times every token from the stream (bench serve, vllm bench, guidellm)
+            await _send(response, _chunk(gw, run, text.add(token), None, first=not sent_any))
+            sent_any = True
             if text.is_stopped:
                 run.stop_early("stop_string")
                 break

@@ -34,7 +34,7 @@ from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan,
                      encode, mode_of, subjects)
 from schemas.transfer import Aux
 from shared.rpc import RemoteError, call
-from services.gateway.timeline import Timeline
+from shared.timeline import Timeline
 from shared.registry import WorkerRegistry
 from services.gateway.liveness import Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob

@@ -7,6 +7,7 @@ from shared.config import ConfigError, ServiceConfig
 class KvProfileConfig(ServiceConfig):
     bucket: str = "smartgen_profiles"  # JetStream key-value bucket holding the profiles
     online_weight: float = 0.05  # each served request moves a profile at most this far toward what it selected
+    online_updates: bool = True  # refresh profiles from served requests (POST /online switches it at run time)
     model: str = ""  # the model calibration runs on (loaded on the first build); "" = the cached default SmolLM2
     device: str = "cpu"
     dtype: str = "auto"

@@ -53,8 +53,11 @@ class KvProfileService(Service):
         self.torch_thread = TorchThread()
         self._locks: dict[str, asyncio.Lock] = {}
         self.builds_running = 0
+        self.is_learning_online = config.online_updates  # benchmarks freeze profiles while they measure
         self.online_updates = self.metrics.counter("smartgen_profile_online_updates_total",
                                                    "Selection statistics applied to stored profiles")
+        self.online_skipped = self.metrics.counter("smartgen_profile_online_skipped_total",
+                                                   "Selection statistics dropped while online updates were off")
         self.builds = self.metrics.counter("smartgen_profile_builds_total", "Profile builds by outcome", ["status"])
 
     async def start(self, nc: Client, micro: MicroService) -> None:
@@ -136,6 +139,9 @@ class KvProfileService(Service):
     async def on_stats(self, stats: SelectionStats) -> None:
         """Online profiling: fold one request's selections into its bucket's profile, bounded by online_weight."""
         assert self.store
+        if not self.is_learning_online:
+            self.online_skipped.inc()
+            return
         problem = _stats_problem(stats)
         if problem:
             log.warning("bad_selection_stats", error=problem)
@@ -216,12 +222,25 @@ class KvProfileService(Service):
                 return web.json_response({"error": exc.message}, status=404)
             return web.json_response({"deleted": request.match_info["key"]})
 
+        async def online(request: web.Request) -> web.Response:
+            """POST /online {"enabled": bool}: refresh profiles from served requests, or freeze them."""
+            try:
+                enabled = (await request.json())["enabled"]
+                if not isinstance(enabled, bool):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                return web.json_response({"error": 'send {"enabled": true} or {"enabled": false}'}, status=400)
+            self.is_learning_online = enabled
+            log.info("online_updates", enabled=enabled)
+            return web.json_response({"enabled": enabled})
+
         return [web.get("/profiles", profiles), web.get("/profiles/{key}", show), web.post("/profiles/build", build),
-                web.delete("/profiles/{key}", delete)]
+                web.delete("/profiles/{key}", delete), web.post("/online", online)]
 
     def stats(self) -> dict[str, Any]:
         return {"bucket": self.config.bucket, "ready": self.is_ready(), "builds_running": self.builds_running,
-                "online_updates": self.online_updates.value(), "online_weight": self.config.online_weight}
+                "online_updates": self.online_updates.value(), "online_weight": self.config.online_weight,
+                "online_learning": self.is_learning_online, "online_skipped": self.online_skipped.value()}
 
 
 def _check_key(key: str) -> None:

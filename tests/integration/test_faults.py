@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from shared.admin_auth import admin_headers
+from tools.client import open_stream, post_json, request
 from tools.leaks import find_leaks
 from tools.nats_server import free_port
-from tools.stack import Stack, StackSpec
+from tools.stack import Stack, StackSpec, started_stack
 from tests.integration.conftest import get_json
 
 # ~200 tokens: 1 KiB of KV per token on the tiny model, ~1.6 s to push on a link paced to 1 Mbit/s
@@ -42,15 +44,8 @@ def fstack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """A stack of its own (these tests kill and pause processes): 1 MiB of KV per model worker (1,024 tokens)."""
     log_file = tmp_path_factory.mktemp("logs") / "faults.log"
     spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=log_file, env=ENV)
-    with Stack(spec) as stack:
-        try:
-            stack.wait_ready(180)
-        except Exception:
-            print(log_file.read_text()[-5000:])
-            raise
+    with started_stack(spec, 180, may_die=KILLED) as stack:
         yield stack
-        if set(stack.dead()) - KILLED:
-            print(log_file.read_text()[-5000:])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,11 +81,11 @@ def worker(stack: Stack, role: str, timeout_s: float = 10.0) -> dict:
 
 
 def admin_post(stack: Stack, w: dict, path: str, body: dict) -> dict:
-    token = getattr(stack, "admin_token", None)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(w["admin_url"] + path, json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return json.load(r)
+    """POST `body` to a worker's admin route with the stack's admin token: the reply (RuntimeError unless 2xx)."""
+    status, reply = post_json(w["admin_url"] + path, body, 10, admin_headers(stack.admin_token))
+    if not 200 <= status < 300:
+        raise RuntimeError(f"POST {path} to {w['id']}: {status} {reply}")
+    return reply
 
 
 def pace(stack: Stack, role: str, gbps: float) -> None:
@@ -133,13 +128,9 @@ def check_after(stack: Stack, fault: str, outcomes: list[tuple[str, float | None
 # --- requests ------------------------------------------------------------------------------------------------
 def complete(stack: Stack, timeout_s: float = 60.0, **body) -> tuple[int, dict, dict]:
     """POST /v1/completions (not streamed): (status, body, headers)."""
-    data = json.dumps({"prompt": PROMPT, "max_tokens": 16, "temperature": 0, **body}).encode()
-    request = urllib.request.Request(stack.gateway_url + "/v1/completions", data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as r:
-            return r.status, json.load(r), dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc), dict(exc.headers)
+    reply = request(stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, **body},
+                    timeout=timeout_s)
+    return reply.status, reply.body, reply.headers
 
 
 class Stream(threading.Thread):
@@ -156,15 +147,10 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        request = urllib.request.Request(self.url, json.dumps(self.body).encode(), {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                self.status = r.status  # the headers go out with token 1
-                for raw in r:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: "):
-                        continue
-                    item = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+            with open_stream(self.url, self.body, timeout=60) as events:
+                self.status = events.status  # the headers go out with token 1
+                for item in events:
                     self.items.append((time.monotonic(), item))
                     if item == "[DONE]":
                         break

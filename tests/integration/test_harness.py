@@ -12,8 +12,8 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
     """Two requests per mode at one pressure: runs.json has every field the report promises, the report and
     plots are written, and the stack is left unpaced and holding nothing."""
     monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)  # as for `bench serve --url`: pacing is an admin POST
-    cfg = BenchConfig(modes=["colocated", "full", "smartgen"], pressures=[2.0], prompt_tokens=[256], requests=2,
-                      max_tokens=8, tasks=["lcc_stdlib", "needle"], url=clean_stack.gateway_url,
+    cfg = BenchConfig(modes=["colocated", "full", "smartgen"], pressures=[2.0], regimes=["prefill"],
+                      prompt_tokens=[256], requests=2, max_tokens=8, tasks=["lcc_stdlib", "needle"], url=clean_stack.gateway_url,
                       model=str(clean_stack.spec.model), out=str(tmp_path), progress=False)
     bench_serve(cfg)
     report = json.loads((tmp_path / "runs.json").read_text())
@@ -23,12 +23,13 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
     for r in runs.values():
         assert r["num_requests"] == 2 and r["ttst_p50_s"] > 0 and r["tbt_mean_s"] > 0
         assert set(r["ctl_s"]) == {"2", "8", "32", "64"} and r["ctl_s"]["2"] >= r["ttft_p50_s"] * 0.5
-        assert {"pressure", "link_gbps", "ttft_p50_s", "ttst_p99_s", "e2e_p50_s", "kv_bytes", "local_share"} <= set(r)
+        assert {"pressure", "link_gbps", "ttft_p50_s", "ttst_p99_s", "e2e_p50_s", "kv_bytes", "local_share", "regime",
+                "ttst_bound_p50_s", "ctl64_mean_s", "step1_local_share", "n"} <= set(r)
     assert runs["full"]["pressure"] == 2.0 and runs["full"]["link_gbps"] > 0 and runs["full"]["kv_bytes"]["full"] > 0
     assert runs["colocated"]["link_gbps"] == 0 and not runs["colocated"]["kv_bytes"]
     assert runs["smartgen"]["kv_bytes"].get("metadata", 0) > 0 and runs["smartgen"]["ttst_vs_full"] is not None
     assert (tmp_path / "report.md").read_text().startswith("# Serving benchmark")
-    assert list(tmp_path.glob("ctl_256_R2.png")) and list(tmp_path.glob("bytes_256.png"))
+    assert list(tmp_path.glob("ctl_256_prefill_R2.png")) and list(tmp_path.glob("bytes_256.png"))
 
 
 def test_eval_accuracy_small_run(clean_stack, tmp_path):

@@ -2,16 +2,15 @@
 and the surviving worker holds nothing afterwards."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 
+from tools.client import open_stream
 from tools.nats_server import free_port
-from tools.stack import Stack, StackSpec
+from tools.stack import StackSpec, started_stack
 from tests.integration.conftest import get_json
 
 
@@ -19,8 +18,7 @@ from tests.integration.conftest import get_json
 def own_stack(tiny_model_path, tmp_path):
     spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2"})
-    with Stack(spec) as stack:
-        stack.wait_ready(120)
+    with started_stack(spec, 120, may_die={"decode-0"}) as stack:  # the test kills the decode worker
         yield stack
 
 
@@ -29,15 +27,11 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
     decode = next(w for w in get_json(own_stack.gateway_url + "/workers")["workers"] if w["role"] == "decode")
     body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "temperature": 0, "stream": True,
             "transfer_mode": "full"}
-    request = urllib.request.Request(own_stack.gateway_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
     chunks, killed_at, error = 0, None, None
-    with urllib.request.urlopen(request, timeout=60) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
+    with open_stream(own_stack.gateway_url + "/v1/completions", body, timeout=60) as events:
+        for payload in events:
+            if not isinstance(payload, dict):  # [DONE]
                 continue
-            payload = json.loads(line[6:])
             if "error" in payload:
                 error = payload["error"]
                 break

@@ -10,8 +10,9 @@ from tools.bench.serve import summarize
 from tools.eval import accuracy
 
 
-def _record(mode: str, times: list[float], pressure=2.0, gbps=0.1, **extra) -> dict:
-    return {"mode": mode, "prompt_tokens_asked": 2048, "pressure": pressure, "link_gbps": gbps, "prompt_tokens": 2000,
+def _record(mode: str, times: list[float], pressure=2.0, gbps=0.1, regime="prefill", **extra) -> dict:
+    return {"mode": mode, "regime": regime if gbps else "unpaced", "prompt_tokens_asked": 2048, "pressure": pressure,
+            "link_gbps": gbps, "prompt_tokens": 2000,
             "token_times_s": times, "ttft_s": times[0], "ttst_s": times[1] - times[0],
             "tbt_s": (times[-1] - times[1]) / (len(times) - 2), "e2e_s": times[-1] + 0.01,
             "kv_bytes": extra.pop("kv_bytes", {}), "local_share": extra.pop("local_share", 1.0),
@@ -25,8 +26,11 @@ def test_summaries_of_known_timelines():
     b = [12.0, 17.0] + [17.0 + 0.1 * i for i in range(1, 63)]
     runs = summarize([_record("full", a, kv_bytes={"full": 100}), _record("full", b, kv_bytes={"full": 300})])
     (r,) = runs
-    assert r["num_requests"] == 2
-    assert r["ttft_p50_s"] == pytest.approx(11.0) and r["ttft_p99_s"] == pytest.approx(11.98)
+    assert r["num_requests"] == r["n"] == 2
+    assert r["ttft_p50_s"] == pytest.approx(11.0) and r["ttft_mean_s"] == pytest.approx(11.0)
+    assert r["ttft_p99_s"] is None  # too few requests for a p99
+    twenty = summarize([_record("full", [10.0 + i / 19] + a[1:]) for i in range(20)])[0]
+    assert twenty["ttft_p99_s"] == pytest.approx(10.0 + 0.99)
     assert r["ttst_p50_s"] == pytest.approx(5.0) and r["tbt_mean_s"] == pytest.approx(0.1)
     assert r["ctl_s"]["2"] == pytest.approx(16.0) and r["ctl_s"]["64"] == pytest.approx(16.0 + 6.2)
     assert r["kv_bytes"] == {"full": 200} and len(r["ctl_curve_s"]) == 64
@@ -36,6 +40,7 @@ def test_ratios_come_from_the_same_run():
     """TTST and TBT ratios are taken against full at the same pressure and the unpaced colocated references."""
     t = lambda ttft, ttst, tbt: [ttft, ttft + ttst] + [ttft + ttst + tbt * i for i in range(1, 63)]  # noqa: E731
     runs = summarize([_record("full", t(10, 4.0, 0.1)), _record("smartgen", t(10, 0.4, 0.11)),
+                      _record("full", t(10, 1.0, 0.1), gbps=1.0, regime="step"),
                       _record("full", t(10, 13.0, 0.1), pressure=6.5, gbps=0.03),
                       _record("colocated", t(10, 0.1, 0.1), pressure=None, gbps=0.0),
                       _record("colocated-selective", t(10, 0.1, 0.1), pressure=None, gbps=0.0)])
@@ -46,6 +51,8 @@ def test_ratios_come_from_the_same_run():
     assert sg["tbt_vs_colocated_selective"] == pytest.approx(1.1)
     full_65 = next(r for r in runs if r["mode"] == "full" and r["pressure"] == 6.5)
     assert full_65["ttst_vs_full"] == pytest.approx(1.0)
+    step = next(r for r in runs if r["mode"] == "full" and r["regime"] == "step")
+    assert step["ttst_vs_full"] == pytest.approx(1.0)  # against full in its own regime, not the prefill-matched one
 
 
 def test_accuracy_scores_and_token_agreement():

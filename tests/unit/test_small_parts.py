@@ -5,7 +5,7 @@ import pytest
 
 from shared.config import ConfigError, ModelWorkerConfig, load_config
 from shared.metrics import Registry
-from services.gateway.timeline import Timeline, ctl
+from shared.timeline import Timeline, ctl
 
 
 def test_timeline_of_a_known_stream():

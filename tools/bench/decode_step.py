@@ -6,22 +6,43 @@ dense one (the selector's scoring must cost less than what it saves).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from shared.compute.decode_engine import DecodeEngine
-from shared.compute.selectors import SELECTORS, PreparationMissing, default_prep_dir
-from shared.compute.kvstore import KvStore
-from shared.compute.modeling import ModelRunner
-from shared.models import resolve_model
-from shared.workloads import stdlib_files
+from schemas import DEFAULT_KV_BUDGET, SELECTORS
+from tools.args import add_json
 
 
-def run(model: str = "", context: int = 4096, budget: float = 0.1, steps: int = 16, json_path: str | None = None) -> dict:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `decode-step` to the `smartgen bench` measurements."""
+    step = subparsers.add_parser("decode-step", help="decode-step time, dense against each selector")
+    add_json(step)
+    step.add_argument("--context", type=int, default=4096, help="context length")
+    step.add_argument("--budget", type=float, default=DEFAULT_KV_BUDGET, help="KV budget")
+    step.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen bench decode-step`: measure and print (and write --json)."""
+    run(context=args.context, budget=args.budget, json_path=args.json)
+
+
+def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET, steps: int = 16,
+        json_path: str | None = None) -> dict:
+    """Median ms per decode step at `context` tokens, dense and per selector (a selector whose offline
+    preparation is missing is skipped); prints the table and returns {"context", "budget", "step_ms"}."""
+    from transformers import AutoTokenizer
+
+    from shared.compute.decode_engine import DecodeEngine
+    from shared.compute.kvstore import KvStore
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import PreparationMissing, default_prep_dir
+    from shared.models import resolve_model
+    from shared.workloads import stdlib_files
+
     path = resolve_model(model)
     runner = ModelRunner(path)
     store = KvStore.with_capacity_mb(runner.kv_layout(16), 2 * (context + steps) * runner.kv_bytes_per_token // 2**20 + 1)

@@ -1,7 +1,7 @@
 """The serving benchmark's report: ratios from the same run, a markdown table, and the paper-style plots.
 
-Ratios: TTST and TBT of each mode over `full` at the same prompt length and pressure, and over the
-colocated references measured in the same run (`colocated` dense: the physical limit; `colocated-selective`:
+Ratios: TTST and TBT of each mode over `full` at the same prompt length, pacing regime and pressure, TTST
+over its own bound (`ttst_bound_s`), and over the colocated references measured in the same run (`colocated` dense: the physical limit; `colocated-selective`:
 the same selector with all KV local, what SmartGen's TBT is held against).
 Plots (PNG): CTL per token index per mode (the paper's time-series figure), TTST per mode against R (the
 bandwidth figure), the ablation bars, and bytes per path.
@@ -17,11 +17,12 @@ PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background"
 
 
 def add_ratios(runs: list[dict]) -> None:
-    """Each run gets ttst_vs_full, tbt_vs_full, ttst_vs_colocated, tbt_vs_colocated_selective (None where the
-    reference was not run)."""
-    def find(mode: str, length: int, pressure) -> dict | None:
+    """Each run gets ttst_vs_full, tbt_vs_full, ttst_vs_bound, ttst_vs_colocated, ttst_vs_colocated_selective and
+    tbt_vs_colocated_selective (None where the reference was not run)."""
+    def find(mode: str, length: int, pressure, regime: str = "any") -> dict | None:
         for r in runs:
-            if r["mode"] == mode and r["prompt_tokens_asked"] == length and (pressure == "any" or r["pressure"] == pressure):
+            if r["mode"] == mode and r["prompt_tokens_asked"] == length and (pressure == "any" or r["pressure"] == pressure) \
+                    and (regime == "any" or r.get("regime") == regime):
                 return r
         return None
 
@@ -30,9 +31,11 @@ def add_ratios(runs: list[dict]) -> None:
 
     for r in runs:
         length = r["prompt_tokens_asked"]
-        full, colo, local = find("full", length, r["pressure"]), find("colocated", length, "any"), \
-            find("colocated-selective", length, "any")
+        full, colo, local = find("full", length, r["pressure"], r.get("regime", "any")), \
+            find("colocated", length, "any"), find("colocated-selective", length, "any")
         r["ttst_vs_full"] = ratio(r["ttst_p50_s"], full and full["ttst_p50_s"])
+        r["ttst_vs_bound"] = ratio(r["ttst_p50_s"], r.get("ttst_bound_p50_s"))
+        r["ttst_vs_colocated_selective"] = ratio(r["ttst_p50_s"], local and local["ttst_p50_s"])
         r["tbt_vs_full"] = ratio(r["tbt_mean_s"], full and full["tbt_mean_s"])
         r["ttst_vs_colocated"] = ratio(r["ttst_p50_s"], colo and colo["ttst_p50_s"])
         r["tbt_vs_colocated_selective"] = ratio(r["tbt_mean_s"], local and local["tbt_mean_s"])
@@ -52,7 +55,9 @@ def markdown(report: dict) -> str:
              f"{m['date']} on {m['host']} ({m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['dtype']}). "
              f"Absolute times belong to this machine; compare rows within a table.", "",
              f"Selector `{cfg['selector']}` at budget {cfg['kv_budget']}, {cfg['requests']} requests per row "
-             f"({', '.join(cfg['tasks'])}), {cfg['max_tokens']} output tokens each, concurrency {cfg['concurrency']}.", "",
+             f"({', '.join(cfg['tasks'])}), {cfg['max_tokens']} output tokens each, concurrency {cfg['concurrency']}. "
+             f"Times on the client's clock ({m.get('clock', 'gateway stamps')}).", "",
+             _profile_line(report), "",
              "## Link settings", "",
              "| prompt tokens | prefill tok/s here | KV bytes/token | R | emulated link | same R for Llama-3.1-8B on an L20 (same length / 48K) |",
              "|---|---|---|---|---|---|"]
@@ -67,24 +72,44 @@ def markdown(report: dict) -> str:
         eq = (f"{cluster.equivalent_gbps(pressure, cluster.LLAMA_31_8B, r['prompt_tokens']):.2f} / "
               f"{cluster.equivalent_gbps(pressure, cluster.LLAMA_31_8B, 48 * 1024):.2f} Gbit/s") if pressure else "—"
         lines.append(f"| {r['prompt_tokens']} | {calib['prefill_tokens_per_s']:.0f} | {calib['kv_bytes_per_token']:.0f} | "
-                     f"{_f(pressure, 2)} | {r['link_gbps'] * 1e3:.2f} Mbit/s | {eq} |")
+                     f"{_f(pressure, 2)} ({r.get('regime', '—')}) | {r['link_gbps'] * 1e3:.2f} Mbit/s | {eq} |")
     lines += ["", f"Cluster assumptions: {report['cluster_assumptions']}.", ""]
-    for length in sorted({r["prompt_tokens_asked"] for r in runs}):
-        for pressure in sorted({r["pressure"] for r in runs if r["prompt_tokens_asked"] == length and r["pressure"]}):
-            rows = [r for r in runs if r["prompt_tokens_asked"] == length and (r["pressure"] == pressure or not r["link_gbps"])]
-            lines += [f"## {length} tokens, R = {pressure:g}", "",
-                      "| mode | TTFT p50 | TTST p50 | TTST p99 | TBT | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ full | TTST ÷ colocated | TBT ÷ all-local selective |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rows:
-                ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
-                paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
-                share = f"{_f(r['local_share'], 2)} ({_f(r['step1_local_share'], 2)})" if r["local_share"] is not None else "—"
-                lines.append(f"| {r['mode']} | {_f(r['ttft_p50_s'], 2)} | {_f(r['ttst_p50_s'])} | {_f(r['ttst_p99_s'])} | "
-                             f"{_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | {paths or '—'} | {share} | "
-                             f"{_f(r['ttst_vs_full'], 2)} | {_f(r['ttst_vs_colocated'], 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} |")
-            lines.append("")
-    lines.append("Times in seconds. CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on.")
+    for length, regime, pressure in _tables(runs):
+        rows = [r for r in runs if r["prompt_tokens_asked"] == length
+                and ((r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"])]
+        lines += [f"## {length} tokens, R = {pressure:g}, {regime}-matched link", "",
+                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
+            paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
+            share = f"{_f(r['local_share'], 2)} ({_f(r['step1_local_share'], 2)})" if r["local_share"] is not None else "—"
+            lines.append(f"| {r['mode']} | {r['n']} | {_f(r['ttft_p50_s'], 2)} | {_f(r['ttst_mean_s'])} / {_f(r['ttst_p50_s'])} | "
+                         f"{_f(r.get('ttst_bound_p50_s'))} | {_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | "
+                         f"{paths or '—'} | {share} | {_f(r.get('ttst_vs_bound'), 2)} | {_f(r['ttst_vs_full'], 2)} | "
+                         f"{_f(r.get('ttst_vs_colocated_selective'), 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} |")
+        lines.append("")
+    lines.append("Times in seconds on the client's clock. n = requests in the row (p99 is reported from 20). "
+                 "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; TTST bound = "
+                 "the all-local step plus the step-1 bytes the prefill could not hide (README, `ttst_bound_s`).")
     return "\n".join(lines) + "\n"
+
+
+def _tables(runs: list[dict]) -> list[tuple[int, str, float]]:
+    """(prompt length, regime, R) of every paced setting, in order."""
+    return sorted({(r["prompt_tokens_asked"], r.get("regime", "prefill"), r["pressure"]) for r in runs
+                   if r["pressure"] and r["link_gbps"]})
+
+
+def _profile_line(report: dict) -> str:
+    """Where the profiles came from: built per bucket on documents the run does not measure, or none."""
+    built = report.get("profiles") or {}
+    if not built:
+        return "Profiles: the stack's stored ones, or the positional fallback (none built for this run)."
+    parts = [f"{length} tokens → bucket {bucket} ({b.get('num_prompts', '?')} × {b.get('calibration_task', '?')}, "
+             f"version {b.get('version', '?')})" for length, buckets in built.items() for bucket, b in buckets.items()]
+    return ("Profiles built before measuring on documents no row measures, online updates frozen while measuring "
+            "(except a `smartgen-online` row): " + "; ".join(parts) + ".")
 
 
 def plots(report: dict, out: Path) -> list[Path]:
@@ -95,17 +120,22 @@ def plots(report: dict, out: Path) -> list[Path]:
 
     runs, written = report["runs"], []
     for length in sorted({r["prompt_tokens_asked"] for r in runs}):
-        at = [r for r in runs if r["prompt_tokens_asked"] == length]
-        pressures = sorted({r["pressure"] for r in at if r["pressure"]})
-        for pressure in pressures:  # CTL per token index per mode
+        every = [r for r in runs if r["prompt_tokens_asked"] == length]
+        for _, regime, pressure in [t for t in _tables(runs) if t[0] == length]:  # CTL per token index per mode
             fig, ax = plt.subplots(figsize=(7, 4.5))
-            for r in at:
-                if r["pressure"] in (pressure, None) and r["ctl_curve_s"]:
+            for r in every:
+                if ((r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"]) and r["ctl_curve_s"]:
                     ax.plot(range(1, len(r["ctl_curve_s"]) + 1), r["ctl_curve_s"], label=r["mode"],
                             linestyle="--" if not r["link_gbps"] else "-")
-            ax.set(xlabel="token index", ylabel="cumulative token latency (s)", title=f"CTL, {length} tokens, R = {pressure:g}")
+            ax.set(xlabel="token index", ylabel="cumulative token latency (s)",
+                   title=f"CTL, {length} tokens, R = {pressure:g}, {regime}-matched")
             ax.legend(fontsize=7)
-            written.append(_save(fig, out / f"ctl_{length}_R{pressure:g}.png"))
+            written.append(_save(fig, out / f"ctl_{length}_{regime}_R{pressure:g}.png"))
+        # NOTE: the remaining plots show the prefill-matched regime (TTST's), or the only one run, and the references
+        shown = "prefill" if any(r.get("regime") == "prefill" for r in every) else next(
+            (r.get("regime") for r in every if r["link_gbps"]), "prefill")
+        at = [r for r in every if r.get("regime", "prefill") == shown or not r["link_gbps"]]
+        pressures = sorted({r["pressure"] for r in at if r["pressure"]})
         if pressures:  # TTST per mode against R
             fig, ax = plt.subplots(figsize=(7, 4.5))
             for mode in dict.fromkeys(r["mode"] for r in at):

@@ -1,39 +1,60 @@
 """`smartgen bench serve`: what a client sees, per transfer mode, at the link pressures that matter.
 
-    smartgen bench serve [--modes M,…] [--pressure 2,6.5 | --link-gbps X,…] [--prompt-tokens 2048,4096]
-                         [--requests 3] [--concurrency 1] [--selector quest] [--kv-budget 0.1]
-                         [--max-tokens 64] [--tasks T,…] [--url URL] [--model PATH] [--out DIR] [--json PATH]
+    smartgen bench serve [--modes M,…] [--pressure 2,6.5 | --link-gbps X,…] [--regime prefill,step]
+                         [--prompt-tokens 2048,4096] [--requests 5] [--concurrency 1] [--selector quest]
+                         [--kv-budget 0.1] [--max-tokens 64] [--tasks T,…] [--profile-prompts N] [--online-profile]
+                         [--url URL] [--model PATH] [--out DIR] [--json PATH]
 
 1. Starts its own stack (embedded NATS, 1 prefill + 1 decode) unless `--url` names a running gateway.
 2. Per prompt length: one unpaced full-mode request measures this machine's prefill rate and KV bytes per
-   token; a pressure R = T_full_transfer / T_prefill then becomes the link rate
-       link_gbps = KV bytes/token × 8 × prefill tokens/s ÷ R
-   set on every model worker (POST /link). The same R on the paper's cluster is printed beside it
-   (tools/bench/cluster.py states the assumptions).
-3. Each mode serves `requests` prompts from the local long-context workloads (shared/workloads.py) through the
-   OpenAI API, `max_tokens` each past EOS, `concurrency` at a time; modes that move no KV (colocated) run once
-   per length, unpaced. Timings are the gateway's token stamps; e2e is the client's wall time.
-4. Writes runs.json (every request, and one summary per mode × setting), report.md and PNG plots (report.py).
+   token (as the link carries them: kv_dtype, 16 bits by default); a pressure R = T_full_transfer / T_prefill
+   then becomes a link rate set on every model worker (POST /link), in two regimes:
+       prefill-matched   link_gbps = KV bytes/token × 8 × prefill tokens/s ÷ R   (faithful for TTST)
+       step-matched      STEP_MATCH × that rate                                  (faithful for TBT)
+   A CPU decode step is ~1/100 of a 2K prefill, a GPU's ~1/10 (docs/results/README.md): prefill-matched pacing
+   puts each on-demand byte 10× heavier against a decode step than on the paper's cluster; the step-matched
+   link is 10× faster, which puts one decode step against the link where the cluster has it. The same R on
+   the paper's cluster is printed beside it (tools/bench/cluster.py states the assumptions).
+3. Profiles (--profile-prompts N): built before measuring, for the length bucket each measured prompt falls in,
+   from kvprofile's calibration documents (shared/workloads.CALIBRATION_TASK, which no measured task uses);
+   online updates are frozen while measuring, so no row learns from the prompts it measures. --online-profile
+   adds a `smartgen-online` row that learns while it runs (labelled as such).
+4. Each mode serves `requests` prompts from the local long-context workloads (shared/workloads.py) through the
+   OpenAI API, streamed, `max_tokens` each past EOS, `concurrency` at a time; modes that move no KV (colocated)
+   run once per length, unpaced. Times are this client's clock, one SSE chunk per token; e2e its wall time.
+5. Writes runs.json (every request, and one summary per mode × setting: n, mean, p50; p99 from 20 requests),
+   report.md and PNG plots (report.py).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
+from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
+from tools.client import Gateway
+
+if TYPE_CHECKING:
+    from tools.stack import Stack
 
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
 CTL_TOKENS = (2, 8, 32, 64)
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
+REGIMES = ("prefill", "step")
+STEP_MATCH = 10.0  # step-matched links are this much faster than prefill-matched ones (module docstring)
+MIN_P99_SAMPLES = 20  # fewer requests than this report no p99
+ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
 
 
 def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
@@ -43,6 +64,8 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
                  "smartgen-no-background": "background"}
     if name in ablations:
         return {"transfer_mode": "smartgen", "ablate": [ablations[name]], **sel}
+    if name == ONLINE_MODE:
+        return {"transfer_mode": "smartgen", **sel}
     bodies = {"colocated": {"transfer_mode": "colocated"}, "colocated-selective": {"transfer_mode": "colocated", **sel},
               "full": {"transfer_mode": "full"}, "quantized": {"transfer_mode": "quantized", "kv_bits": 2},
               "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
@@ -57,16 +80,60 @@ ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized",
              "smartgen-no-parallel", "smartgen-no-background")
 
 
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve` to the `smartgen bench` measurements."""
+    serve = subparsers.add_parser("serve", help="every transfer mode through the OpenAI API at chosen link pressures")
+    serve.add_argument("--modes", type=csv_of(str), default=None, help="comma-separated (default: all but auto)")
+    serve.add_argument("--pressure", type=csv_of(float), default=[2.0, 6.5], metavar="R[,R…]",
+                       help="R = T_full_transfer / T_prefill, measured here (default 2,6.5)")
+    serve.add_argument("--link-gbps", type=csv_of(float), default=[], metavar="X[,X…]", help="explicit rates instead")
+    serve.add_argument("--regime", type=csv_of(str), default=list(REGIMES), metavar="prefill,step",
+                       help="prefill-matched and/or step-matched pacing for each R (default both)")
+    serve.add_argument("--prompt-tokens", type=csv_of(int), default=[2048, 4096], metavar="L[,L…]")
+    serve.add_argument("--requests", type=int, default=5, help="requests per mode and setting (default 5)")
+    serve.add_argument("--concurrency", type=int, default=1)
+    serve.add_argument("--selector", default=DEFAULT_SELECTOR)
+    serve.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    serve.add_argument("--max-tokens", type=int, default=64)
+    serve.add_argument("--tasks", type=csv_of(str), default=None, help="workloads (default: all five LongBench stand-ins)")
+    serve.add_argument("--url", default="", help="a running gateway (default: start a stack)")
+    add_model(serve)
+    serve.add_argument("--out", default="bench-out", help="folder for runs.json, report.md and the plots")
+    add_json(serve, "runs.json somewhere else")
+    serve.add_argument("--profile-prompts", type=int, default=0, metavar="N",
+                       help="first build the selector's profile per prompt length from N calibration prompts "
+                            "(default 0: the stack's stored profiles, or the positional fallback)")
+    serve.add_argument("--online-profile", action="store_true",
+                       help=f"add a {ONLINE_MODE} row that refreshes the profile from the requests it serves")
+    serve.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen bench serve`: the arguments as a BenchConfig, then run."""
+    cfg = BenchConfig(pressures=args.pressure, link_gbps=args.link_gbps, prompt_tokens=args.prompt_tokens,
+                      requests=args.requests, concurrency=args.concurrency, selector=args.selector,
+                      kv_budget=args.kv_budget, max_tokens=args.max_tokens, url=args.url, model=args.model,
+                      out=args.out, json_path=args.json or "", profile_prompts=args.profile_prompts,
+                      regimes=args.regime, online_profile=args.online_profile)
+    if args.modes:
+        cfg.modes = args.modes
+    if args.tasks:
+        cfg.tasks = args.tasks
+    run(cfg)
+
+
 @dataclass
 class BenchConfig:
     modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
     pressures: list[float] = field(default_factory=lambda: [2.0, 6.5])
     link_gbps: list[float] = field(default_factory=list)  # explicit rates instead of pressures
     prompt_tokens: list[int] = field(default_factory=lambda: [2048, 4096])
-    requests: int = 3
+    requests: int = 5
+    regimes: list[str] = field(default_factory=lambda: list(REGIMES))
+    online_profile: bool = False  # also a smartgen row that learns its profile online while it is measured
     concurrency: int = 1
-    selector: str = "quest"
-    kv_budget: float = 0.1
+    selector: str = DEFAULT_SELECTOR
+    kv_budget: float = DEFAULT_KV_BUDGET
     max_tokens: int = 64
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     url: str = ""  # a running gateway; "" = start a stack
@@ -78,71 +145,13 @@ class BenchConfig:
     stack_env: dict[str, str] = field(default_factory=dict)
 
 
-class Gateway:
-    """The stack as a client sees it: the OpenAI API, plus the workers' admin routes for pacing."""
-
-    def __init__(self, url: str, admin_token: str = ""):
-        from shared.admin_auth import admin_token_from_env
-
-        self.url = url.rstrip("/")
-        # the bearer token of the admin routes (POST /link, /profiles/build): the stack's, else SMARTGEN_ADMIN_TOKEN(_FILE)
-        self.admin_token = admin_token or admin_token_from_env()
-
-    def _post(self, url: str, body: dict, timeout: float) -> tuple[int, dict]:
-        from shared.admin_auth import admin_headers
-
-        req = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", **admin_headers(self.admin_token)})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.load(r)
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.load(exc)
-
-    def complete(self, body: dict, timeout: float = 1800) -> dict:
-        """POST /v1/completions, or /v1/chat/completions when `body` has `messages`: the reply's `smartgen`
-        object plus its `text` and the client's end-to-end time."""
-        started = time.monotonic()
-        is_chat = "messages" in body
-        status, reply = self._post(self.url + ("/v1/chat/completions" if is_chat else "/v1/completions"), body, timeout)
-        if status != 200:
-            raise RuntimeError(f"request failed ({status}): {reply.get('error', reply)}")
-        choice = reply["choices"][0]
-        text = choice["message"]["content"] if is_chat else choice["text"]
-        return {**reply["smartgen"], "text": text, "e2e_s": time.monotonic() - started}
-
-    def build_profile(self, selector: str, prompt_tokens: int, num_prompts: int, kv_budget: float) -> dict:
-        """Calibrate the selector's profile for this prompt length in the stack's kvprofile service."""
-        kvprofile = next((w for w in self.workers() if w["role"] == "kvprofile"), None)
-        if kvprofile is None:
-            raise RuntimeError("no kvprofile service in this stack")
-        status, reply = self._post(kvprofile["admin_url"] + "/profiles/build",
-                                   {"selector": selector, "prompt_tokens": prompt_tokens, "num_prompts": num_prompts,
-                                    "kv_budget": kv_budget}, 3600)
-        if status != 200:
-            raise RuntimeError(f"profile build failed ({status}): {reply}")
-        return reply
-
-    def workers(self) -> list[dict]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
-            return json.load(r)["workers"]
-
-    def pace(self, gbps: float) -> None:
-        """Pace every model worker's data plane; the broker hears it from the next heartbeats."""
-        for w in self.workers():
-            if w["role"] in ("prefill", "decode"):
-                status, reply = self._post(w["admin_url"] + "/link", {"gbps": gbps}, 10)
-                if status != 200:
-                    raise RuntimeError(f"pacing {w['id']} failed: {reply}")
-        time.sleep(1.5)
-
-
 def machine_info(model_name: str) -> dict[str, Any]:
     import torch
 
     return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "host": platform.node(), "platform": platform.platform(),
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "model": model_name, "dtype": "float32", "transport": "tcp (loopback, paced)"}
+            "torch": torch.__version__, "model": model_name, "dtype": "float32 compute, KV as the stack's kv_dtype",
+            "transport": "tcp (loopback, paced)", "clock": "client (SSE chunk per token)"}
 
 
 def build_samples(tokenizer, tasks: list[str], n: int, prompt_tokens: int):
@@ -157,6 +166,8 @@ def build_samples(tokenizer, tasks: list[str], n: int, prompt_tokens: int):
 
 
 def run(cfg: BenchConfig) -> dict:
+    """The whole benchmark (module docstring): writes runs.json, report.md and the plots, prints the report and
+    returns what runs.json holds."""
     from transformers import AutoTokenizer
 
     from shared.models import prepare_default_model, resolve_model
@@ -167,46 +178,16 @@ def run(cfg: BenchConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     for m in cfg.modes:
         mode_body(m, cfg.selector, cfg.kv_budget)  # unknown names fail before anything starts
+    if not cfg.regimes or not set(cfg.regimes) <= set(REGIMES):
+        raise SystemExit(f"--regime takes {', '.join(REGIMES)}, not {cfg.regimes}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    stack = None
-    if not cfg.url:
-        stack = start_stack(cfg.model, out, cfg.stack_env)
-    gateway = Gateway(cfg.url or stack.gateway_url, stack.admin_token if stack else "")
-    records: list[dict] = []
-    calibration: dict[str, dict] = {}  # prompt length → measured prefill rate and KV bytes per token
-    profiles: dict[str, dict] = {}  # prompt length → the profile built for it (--profile-prompts)
-    try:
-        settings = [("gbps", x) for x in cfg.link_gbps] or [("pressure", r) for r in cfg.pressures]
-        unpaced = [m for m in cfg.modes if m in UNPACED_MODES]
-        paced = [m for m in cfg.modes if m not in UNPACED_MODES]
-        total = (len(unpaced) + len(paced) * len(settings)) * cfg.requests * len(cfg.prompt_tokens)
-        bar = _bar(cfg, total)
-        for length in cfg.prompt_tokens:
-            samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
-            gateway.pace(0)
-            if cfg.profile_prompts:
-                profiles[str(length)] = gateway.build_profile(cfg.selector, length, cfg.profile_prompts, cfg.kv_budget)
-            # NOTE: the longest prompt, so that R is set for the length asked (a task's data may fall short of it)
-            calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
-            runs = [(("gbps", 0.0), unpaced)] + [(setting, paced) for setting in settings]
-            for setting, modes in runs:
-                if not modes:
-                    continue
-                gbps, r = _link(setting, calibration[str(length)])
-                gateway.pace(gbps)
-                for mode in modes:
-                    body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
-                            **mode_body(mode, cfg.selector, cfg.kv_budget)}
-                    for sample, res in zip(samples, _serve(gateway, body, samples, cfg.concurrency, bar)):
-                        records.append({"mode": mode, "prompt_tokens_asked": length, "pressure": r, "link_gbps": gbps,
-                                        "task": sample.task, **res})
-        bar.close()
-    finally:
-        if stack is not None:
-            stack.stop()
-        else:
-            gateway.pace(0)  # a stack we did not start goes back to unpaced
+    with gateway_for(cfg.url, cfg.model, out, cfg.stack_env) as (gateway, stack):
+        try:
+            records, calibration, profiles = _measure(cfg, gateway, tokenizer)
+        finally:
+            if stack is None:
+                gateway.pace(0)  # a stack we did not start goes back to unpaced
     report = {"machine": machine_info(path.name), "config": {k: v for k, v in vars(cfg).items() if k != "stack_env"},
               "calibration": calibration, "profiles": profiles, "cluster_assumptions": cluster.ASSUMPTIONS,
               "runs": summarize(records), "requests": records}
@@ -220,27 +201,102 @@ def run(cfg: BenchConfig) -> dict:
     return report
 
 
-def start_stack(model: str, out: Path, extra_env: dict[str, str] | None = None):
-    """A stack of 1 prefill + 1 decode on an embedded NATS, logging to out/stack.log; ready when it returns."""
+def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict], dict[str, dict], dict[str, dict]]:
+    """Every request of the run: (one record per request, prompt length → the measured prefill rate and KV bytes
+    per token, prompt length → the profiles built for it with --profile-prompts, by bucket)."""
+    records: list[dict] = []
+    calibration: dict[str, dict] = {}
+    profiles: dict[str, dict] = {}
+    settings = [("gbps", x) for x in cfg.link_gbps] or [("pressure", r) for r in cfg.pressures]
+    regimes = ["given"] if cfg.link_gbps else cfg.regimes  # explicit rates: paced as given
+    unpaced = [m for m in cfg.modes if m in UNPACED_MODES]
+    paced = [m for m in cfg.modes if m not in UNPACED_MODES] + ([ONLINE_MODE] if cfg.online_profile else [])
+    total = (len(unpaced) + len(paced) * len(settings) * len(regimes)) * cfg.requests * len(cfg.prompt_tokens)
+    bar = _bar(cfg, total)
+    _learn_online(gateway, False)  # NOTE: no row learns from the prompts it measures (but ONLINE_MODE's)
+    for length in cfg.prompt_tokens:
+        samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
+        gateway.pace(0)
+        if cfg.profile_prompts:
+            profiles[str(length)] = _build_profiles(cfg, gateway, tokenizer, samples)
+        # NOTE: the longest prompt, so that R is set for the length asked (a task's data may fall short of it)
+        calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
+        runs = [("unpaced", ("gbps", 0.0), unpaced)] + [(regime, setting, paced) for regime in regimes
+                                                        for setting in settings]
+        for regime, setting, modes in runs:
+            if not modes:
+                continue
+            gbps, r = _link(setting, calibration[str(length)], regime)
+            gateway.pace(gbps)
+            for mode in modes:
+                body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
+                        **mode_body(mode, cfg.selector, cfg.kv_budget)}
+                _learn_online(gateway, mode == ONLINE_MODE)
+                try:
+                    results = _serve(gateway, body, samples, cfg.concurrency, bar)
+                finally:
+                    _learn_online(gateway, False)
+                for sample, res in zip(samples, results):
+                    records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
+                                    "link_gbps": gbps, "task": sample.task, **res})
+    bar.close()
+    return records, calibration, profiles
+
+
+def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list) -> dict[str, dict]:
+    """The selector's profile for every length bucket the measured prompts fall in (a prompt of N tokens is
+    served from the bucket built for N), calibrated on kvprofile's own documents; bucket → build reply."""
+    from shared.profiles import bucket_for
+    from shared.workloads import CALIBRATION_TASK
+
+    lengths = [len(tokenizer(s.prompt)["input_ids"]) for s in samples]
+    if CALIBRATION_TASK in {s.task for s in samples}:
+        raise SystemExit(f"{CALIBRATION_TASK} builds the profiles: leave it out of the measured --tasks")
+    built = {}
+    for bucket in sorted({bucket_for(n) for n in lengths}):
+        longest = max(n for n in lengths if bucket_for(n) == bucket)  # builds into the bucket of `longest`
+        reply = gateway.build_profile(cfg.selector, longest, cfg.profile_prompts, cfg.kv_budget)
+        built[str(bucket)] = {**reply, "calibration_task": CALIBRATION_TASK, "calibration_prompt_tokens": longest,
+                              "measured_prompt_tokens": sorted(n for n in lengths if bucket_for(n) == bucket)}
+    return built
+
+
+def _learn_online(gateway: Gateway, enabled: bool) -> None:
+    """Switch kvprofile's online profile updates (a stack without kvprofile has none to switch)."""
+    try:
+        gateway.learn_online(enabled)
+    except RuntimeError as exc:
+        if "no kvprofile" not in str(exc):
+            raise
+
+
+@contextmanager
+def gateway_for(url: str, model: str, out: Path,
+                extra_env: dict[str, str] | None = None) -> Iterator[tuple[Gateway, Stack | None]]:
+    """(client, None) of the gateway at `url`; without one, (client, stack) of a stack started for the run and
+    stopped on exit: 1 prefill + 1 decode on an embedded NATS, logging to out/stack.log, ready when yielded."""
+    if url:
+        yield Gateway(url), None
+        return
     from tools.nats_server import free_port
-    from tools.stack import Stack, StackSpec
+    from tools.stack import StackSpec, started_stack
 
     # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
     env = {"SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
            "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", **(extra_env or {})}
-    stack = Stack(StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)).start()
-    stack.wait_ready(300)
-    return stack
+    spec = StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)
+    with started_stack(spec, 300) as stack:
+        yield Gateway(stack.gateway_url, stack.admin_token), stack
 
 
-def _link(setting: tuple[str, float], calib: dict) -> tuple[float, float | None]:
-    """(link_gbps, pressure R) of a setting for one prompt length."""
+def _link(setting: tuple[str, float], calib: dict, regime: str) -> tuple[float, float | None]:
+    """(link_gbps, pressure R) of a setting for one prompt length, in a pacing regime (module docstring)."""
     kind, value = setting
     if kind == "gbps" and not value:
         return 0.0, None
     bits_per_s_full = calib["kv_bytes_per_token"] * 8 * calib["prefill_tokens_per_s"]  # R = 1
     if kind == "pressure":
-        return bits_per_s_full / value / 1e9, value
+        return bits_per_s_full / value / 1e9 * (STEP_MATCH if regime == "step" else 1.0), value
     return value, (bits_per_s_full / (value * 1e9) if value else None)
 
 
@@ -255,7 +311,7 @@ def _calibrate(gateway: Gateway, prompt: str) -> dict:
 
 def _serve(gateway: Gateway, body: dict, samples: list, concurrency: int, bar) -> list[dict]:
     def one(sample) -> dict:
-        res = gateway.complete({**body, "prompt": sample.prompt})
+        res = gateway.stream({**body, "prompt": sample.prompt})
         bar.update(1)
         return res
 
@@ -285,25 +341,25 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One entry per mode × prompt length × setting: latency percentiles, CTL, bytes per path, local share."""
+    """One entry per mode × prompt length × regime × setting: n, mean and p50 of the latencies (p99 only from
+    MIN_P99_SAMPLES requests), CTL, TTST's bound, bytes per path, local share."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["mode"], r["prompt_tokens_asked"], r["pressure"], r["link_gbps"]), []).append(r)
+        groups.setdefault((r["mode"], r["prompt_tokens_asked"], r["regime"], r["pressure"], r["link_gbps"]), []).append(r)
     runs = []
-    for (mode, length, r, gbps), rs in groups.items():
-        ttst = [x["ttst_s"] for x in rs if x["ttst_s"] is not None]
+    for (mode, length, regime, r, gbps), rs in groups.items():
+        def spread(key: str) -> dict[str, float | None]:
+            values = [x[key] for x in rs if x.get(key) is not None]
+            return {f"{key[:-2]}_mean_s": _mean(values), f"{key[:-2]}_p50_s": _pct(values, 0.5),
+                    f"{key[:-2]}_p99_s": _pct(values, 0.99) if len(values) >= MIN_P99_SAMPLES else None}
+
         paths = sorted({p for x in rs for p in x["kv_bytes"]})
+        ctl = {str(i): _mean([x["token_times_s"][i - 1] for x in rs if len(x["token_times_s"]) >= i]) for i in CTL_TOKENS}
         runs.append({
-            "mode": mode, "prompt_tokens": round(_mean([x["prompt_tokens"] for x in rs])), "prompt_tokens_asked": length,
-            "pressure": r, "link_gbps": gbps, "num_requests": len(rs),
-            "ttft_mean_s": _mean([x["ttft_s"] for x in rs]), "ttft_p50_s": _pct([x["ttft_s"] for x in rs], 0.5),
-            "ttft_p99_s": _pct([x["ttft_s"] for x in rs], 0.99),
-            "ttst_mean_s": _mean(ttst), "ttst_p50_s": _pct(ttst, 0.5), "ttst_p99_s": _pct(ttst, 0.99),
-            "tbt_mean_s": _mean([x["tbt_s"] for x in rs]),
-            "e2e_mean_s": _mean([x["e2e_s"] for x in rs]), "e2e_p50_s": _pct([x["e2e_s"] for x in rs], 0.5),
-            "e2e_p99_s": _pct([x["e2e_s"] for x in rs], 0.99),
-            "ctl_s": {str(i): _mean([x["token_times_s"][i - 1] for x in rs if len(x["token_times_s"]) >= i])
-                      for i in CTL_TOKENS},
+            "mode": mode, "regime": regime, "prompt_tokens": round(_mean([x["prompt_tokens"] for x in rs])),
+            "prompt_tokens_asked": length, "pressure": r, "link_gbps": gbps, "n": len(rs), "num_requests": len(rs),
+            **spread("ttft_s"), **spread("ttst_s"), **spread("tbt_s"), **spread("e2e_s"), **spread("ttst_bound_s"),
+            "ctl_s": ctl, "ctl64_mean_s": ctl["64"],
             "ctl_curve_s": [_mean([x["token_times_s"][i] for x in rs if len(x["token_times_s"]) > i])
                             for i in range(max(len(x["token_times_s"]) for x in rs))],
             "kv_bytes": {p: _mean([x["kv_bytes"].get(p, 0) for x in rs]) for p in paths},

@@ -20,10 +20,13 @@ rates are interpolated linearly (with 0 pushed → 0 hits, all pushed → all lo
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas import DEFAULT_KV_BUDGET
+from tools.args import add_json, csv_of
 from tools.bench import cluster
 
 RTT_S = 20e-6  # one on-demand read round trip per layer (RDMA READ on a 25 GbE RoCE link, order 10–30 µs)
@@ -37,6 +40,26 @@ PAPER = [  # what the paper's public summaries report (../shared/research/paper.
     ("TTST gain over full, Qwen3-14B batch 6 (25 Gbps)", "Qwen3-14B", 25, 3.7),
     ("TTST gain over full, best case", "Llama-3.1-8B", 15, 4.3),
 ]
+
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `simulate` to the `smartgen` sub-commands."""
+    sim = subparsers.add_parser("simulate", help="project TTST/TBT/CTL to the paper's GPU cluster from a local bench run")
+    sim.add_argument("--runs", metavar="RUNS_JSON", help="a `bench serve` runs.json to calibrate local hit rates with")
+    sim.add_argument("--models", type=csv_of(str), default=["Llama-3.1-8B", "Qwen3-14B"])
+    sim.add_argument("--gbps", type=csv_of(float), default=[15.0, 25.0, 32.0])
+    sim.add_argument("--prompt-tokens", type=csv_of(int), default=[8192, 16384, 32768, 49152])
+    sim.add_argument("--batch", type=csv_of(int), default=[1, 6])
+    sim.add_argument("--prefix-hit", type=float, default=0.0, help="share of each prompt served by a prefix cache")
+    sim.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    add_json(sim)
+    sim.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen simulate`: project, print the tables (and write --json)."""
+    run(args.runs, args.models, args.gbps, args.prompt_tokens, args.batch, args.prefix_hit, args.kv_budget, args.json)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ moved by a blocking sendall/recv_into pair (the reference); and pacing accuracy 
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -17,11 +18,22 @@ import socket
 import time
 from pathlib import Path
 
-from shared.dataplane import Grant, Lane, Segment
-from shared.dataplane.tcp import TcpDataPlane
+from tools.args import add_json
 
 SIZE = 64 << 20
 TICKET = 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `transport` to the `smartgen bench` measurements."""
+    transport = subparsers.add_parser("transport", help="data-plane throughput, scattered reads, lanes, pacing (~30 s)")
+    add_json(transport, "also write the results here")
+    transport.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen bench transport`: measure and print (and write --json)."""
+    run(args.json)
 
 
 # --- the peer process ---------------------------------------------------------------------------
@@ -30,6 +42,10 @@ def _peer_main(conn) -> None:
 
 
 async def _peer(conn) -> None:
+    # NOTE: the data plane loads when measuring only, so `smartgen --help` starts fast
+    from shared.dataplane import Grant, Lane, Segment
+    from shared.dataplane.tcp import TcpDataPlane
+
     loop = asyncio.get_running_loop()
     plane = TcpDataPlane()
     plane.register_region(memoryview(bytearray(os.urandom(1 << 20) * (SIZE >> 20))))
@@ -95,6 +111,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _measure(peer_conn, peer_addr: str) -> dict[str, float]:
+    from shared.dataplane import Grant, Segment
+    from shared.dataplane.tcp import TcpDataPlane
+
     plane = TcpDataPlane()
     plane.register_region(memoryview(bytearray(SIZE)))
     await plane.start()

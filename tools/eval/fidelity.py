@@ -12,27 +12,47 @@ The dense prefill is computed once per document and its cache copied for every c
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoTokenizer
-
-from shared.compute.decode_engine import DecodeEngine
-from shared.compute.selectors import default_prep_dir
-from shared.compute.kvstore import KvStore
-from shared.compute.modeling import ModelRunner
-from shared.models import resolve_model
-from shared import workloads
+from schemas import DEFAULT_KV_BUDGET, SELECTORS
+from tools.args import add_json, add_model
 from tools.eval.metrics import task_score
 
+if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smartgen --help` starts fast
+    import torch
+
+    from shared.compute.decode_engine import DecodeEngine
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `fidelity` to the `smartgen eval` evaluations."""
+    fid = subparsers.add_parser("fidelity", help="each selector against dense attention, all KV local (in process)")
+    fid.add_argument("--selector", nargs="+", default=list(SELECTORS))
+    fid.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    add_model(fid)
+    fid.add_argument("--num-docs", type=int, default=2)
+    fid.add_argument("--prompt-tokens", type=int, default=2048)
+    fid.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
+    fid.add_argument("--tasks", nargs="+", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"])
+    add_json(fid)
+    fid.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """`smartgen eval fidelity`: evaluate, print the table (and write --json)."""
+    run(args)
 
 
 def _teacher_forced(engine: DecodeEngine, rid: str, continuation: list[int]) -> torch.Tensor:
     """Log-probabilities (len(continuation), vocab) of each next token, feeding the true continuation."""
+    import torch
+
     out = []
     for token in continuation:
         out.append(torch.log_softmax(engine.step_logits(rid, token).float(), dim=-1))
@@ -40,15 +60,30 @@ def _teacher_forced(engine: DecodeEngine, rid: str, continuation: list[int]) -> 
 
 
 def _generate(engine: DecodeEngine, rid: str, first_logits: torch.Tensor, max_new: int, eos: int | None) -> list[int]:
+    """Greedy token ids from `first_logits` on, until `eos` or `max_new` tokens."""
+    import torch
+
     tokens = [int(torch.argmax(first_logits))]
     while len(tokens) < max_new and tokens[-1] != eos:
         tokens.append(int(torch.argmax(engine.step_logits(rid, tokens[-1]))))
     return tokens
 
 
-def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[float] = (0.1,), num_docs: int = 2,
-             prompt_tokens: int = 2048, tokens: int = 64, tasks: list[str] = ("lcc_stdlib", "needle"),
+def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[float] = (DEFAULT_KV_BUDGET,),
+             num_docs: int = 2, prompt_tokens: int = 2048, tokens: int = 64, tasks: list[str] = ("lcc_stdlib", "needle"),
              progress=print) -> dict:
+    """The fidelity figures (module docstring) of every selector × budget: {"model", "num_docs", "prompt_tokens",
+    "tokens", "tasks", "results": one dict per configuration, "seconds"}."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from shared import workloads
+    from shared.compute.decode_engine import DecodeEngine
+    from shared.compute.kvstore import KvStore
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import default_prep_dir
+    from shared.models import resolve_model
+
     path = resolve_model(model)
     runner = ModelRunner(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

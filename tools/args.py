@@ -1,0 +1,27 @@
+"""Argument types and options that several `smartgen` sub-commands share (each tool's `register` uses them;
+tools/cli.py builds the parser)."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+
+def csv_of(kind: Callable[[str], object]) -> Callable[[str], list]:
+    """argparse type: "a,b,c" → [kind(a), kind(b), kind(c)] (empty items dropped)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """--model PATH: a transformers model folder; default $SMARTGEN_MODEL, else "" (the cached SmolLM2)."""
+    parser.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help=help)
+
+
+def add_json(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """--json PATH: where a tool also writes its results (default None: nowhere)."""
+    parser.add_argument("--json", metavar="PATH", help=help)

@@ -1,0 +1,76 @@
+"""`smartgen up`: NATS (embedded unless SMARTGEN_NATS_URL names one) and all five services as local processes
+(tools/stack.py), in the foreground until Ctrl-C or SIGTERM, or until a service exits.
+
+    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X] [--port P]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from schemas import SERVABLE_TRANSFER_MODES
+from tools.args import add_model
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `up` to the `smartgen` sub-commands."""
+    up = subparsers.add_parser("up", help="start NATS and all five services; Ctrl-C stops everything")
+    up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill replicas (default 1)")
+    up.add_argument("--decode", type=int, default=1, metavar="M", help="decode replicas (default 1)")
+    add_model(up, "a transformers model folder (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--transfer-mode", default=os.environ.get("SMARTGEN_TRANSFER_MODE", "full"),
+                    choices=SERVABLE_TRANSFER_MODES)
+    up.add_argument("--link-gbps", type=float, default=float(os.environ.get("SMARTGEN_LINK_GBPS", "0")),
+                    help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
+    up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
+    up.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until a service exits (1); 2 for bad arguments or a
+    missing model."""
+    from shared.models import ModelNotFound, prepare_default_model, resolve_model
+    from tools.stack import Stack, StackSpec
+
+    if args.prefill < 1 or args.decode < 1:
+        print("smartgen up: --prefill and --decode must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        if not args.model:
+            prepare_default_model()
+        resolve_model(args.model)
+    except ModelNotFound as exc:
+        print(f"smartgen up: {exc}", file=sys.stderr)
+        return 2
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    env = {"SMARTGEN_LINK_GBPS": str(args.link_gbps)} if args.link_gbps else {}
+    stack = Stack(StackSpec(args.prefill, args.decode, args.model, args.transfer_mode, args.port,
+                            nats_url=os.environ.get("SMARTGEN_NATS_URL", ""), env=env))
+    stack.start()
+    print(f"smartgen: NATS at {stack.nats_url}; starting {args.prefill} prefill + {args.decode} decode workers…", flush=True)
+    # NOTE: paths to the secrets (mode 0600), never the secrets: tools and admin routes need these settings
+    print("smartgen: for tools and admin routes: export " + " ".join(f"{k}={v}" for k, v in stack.client_env().items()),
+          flush=True)
+    code = 0
+    try:
+        ready = False
+        while not stop["now"]:
+            dead = stack.dead()
+            if dead:
+                print(f"smartgen: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
+                code = 1
+                break
+            if not ready and stack.health().get("status") == "ok":
+                ready = True
+                print(f"smartgen: ready — OpenAI API at {stack.gateway_url}/v1 (Ctrl-C stops)", flush=True)
+            time.sleep(0.25)
+    finally:
+        print("smartgen: stopping…", flush=True)
+        codes = stack.stop()
+        print("smartgen: stopped " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
+    return code
