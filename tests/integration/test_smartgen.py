@@ -154,10 +154,10 @@ def test_profiles_survive_a_kvprofile_restart_and_are_used(paced):
 def test_missing_profile_degrades_to_positional(paced):
     """A selector with no stored profile still serves: the plan falls back to the positional profile and the
     broker says so in its log."""
-    sg = complete(paced, transfer_mode="smartgen", selector="hata")
+    sg = complete(paced, transfer_mode="smartgen", selector="hata_untrained")
     assert sg["plan"]["profile_source"] == "positional" and sg["plan"]["profile_version"] == 0
     log = paced.log_path.read_text()  # type: ignore[attr-defined]
-    assert '"event": "profile_missing"' in log and ".hata." in log
+    assert '"event": "profile_missing"' in log and ".hata_untrained." in log
     assert_no_leaks(paced)
 
 

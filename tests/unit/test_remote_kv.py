@@ -83,7 +83,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     return tokens, remote
 
 
-@pytest.mark.parametrize("selector", ["quest", "oracle", "hata"])  # infinigen's path is the same (it needs preparation)
+@pytest.mark.parametrize("selector", ["quest", "oracle", "hata_untrained"])  # the prepared ones' path is the same
 @pytest.mark.parametrize("parallel", [True, False])
 async def test_remote_reads_give_the_all_local_tokens(runner, selector, parallel):
     """With only layers 0–1 pushed, decoding that reads the rest on demand gives exactly the tokens of the

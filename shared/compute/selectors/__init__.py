@@ -1,15 +1,17 @@
-"""KV selectors: oracle (the reference), infinigen, hata, quest, positional. See base.py for the contract.
+"""KV selectors: oracle (the reference), infinigen, hata, quest, positional, and hata_untrained (HATA's
+random-projection variant, by name only). See base.py for the contract.
 
 Offline preparation (InfiniGen's skewing and channels, HATA's hash weights) lives next to the model, in
-`<model>/smartgen-selectors/<name>.safetensors`, written by `smartgen prepare-selectors`.
+`<model>/smartgen-selectors/<name>.safetensors`, written by `smartgen model prepare` (which `make up` and
+`make test` run) or `smartgen prepare-selectors`. A selector whose preparation is missing is an error that
+names the command; nothing falls back to an unprepared selector silently.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-import structlog
-
 from schemas import SELECTORS
+from shared.models import PreparationMissing
 from shared.compute.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
 from shared.compute.selectors.hata import HataSelector
 from shared.compute.selectors.infinigen import InfiniGenSelector
@@ -18,11 +20,7 @@ from shared.compute.selectors.positional import PositionalSelector
 from shared.compute.selectors.quest import QuestSelector
 
 PREP_DIR = "smartgen-selectors"
-log = structlog.get_logger()
-
-
-class PreparationMissing(FileNotFoundError):
-    """A selector needs offline preparation that has not been run for this model."""
+PREPARED = ("infinigen", "hata")  # the selectors that need offline preparation per model
 
 
 def prep_path(prep_dir: Path, name: str) -> Path:
@@ -47,20 +45,23 @@ def make_selector(name: str, geometry: Geometry, prep_dir: Path | None = None) -
         return QuestSelector(geometry)
     if name == "positional":
         return PositionalSelector(geometry)
+    if name == "hata_untrained":  # NOTE: only when asked for by name: serving never falls back to it silently
+        return HataSelector(geometry)
     if name == "hata":
         path = prep_path(prep_dir, "hata") if prep_dir else None
         if path is None or not path.is_file():
-            log.info("hata_untrained", reason="no hash weights; random projections", fix="smartgen prepare-selectors --selector hata")
-            return HataSelector(geometry)
+            raise PreparationMissing(f"hata needs its trained hash weights for this model ({path}): run "
+                                     "`smartgen model prepare` (or `smartgen prepare-selectors --selector hata`); "
+                                     "`hata_untrained` uses random projections instead")
         return HataSelector(geometry, _load_layers(path, "weights"))
     if name == "infinigen":
         path = prep_path(prep_dir, "infinigen") if prep_dir else None
         if path is None or not path.is_file():
-            raise PreparationMissing(f"infinigen needs its skewing matrices for this model ({path}): "
-                                     "run `smartgen prepare-selectors --selector infinigen`")
+            raise PreparationMissing(f"infinigen needs its skewing matrices for this model ({path}): run "
+                                     "`smartgen model prepare` (or `smartgen prepare-selectors --selector infinigen`)")
         return InfiniGenSelector(geometry, _load_layers(path, "skew"), _load_layers(path, "channels"))
     raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")
 
 
-__all__ = ["DENSE_LAYERS", "SELECTORS", "Budget", "Geometry", "LayerState", "PreparationMissing", "Selector",
+__all__ = ["DENSE_LAYERS", "PREPARED", "SELECTORS", "Budget", "Geometry", "LayerState", "PreparationMissing", "Selector",
            "default_prep_dir", "make_selector", "prep_path"]

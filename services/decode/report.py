@@ -1,0 +1,62 @@
+"""What a decode request reports when it ends: the final TokenEvent (bytes per KV path, local shares, waits,
+step-1 figures for `ttst_bound_s`) and, for online profiling, the SelectionStats of what it selected."""
+from __future__ import annotations
+
+import numpy as np
+
+from schemas import DENSE_LAYERS, Generate, KvLayout, SelectionStats, TokenEvent, mode_of
+from schemas.transfer import Aux
+from shared.compute.modeling import ModelRunner
+from shared.compute.selective import Selection
+from shared.profiles import NUM_BLOCKS, tokens_per_block
+from services.decode.request import DecodeRequest
+
+
+def final_event(state: DecodeRequest, req: Generate, selection: Selection | None, index: int, reason: str,
+                error: str, kv_wait_s: float) -> TokenEvent:
+    """The stream's last event: how it ended (`reason`, `error`) and what moved on which path."""
+    landed = state.grant.bytes_landed if state.grant else 0
+    mode, remote = mode_of(req.transfer_mode), state.remote
+    if mode.keeps_source:
+        aux = state.slab.aux_bytes if state.slab else 0
+        kv_bytes = {mode.aux_path: min(aux, landed), mode.rows_path: max(0, landed - aux),
+                    "on_demand": remote.bytes_on_demand if remote else 0,
+                    "background": remote.bytes_background if remote else 0}
+    elif mode.is_disaggregated:  # everything was pushed: as codes, or row by row
+        kv_bytes = {mode.aux_path if mode.aux is Aux.CODES else mode.rows_path: landed}
+    else:
+        kv_bytes = {}
+    share = selection.selected_share if selection and selection.selected_share is not None else 1.0
+    return TokenEvent(req.request_id, index, -1, reason, error, kv_bytes, kv_wait_s, share,
+                      local_share=remote.local_share if remote else 1.0,
+                      on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
+                      step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
+                      step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
+                      all_local_step=state.all_local_step, recompute_reason=state.recompute_reason,
+                      step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6))
+
+
+def step1_kv_bytes(state: DecodeRequest, req: Generate, layout: KvLayout, selection: Selection | None) -> int:
+    """What decode step 1 needed from the link, on the wire: nothing (colocated, or recomputed here), the
+    metadata, the dense layers and step 1's own selection (selective modes; `selection` after step 1), or
+    everything the mode pushes (full, quantized)."""
+    mode, n = mode_of(req.transfer_mode), len(req.token_ids)
+    if not mode.is_disaggregated or state.recompute_reason:
+        return 0
+    if mode.keeps_source and selection is not None:
+        layer_token_bytes = layout.token_bytes // layout.num_layers  # K and V of one token in one layer
+        entry_bytes = layer_token_bytes // layout.num_kv_heads  # K and V of one token in one layer and KV head
+        aux = state.slab.aux_bytes if state.slab else 0
+        return aux + DENSE_LAYERS * n * layer_token_bytes + selection.num_selected * entry_bytes
+    return state.expected_bytes
+
+
+def selection_stats(req: Generate, selection: Selection, runner: ModelRunner | None) -> SelectionStats | None:
+    """Online profiling: what this request selected, per layer and relative block of its prompt (None when it
+    counted nothing)."""
+    if selection.block_counts is None or not selection.num_steps or runner is None:
+        return None
+    n = len(req.token_ids)
+    offered = tokens_per_block(n, NUM_BLOCKS) * selection.num_steps * runner.num_kv_heads
+    return SelectionStats(runner.name, req.selector, n, runner.num_layers, NUM_BLOCKS,
+                          selection.block_counts.astype(np.float32).tobytes(), offered.astype(np.float32).tobytes())
