@@ -151,6 +151,28 @@ def kv_budget_problem(value: object, max_tokens: int | None = None) -> str:
     return rule
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetFloor:
+    """The floor every sparse-attention system has under its budget: a step over fewer than `dense_below` cached
+    tokens attends densely; above it, a budget keeps at least `min_tokens`, and the first `sinks` and the last
+    `recent` tokens are always selected (they count toward the budget)."""
+
+    min_tokens: int = 128
+    dense_below: int = 1024
+    sinks: int = 4
+    recent: int = 32
+
+    def tokens(self, value: float, num_tokens: int) -> int:
+        """The entries per KV head a step over `num_tokens` cached tokens attends to under budget `value`."""
+        if num_tokens < self.dense_below:
+            return num_tokens
+        return min(num_tokens, max(budget_tokens(value, num_tokens), self.min_tokens))
+
+
+DEFAULT_FLOOR = BudgetFloor()
+NO_FLOOR = BudgetFloor(min_tokens=1, dense_below=0, sinks=0, recent=0)  # the bare budget (tests of the mechanics)
+
+
 def budget_tokens(value: float, num_tokens: int) -> int:
     """The token count a budget `value` (see kv_budget_problem) keeps of `num_tokens` cached tokens, ≥ 1."""
     k = math.ceil(value * num_tokens) if value <= 1 else int(value)
@@ -227,6 +249,7 @@ def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout
 
 __all__ = ["DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
-           "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "Push", "TransferMode", "bitmap_bytes", "budget_tokens",
+           "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
+           "bitmap_bytes", "budget_tokens",
            "kv_budget_problem", "mode_of", "modes_where", "num_pages", "pack_bits", "page_runs", "plan_problem",
            "pushed_bytes", "pushed_pages", "pushed_runs", "unpack_bits"]

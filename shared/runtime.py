@@ -104,6 +104,22 @@ class Service:
             await self.nc.publish(subjects.heartbeat(self.role), encode(self.worker_info()))
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every HTTP error a route did not answer itself (404, 405, 413, …) gets an OpenAI-style JSON body, with
+    the error's own headers (Allow on a 405)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return web.json_response({"error": {"message": f"{exc.status} {exc.reason}: {request.method} {request.path}",
+                                            "type": kind, "param": None, "code": exc.status}},
+                                 status=exc.status, headers=headers)
+
+
 def build_admin_app(service: Service) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         ok, body = service.health()
@@ -119,7 +135,8 @@ def build_admin_app(service: Service) -> web.Application:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"role": service.role, "worker_id": service.worker_id, **service.stats()})
 
-    app = web.Application(middlewares=[require_admin_token(service.config.admin_token, service.public_path_prefixes)])
+    app = web.Application(middlewares=[json_errors,
+                                       require_admin_token(service.config.admin_token, service.public_path_prefixes)])
     app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
                     web.get("/stats", stats), *service.admin_routes()])
     return app

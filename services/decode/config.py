@@ -1,9 +1,25 @@
 from dataclasses import dataclass
 
-from shared.config import ModelWorkerConfig
+from schemas import DEFAULT_FLOOR, BudgetFloor
+from shared.config import ConfigError, ModelWorkerConfig
 
 
 @dataclass(slots=True)
 class DecodeConfig(ModelWorkerConfig):
     kv_timeout_s: float = 120.0  # how long `generate` waits for the KV to land before failing the request
     open_timeout_s: float = 60.0  # pages reserved by `open` are freed if `generate` does not follow by then
+    # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
+    # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
+    selective_min_tokens: int = DEFAULT_FLOOR.dense_below
+    min_budget_tokens: int = DEFAULT_FLOOR.min_tokens
+    sink_tokens: int = DEFAULT_FLOOR.sinks
+    recent_tokens: int = DEFAULT_FLOOR.recent
+
+    def validate(self) -> None:
+        ModelWorkerConfig.validate(self)
+        if min(self.selective_min_tokens, self.sink_tokens, self.recent_tokens) < 0 or self.min_budget_tokens < 1:
+            raise ConfigError("selective_min_tokens, sink_tokens and recent_tokens must be ≥ 0, min_budget_tokens ≥ 1")
+
+    @property
+    def floor(self) -> BudgetFloor:
+        return BudgetFloor(self.min_budget_tokens, self.selective_min_tokens, self.sink_tokens, self.recent_tokens)

@@ -52,11 +52,11 @@ def step1_kv_bytes(state: DecodeRequest, req: Generate, layout: KvLayout, select
 
 
 def selection_stats(req: Generate, selection: Selection, runner: ModelRunner | None) -> SelectionStats | None:
-    """Online profiling: what this request selected, per layer and relative block of its prompt (None when it
-    counted nothing)."""
-    if selection.block_counts is None or not selection.num_steps or runner is None:
+    """Online profiling: what this request selected, per layer and relative block of its prompt, over the steps
+    that selected (None when none did: a context under the floor's dense threshold says nothing about importance)."""
+    if selection.block_counts is None or not selection.num_sparse_steps or runner is None:
         return None
     n = len(req.token_ids)
-    offered = tokens_per_block(n, NUM_BLOCKS) * selection.num_steps * runner.num_kv_heads
+    offered = tokens_per_block(n, NUM_BLOCKS) * selection.num_sparse_steps * runner.num_kv_heads
     return SelectionStats(runner.name, req.selector, n, runner.num_layers, NUM_BLOCKS,
                           selection.block_counts.astype(np.float32).tobytes(), offered.astype(np.float32).tobytes())

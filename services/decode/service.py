@@ -77,7 +77,8 @@ class DecodeService(ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path))
+        self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path),
+                                          self.config.floor)
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
                                            self.engine.detach_remote)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),

@@ -41,6 +41,7 @@ class Gateway(Protocol):
 
 log = structlog.get_logger()
 RETRY_AFTER_S = {429: 1, 503: 5}  # a worker at capacity frees up soon; a new worker registers within a heartbeat TTL
+REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: used as the request id, echoed in the reply
 
 
 def routes(gw: Gateway) -> list[web.RouteDef]:
@@ -86,9 +87,12 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
     try:
         default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default
         job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode, default_max,
-                        gw.config.default_selector)
+                        gw.config.default_selector, request.headers.get(REQUEST_ID_HEADER))
     except ApiError as exc:
-        return _error(exc)
+        response = _error(exc)
+        if exc.param != REQUEST_ID_HEADER and REQUEST_ID_HEADER in request.headers:  # a valid id: echo it
+            response.headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
+        return response
     run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
@@ -96,11 +100,16 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         try:
             if job.stream:
                 try:
-                    return await _stream(gw, request, run)
+                    streamed = await _stream(gw, request, run)
+                    if not streamed.prepared:  # an error answered before the stream began
+                        streamed.headers[REQUEST_ID_HEADER] = job.request_id
+                    return streamed
                 except ConnectionResetError:  # the client left mid-stream; `close()` below aborts the workers
                     log.info("client_gone", tokens=len(run.token_ids))
                     return web.Response(status=499)  # aiohttp ignores the write to the closed connection
-            return await _respond(gw, run)
+            response = await _respond(gw, run)
+            response.headers[REQUEST_ID_HEADER] = job.request_id
+            return response
         except asyncio.CancelledError:  # the client disconnected (handler cancellation): `close()` aborts the workers
             log.info("client_gone", tokens=len(run.token_ids))
             raise
@@ -133,7 +142,8 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
     try:
         async for token in run.tokens():
             if response is None:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                       REQUEST_ID_HEADER: run.job.request_id})
                 await response.prepare(request)
             # NOTE: one chunk per token, even when the text is held back (a possible stop string, an incomplete
             # UTF-8 sequence): a client times every token from the stream (bench serve, vllm bench, guidellm)
@@ -162,6 +172,9 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
     final["usage"] = _usage(run)
     final["smartgen"] = run.summary()
     await _send(response, final)
+    if run.job.include_usage:  # stream_options.include_usage: OpenAI's usage-only last chunk
+        await _send(response, {**{k: final[k] for k in ("id", "object", "created", "model")}, "choices": [],
+                               "usage": final["usage"]})
     await response.write(b"data: [DONE]\n\n")
     return response
 

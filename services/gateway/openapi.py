@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import FAILURE_POLICIES, KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import MAX_SEED, MAX_STOP_STRINGS
+from services.gateway.requests import MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -55,7 +55,9 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                 "ChatCompletionRequest": _request({
                     "messages": {"type": "array", "minItems": 1, "items": {
                         "type": "object", "required": ["role", "content"],
-                        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"type": "string"}}}},
+                        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"anyOf": [
+                            _STR, {"type": "array", "minItems": 1, "items": _object(
+                                {"type": {"enum": ["text"]}, "text": _STR})}]}}}},
                 }, ["messages"], model_id, max_positions),
                 "CompletionResponse": _response("text_completion", {
                     "type": "object", "required": ["index", "text", "finish_reason"],
@@ -113,7 +115,8 @@ def _ref(name: str) -> Schema:
 
 def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int) -> Schema:
     """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
-    Other fields (top_p, user, …) are accepted and ignored, as OpenAI clients send them."""
+    OpenAI's options not implemented yet (top_p, penalties, logprobs, …) are described at the one value that
+    means "off"; any other value is a 400. Other fields (user, …) are accepted and ignored."""
     room = max_positions - 1
     max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,
                   "description": "completion tokens; prompt + max_tokens must fit the context"}
@@ -125,7 +128,12 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "description": "0 = greedy"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
         "n": {"type": "integer", "minimum": 1, "maximum": 1},
-        "stream": {"type": "boolean", "description": "server-sent events, ending with `data: [DONE]`"},
+        "stream": {"type": "boolean", "description": "server-sent events, one chunk per token, ending with `data: [DONE]`"},
+        "stream_options": {"anyOf": [{"type": "null"}, _object({"include_usage": {"type": "boolean"}}, [])],
+                           "description": "with stream: include_usage adds a last chunk with `choices: []` and the usage"},
+        **{name: {"anyOf": [{"type": "null"}, *({"const": v} for v in off)],
+                  "description": "not supported yet: only this value (or leaving it out) is accepted"}
+           for name, off in NOT_YET.items()},
         "stop": {"anyOf": [{"type": "null"}, _STR,
                            {"type": "array", "items": _STR, "maxItems": MAX_STOP_STRINGS}]},
         "transfer_mode": {"enum": list(TRANSFER_MODES), "description": "how the KV moves (default: the gateway's)"},

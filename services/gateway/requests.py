@@ -9,9 +9,16 @@ from typing import Any
 
 from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, SELECTORS,
                      SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
+from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
+MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
+# OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
+# the default), refused with a 400 naming the option otherwise: never silently ignored.
+NOT_YET = {"top_p": (1, 1.0), "top_k": (-1, 0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+           "repetition_penalty": (1, 1.0), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+           "best_of": (1,), "logit_bias": ({},)}
 
 
 class ApiError(Exception):
@@ -44,16 +51,22 @@ class CompletionJob:
     ablate: list[str] = field(default_factory=list)  # smartgen paths switched off
     ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token (benchmarks)
     failure_policy: str = "fail"  # when the KV cannot come from the prefill node: fail, or recompute on decode
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with `choices: []` and the usage
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
-              default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR) -> CompletionJob:
+              default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR,
+              request_id: str | None = None) -> CompletionJob:
     """`default_max_tokens` applies when the body has none (capped by the context left after the prompt);
-    `default_selector` when a selective mode (partial, smartgen, auto) names none."""
+    `default_selector` when a selective mode (partial, smartgen, auto) names none; `request_id` is the client's
+    X-Request-Id, if it sent one (else a fresh id)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if request_id is not None and (len(request_id) > MAX_REQUEST_ID_CHARS or not is_token(request_id)):
+        raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} letters, digits, '-' or '_'",
+                       "X-Request-Id")
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}'", "model", "model_not_found")
@@ -90,6 +103,16 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and (not isinstance(stream_options, dict) or not stream
+                                       or not isinstance(stream_options.get("include_usage", False), bool)):
+        raise ApiError(400, "stream_options goes with stream: true, as {\"include_usage\": true|false}",
+                       "stream_options")
+    for name, off in NOT_YET.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
+            raise ApiError(400, f"{name}={value!r} is not supported yet: leave it out or send {off[0]!r}", name,
+                           "unsupported_parameter")
 
     stop = body.get("stop")
     stop = [] if stop is None else stop
@@ -134,8 +157,9 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
         raise ApiError(400, f"failure_policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
                        "failure_policy")
 
-    return CompletionJob(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
+    return CompletionJob(request_id=request_id or f"cmpl-{uuid.uuid4().hex[:24]}", kind=kind, prompt_ids=prompt_ids,
                          max_tokens=max_tokens, temperature=float(temperature), seed=seed, stop=stop, stream=stream,
+                         include_usage=bool(stream_options and stream_options.get("include_usage")),
                          transfer_mode=mode, selector=selector,
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
                          kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
@@ -162,15 +186,30 @@ def _chat_prompt(messages: Any, tokenizer) -> list[int]:
         raise ApiError(400, "missing required field 'messages'", "messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
+    turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content",
-                           "messages")
-        _check_text(m["content"], "messages")
-    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                         tokenize=False, add_generation_prompt=True)
+                or not isinstance(m.get("content"), (str, list)):
+            raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content "
+                                "(or a list of text parts)", "messages")
+        content = m["content"] if isinstance(m["content"], str) else _text_parts(m["content"], i)
+        _check_text(content, "messages")
+        turns.append({"role": m["role"], "content": content})
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _text_parts(parts: list, i: int) -> str:
+    """Chat content as a list of parts: the text of its {"type": "text", "text": …} parts, one per line; any other
+    part type is a 400 that names it."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"messages[{i}].content has a part of type {kind!r}: this server takes text parts "
+                                '({"type": "text", "text": …}) only', "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_text(text: str, param: str) -> None:

@@ -92,7 +92,7 @@ class ProfileBuilder:
                 sel = engine.end("calibration")
             assert sel is not None and sel.block_counts is not None
             selected += sel.block_counts
-            offered += tokens_per_block(len(ids), num_blocks) * sel.num_steps * engine.runner.num_kv_heads
+            offered += tokens_per_block(len(ids), num_blocks) * sel.num_sparse_steps * engine.runner.num_kv_heads
         if on_progress:
             on_progress(len(prompts), len(prompts), "done")
         obs, seen = observed_importance(selected.astype(np.float32), offered.astype(np.float32))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers.cache_utils import DynamicCache
 
-from schemas import Sampling
+from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
 from schemas.transfer import Aux
 from shared.compute import selective
 from shared.compute.slab_cache import SlabCache
@@ -24,8 +24,9 @@ from shared.compute.selectors.metadata import MetadataLayout
 
 
 class DecodeEngine:
-    def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None):
-        self.runner, self.store, self.prep_dir = runner, store, prep_dir
+    def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None,
+                 floor: BudgetFloor = DEFAULT_FLOOR):
+        self.runner, self.store, self.prep_dir, self.floor = runner, store, prep_dir, floor
         self.caches: dict[str, DynamicCache] = {}
         self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
         self.selections: dict[str, selective.Selection] = {}
@@ -62,7 +63,7 @@ class DecodeEngine:
         """Decode this request with selective attention from now on. The selector's state for the cached
         tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given,
         else from the keys in the cache. `count_blocks` > 0 counts selections per relative block."""
-        sel = selective.Selection(self.selector(selector), Budget(budget), measure_mass, remote=remote)
+        sel = selective.Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
         layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens) if slab is not None else None

@@ -76,6 +76,7 @@ class Selection:
     block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
     block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
     num_steps: int = 0
+    num_sparse_steps: int = 0  # steps that selected (the others attended densely: short context, or k ≥ n)
     mass_sum: float = 0.0
     num_selections: int = 0
     num_selected: int = 0
@@ -148,7 +149,11 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     sel.selector.extend(layer, state, keys)
     q = query[0, :, 0]  # (H, d)
     probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
-    idx = sel.selector.select(layer, state, probe, k)  # (H_kv, k')
+    floor = sel.budget.floor
+    kept = min(n, floor.sinks + floor.recent)
+    idx = sel.selector.select(layer, state, probe, max(1, k - kept))  # (H_kv, k')
+    if kept:
+        idx = _with_sinks_and_recent(idx, n, floor.sinks, floor.recent)
     pending = sel.remote.fetch(layer, idx) if sel.remote is not None else None
     parallel = sel.remote.parallel if sel.remote is not None else True
     if pending is not None and not parallel:
@@ -166,6 +171,8 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
     sel.num_selected += idx.numel()
     sel.num_candidates += n * idx.shape[0]
+    if layer == DENSE_LAYERS:  # NOTE: one step decides dense or sparse for all its layers (same n, same budget)
+        sel.num_sparse_steps += 1
     if sel.block_counts is not None:
         sel._count(layer, idx)
     if sel.measure_mass:
@@ -174,6 +181,19 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         sel.mass_sum += float(kept.mean())
     sel.num_selections += 1
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
+    """`idx` (H_kv, k') with the first `sinks` and the last `recent` of `n` tokens added, per KV head, without
+    duplicates; every row gets the longest row's length (a shorter one is topped up with its most recent tokens
+    not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent."""
+    mask = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
+    mask.scatter_(1, idx, True)
+    mask[:, :sinks] = True
+    mask[:, max(0, n - recent):] = True
+    width = int(mask.sum(dim=1).max())
+    score = mask.float() * 2 + torch.arange(n, device=idx.device) / n  # chosen first, then the most recent
+    return score.topk(width, dim=1).indices.sort(dim=1).values
 
 
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,12 @@ from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
 
 
+# The bare budget, no floor (schemas/transfer.py BudgetFloor): these stacks test the sparse mechanics (remote
+# reads, selections, transfer) on prompts far shorter than the floor's dense threshold of 1,024 tokens
+NO_FLOOR_ENV = {"SMARTGEN_SELECTIVE_MIN_TOKENS": "0", "SMARTGEN_MIN_BUDGET_TOKENS": "1", "SMARTGEN_SINK_TOKENS": "0",
+                "SMARTGEN_RECENT_TOKENS": "0"}
+
+
 def post_sse(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
     """POST with stream=true; returns the parsed `data:` chunks, checking the stream ends with [DONE]."""
     chunks, done = [], False
@@ -46,7 +52,8 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     # NOTE: fp32 KV here, since these tests hold tokens against plain transformers (whose cache is fp32); the
     # default 16-bit KV runs in test_smartgen.py, test_faults.py and the CLI tests
     spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=log_file,
-                     env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_KV_DTYPE": "float32"})
+                     env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_KV_DTYPE": "float32",
+                          **NO_FLOOR_ENV})
     with started_stack(spec, 180) as running:
         yield running
 

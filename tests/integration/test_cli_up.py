@@ -67,6 +67,7 @@ def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
             used.add(body["smartgen"]["prefill_worker_id"])
         assert len(used) == 2, "the gateway should spread requests over both prefill workers"
         check_concurrent_smartgen(url)
+        check_short_chat_is_dense(url)
         secrets = check_exported_secrets(log, workers)
         interrupt_and_check_clean_exit(proc, log)
         assert not any(secret in log.read_text() for secret in secrets), "a token reached the output"
@@ -107,6 +108,19 @@ def check_concurrent_smartgen(url: str) -> None:
         _, local = post_json(url + "/v1/completions", body | {"prompt": prompt, "transfer_mode": "colocated"})
         assert reply["smartgen"]["token_ids"] == local["smartgen"]["token_ids"]
     assert len({r["smartgen"]["prefill_worker_id"] for _, r in results}) == 2
+
+
+def check_short_chat_is_dense(url: str) -> None:
+    """Under the budget floor a short chat decodes densely in every mode: the same tokens as colocated dense
+    attention (a 10% budget of a 38-token context is 4 tokens, which once answered garbage)."""
+    body = {"messages": [{"role": "user", "content": "Write a haiku about slow networks."}], "max_tokens": 12,
+            "temperature": 0}
+    _, dense = post_json(url + "/v1/chat/completions", body | {"transfer_mode": "colocated"})
+    for mode in ("colocated", "partial", "smartgen"):
+        status, reply = post_json(url + "/v1/chat/completions", body | {"transfer_mode": mode, "selector": "quest"})
+        assert status == 200, reply
+        assert reply["smartgen"]["token_ids"] == dense["smartgen"]["token_ids"], mode
+        assert reply["smartgen"]["selected_share"] == 1.0, mode
 
 
 def test_up_uses_an_existing_nats_server(tiny_model_path, tmp_path, nats_server):

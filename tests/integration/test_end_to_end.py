@@ -209,3 +209,33 @@ def test_selector_needing_preparation_is_refused_with_the_fix(clean_stack, selec
     status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
                               {"prompt": PROMPT, "max_tokens": 3, "selector": "hata_untrained"})
     assert status == 200, reply
+
+
+def test_what_standard_clients_send(clean_stack):
+    """The OpenAI SDK on both routes with what load generators send: chat content as text parts, a stream with
+    stream_options.include_usage (a last chunk with no choices and the usage, one chunk per token before it),
+    and an X-Request-Id that becomes the response's id and is echoed."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=clean_stack.gateway_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], max_tokens=6,
+        temperature=0, extra_headers={"X-Request-Id": "client-req-1"}, extra_body={"ignore_eos": True})
+    assert raw.headers["X-Request-Id"] == "client-req-1" and raw.parse().id == "client-req-1"
+    assert raw.parse().usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert len([c for c in chunks if c.choices and c.choices[0].finish_reason is None]) == 6  # a chunk per token
+    status, refused = post_json(clean_stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "top_p": 0.5})
+    assert status == 400 and refused["error"]["param"] == "top_p"
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)])
+def test_http_errors_have_json_bodies(clean_stack, method, path, status):
+    """Routes that do not exist or do not take the method answer with an OpenAI-style JSON error too."""
+    from tools.client import request
+
+    reply = request(clean_stack.gateway_url + path, method=method)
+    assert reply.status == status and reply.body["error"]["code"] == status

@@ -25,7 +25,7 @@ from tools.client import open_stream, post_json, request
 from tools.leaks import find_leaks
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
-from tests.integration.conftest import get_json
+from tests.integration.conftest import NO_FLOOR_ENV, get_json
 
 # ~200 tokens: 1 KiB of KV per token on the tiny model, ~1.6 s to push on a link paced to 1 Mbit/s
 PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 11
@@ -34,7 +34,7 @@ TTL_S = 3.0  # the gateway's and broker's heartbeat TTL here
 LEASE_S = 1.0  # the prefill's lease here (decode keeps it every third of that)
 ENV = {"SMARTGEN_KV_CACHE_MB": "1", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_FAULT_INJECTION": "1",
        "SMARTGEN_HEARTBEAT_S": "0.5", "SMARTGEN_WORKER_TTL_S": str(TTL_S), "SMARTGEN_LEASE_S": str(LEASE_S),
-       "SMARTGEN_KV_TIMEOUT_S": "30", "SMARTGEN_REQUEST_TIMEOUT_S": "30", "SMARTGEN_PUSH_TIMEOUT_S": "20"}
+       "SMARTGEN_KV_TIMEOUT_S": "30", "SMARTGEN_REQUEST_TIMEOUT_S": "30", "SMARTGEN_PUSH_TIMEOUT_S": "20", **NO_FLOOR_ENV}
 SELECTIVE = {"transfer_mode": "smartgen", "selector": "quest", "kv_budget": 0.1, "ablate": ["proactive", "background"]}
 MATRIX: list[dict] = []
 KILLED: set[str] = set()  # services a test killed and left dead on purpose

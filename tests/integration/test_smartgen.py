@@ -14,7 +14,7 @@ from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
 from shared.rpc import RemoteError, call
 from tools.stack import Stack, StackSpec, started_stack
-from tests.integration.conftest import assert_no_leaks, get_json, post_json
+from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, post_json
 
 # ~600 tokens: 8 layers × 2 KV heads × 16 dims × fp32 × K,V = 2 KiB per token, 1.2 MB of KV; on a 4 Mbit/s link
 # a full transfer takes ~2.4 s, ~50× the tiny model's prefill, so most of what decoding selects starts remote.
@@ -31,7 +31,7 @@ def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny8"), tokenizer_from=real_model_path, num_layers=8)
     log_file = tmp_path_factory.mktemp("logs") / "paced.log"
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=log_file,
-                     env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1",
+                     env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
                           "SMARTGEN_LINK_GBPS": str(LINK_GBPS)})
     with started_stack(spec, 180) as running:
         running.log_path = log_file  # type: ignore[attr-defined]

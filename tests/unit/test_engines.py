@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from schemas import Sampling
+from schemas import NO_FLOOR, Sampling
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.prefill_engine import PrefillEngine
 from shared.compute.kvstore import KvStore
@@ -37,7 +37,7 @@ def decode_via_slabs(runner: ModelRunner, ids: list[int], n: int, corrupt: bool 
         dst.view(dst_slab)[1, 0] += 1.0
     if selector:
         dst.aux(dst_slab).copy_(src.aux(src_slab))  # the metadata push
-    engine = DecodeEngine(runner, dst)
+    engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     engine.load_from_store("r", dst_slab, len(ids))
     if selector:
         engine.use_selection("r", selector, 0.25, slab=dst_slab)
@@ -80,14 +80,14 @@ def test_recompute_mid_decode_continues_with_the_colocated_tokens(tiny_model_pat
     runner = ModelRunner(tiny_model_path)
     ids = prompt_ids(tiny_model_path, PROMPT * 3)
     for selector in ("", "quest"):
-        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4), 64))
+        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4), 64), floor=NO_FLOOR)
         expected = [colocated.prefill_local("r", ids, Sampling())]
         if selector:
             colocated.use_selection("r", selector, 0.25)
         for i in range(1, 12):
             expected.append(colocated.step("r", expected[-1], Sampling(), i))
         layout = runner.kv_layout(page_tokens=4)
-        engine = DecodeEngine(runner, KvStore(layout, 64))
+        engine = DecodeEngine(runner, KvStore(layout, 64), floor=NO_FLOOR)
         slab = engine.store.allocate("r", len(ids) + 12)
         engine.load_from_store("r", slab, len(ids))  # garbage KV: what is lost is never read again
         tokens = expected[:5]
@@ -106,7 +106,7 @@ def test_bf16_kv_gives_one_set_of_tokens_in_every_path(tiny_model_path):
     ids = prompt_ids(tiny_model_path, PROMPT * 3)
     assert runner.kv_layout(4, "bfloat16").token_bytes * 2 == runner.kv_layout(4).token_bytes
     for selector in ("", "quest"):
-        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4, "bfloat16"), 64))
+        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4, "bfloat16"), 64), floor=NO_FLOOR)
         expected = [colocated.prefill_local("r", ids, Sampling())]
         if selector:
             colocated.use_selection("r", selector, 0.25)

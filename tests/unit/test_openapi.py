@@ -25,7 +25,7 @@ BODIES = {"completion": "CompletionRequest", "chat": "ChatCompletionRequest"}
 EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundred per second)
 # Constraints between fields that the schema states in words only: a valid body may still get a 400 for these.
 CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
-                      "ablate"}
+                      "ablate", "stream_options"}  # stream_options goes with stream: true
 
 
 class FakeTokenizer:
@@ -139,3 +139,37 @@ def test_busy_and_unavailable_answers_say_when_to_retry(status, retry_after):
     assert _error(ApiError(status, "busy")).headers["Retry-After"] == retry_after
     assert _error(ApiError(status, "busy", retry_after_s=30)).headers["Retry-After"] == "30"
     assert "Retry-After" not in _error(ApiError(400, "bad")).headers
+
+
+def test_chat_content_may_be_a_list_of_text_parts():
+    """What OpenAI clients (guidellm, the SDK with parts) send: text parts are read as the text, one per line;
+    another part type is a 400 that names it."""
+    as_text = parse({"messages": [{"role": "user", "content": "hello\nworld"}]}, "chat")
+    as_parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                 {"type": "text", "text": "world"}]}]}, "chat")
+    assert as_parts.prompt_ids == as_text.prompt_ids
+    with pytest.raises(ApiError, match="'image_url'"):
+        parse({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat")
+
+
+@pytest.mark.parametrize("name, off, on", [("top_p", 1.0, 0.9), ("top_k", -1, 40), ("presence_penalty", 0, 0.5),
+                                           ("frequency_penalty", 0.0, 1), ("repetition_penalty", 1, 1.2),
+                                           ("logprobs", 0, 5), ("logprobs", False, True), ("echo", False, True),
+                                           ("best_of", 1, 2), ("logit_bias", {}, {"5": 10})])
+def test_unsupported_options_are_refused_unless_off(name, off, on):
+    """Never silently ignored: the value that means "off" is accepted, any other is a 400 naming the option."""
+    parse({"prompt": "x", name: off}, "completion")
+    with pytest.raises(ApiError) as refused:
+        parse({"prompt": "x", name: on}, "completion")
+    assert refused.value.param == name and name in refused.value.message
+
+
+def test_stream_options_and_request_ids():
+    """include_usage only with stream; an X-Request-Id becomes the request id if it can stand in a subject."""
+    job = parse_job({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, "completion",
+                    FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16, request_id="client-42")
+    assert job.include_usage and job.request_id == "client-42"
+    with pytest.raises(ApiError, match="stream: true"):
+        parse({"prompt": "x", "stream_options": {"include_usage": True}}, "completion")
+    with pytest.raises(ApiError, match="X-Request-Id"):
+        parse_job({"prompt": "x"}, "completion", FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16, request_id="a.b")

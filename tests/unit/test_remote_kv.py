@@ -9,7 +9,7 @@ import secrets
 import numpy as np
 import pytest
 
-from schemas import KvSource, Sampling
+from schemas import NO_FLOOR, KvSource, Sampling
 from shared.compute.decode_engine import DecodeEngine
 from services.decode.remote import RemoteKv, RemoteReadError
 from shared.compute.prefill_engine import PrefillEngine
@@ -30,7 +30,7 @@ def runner(tmp_path_factory, real_model_path) -> ModelRunner:
 
 
 def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float) -> list[int]:
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64))
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), floor=NO_FLOOR)
     tokens = [engine.prefill_local("r", ids, Sampling())]
     engine.use_selection("r", selector, budget)
     for i in range(1, STEPS):
@@ -70,7 +70,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
                       pushed, parallel)
-    engine = DecodeEngine(runner, dst)
+    engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
     engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote)

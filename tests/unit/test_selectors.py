@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas import Sampling
+from schemas import NO_FLOOR, Sampling
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.selectors import SELECTORS, Geometry, PreparationMissing, make_selector
 from shared.compute.kvstore import KvStore
@@ -36,7 +36,7 @@ def engine(prepared) -> tuple[DecodeEngine, list[int]]:
     """A decode engine on the prepared tiny model, and a prompt for it."""
     folder, prep = prepared
     runner = ModelRunner(folder)
-    return DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), prep), prompt_ids(folder, PROMPT)
+    return DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), prep, NO_FLOOR), prompt_ids(folder, PROMPT)
 
 
 def decode(engine: DecodeEngine, ids: list[int], n: int, selector: str | None, budget: float) -> list[int]:
@@ -142,7 +142,7 @@ def test_oracle_keeps_the_most_attention_mass(real_model_path, tmp_path):
     prep = tmp_path / "prep"
     # NOTE: infinigen only; hata runs untrained (random projections) here: its training takes a minute on CPU
     prepare_selectors.run(str(real_model_path), "infinigen", num_prompts=1, prompt_tokens=512, out_dir=prep)
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), prep)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), prep, NO_FLOOR)
     import inspect
     import json as json_module
 

@@ -158,3 +158,20 @@ def test_ttst_bound_adds_only_the_step1_bytes_the_prefill_could_not_hide():
     assert run.ttst_bound_s() == pytest.approx(0.1)
     run.plan = None  # colocated
     assert run.ttst_bound_s() == pytest.approx(0.1)
+
+
+def test_the_budget_floor():
+    """Dense below the context threshold; above it, at least the minimum; a generous budget is left alone."""
+    floor = schemas.DEFAULT_FLOOR
+    assert floor.tokens(0.1, 38) == 38 and floor.tokens(0.1, 1023) == 1023  # dense: every token
+    assert floor.tokens(0.01, 2048) == floor.min_tokens == 128 and floor.tokens(0.1, 2048) == 205
+    assert schemas.NO_FLOOR.tokens(0.1, 38) == 4
+
+
+def test_sinks_and_the_recent_window_are_always_selected():
+    """Every KV head's selection gets the first and last tokens, without duplicates; heads end equally long,
+    the shorter ones topped up with their most recent tokens not yet in."""
+    from shared.compute.selective import _with_sinks_and_recent
+
+    idx = _with_sinks_and_recent(torch.tensor([[0, 18], [7, 9]]), n=20, sinks=2, recent=3)
+    assert idx.tolist() == [[0, 1, 15, 16, 17, 18, 19], [0, 1, 7, 9, 17, 18, 19]]

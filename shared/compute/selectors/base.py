@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas import DENSE_LAYERS, budget_tokens, kv_budget_problem  # noqa: F401  (DENSE_LAYERS: re-exported)
+from schemas import DEFAULT_FLOOR, DENSE_LAYERS, BudgetFloor, kv_budget_problem  # noqa: F401  (DENSE_LAYERS: re-exported)
 
 # (shape, dtype) of each tensor a layer's metadata exports, in order
 MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
@@ -27,16 +27,18 @@ MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
 @dataclass(frozen=True, slots=True)
 class Budget:
     """A fraction of the cached tokens (0 < value ≤ 1) or a token count (value > 1, whole): the one rule of
-    schemas/transfer.py (`kv_budget_problem`)."""
+    schemas/transfer.py (`kv_budget_problem`), under its floor (dense below a context length, a minimum, and
+    the sinks and recent window always kept)."""
 
     value: float
+    floor: BudgetFloor = DEFAULT_FLOOR
 
     def __post_init__(self) -> None:
         if problem := kv_budget_problem(self.value):
             raise ValueError(problem)
 
     def tokens(self, num_tokens: int) -> int:
-        return budget_tokens(self.value, num_tokens)
+        return self.floor.tokens(self.value, num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
