@@ -14,6 +14,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
     """logits: (vocab,) for the last position; index: the completion token's index (0 = first token)."""
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
+    scaled = logits.float().cpu() / sampling.temperature
+    if not torch.isfinite(scaled.max()):  # a temperature so small (1e-300) it overflows: its limit, greedy
+        return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + index) % 2**63)
-    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))

@@ -9,7 +9,7 @@ import pytest
 
 from shared.dataplane.base import DataPlaneError, Grant, Lane, Segment
 from shared.dataplane.rdma import rdma_devices
-from tests.segments import random_segments
+from tests.segments import push_and_read_exactly
 
 pytestmark = pytest.mark.skipif(not rdma_devices(), reason="no RDMA device (run `make test-rdma` for the Soft-RoCE guest)")
 SIZE = 8 << 20
@@ -46,22 +46,12 @@ async def rdma_pair():
 async def test_push_and_read_move_exact_bytes(rdma_pair, seed):
     """Random data and random scatter-gather lists arrive exactly, by RDMA WRITE and RDMA READ."""
     a, b, ra, rb = rdma_pair
-    rng = random.Random(seed)
-    ra[:] = rng.randbytes(SIZE)
-    rb[:] = rng.randbytes(SIZE)
     landed = []
     b.grant(Grant(0xABCDEF0123, [(0, SIZE)], landed.append))
-    segs = random_segments(rng, 20, SIZE, 300_000)
-    await a.push(b.address, 0xABCDEF0123, segs, Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND)
-    for s in segs:
-        assert rb[s.dst: s.dst + s.length] == ra[s.src: s.src + s.length]
+    pushed = await push_and_read_exactly(a, b, ra, rb, random.Random(seed), 0xABCDEF0123, 20,
+                                         Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND, read_ticket=1)
     await asyncio.sleep(0.05)  # the receiver's notifications arrive on its own CQ
-    assert sum(landed) == sum(s.length for s in segs)
-    reads = random_segments(rng, 40, SIZE, 100_000)
-    expected = bytes(rb)
-    await a.read(b.address, 1, reads)
-    for s in reads:
-        assert ra[s.dst: s.dst + s.length] == expected[s.src: s.src + s.length]
+    assert sum(landed) == pushed
 
 
 async def test_scattered_gather_uses_several_sges(rdma_pair):

@@ -11,7 +11,7 @@ import pytest
 from shared.dataplane import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, make_dataplane
 from shared.dataplane import frames
 from shared.dataplane.base import split_into_chunks
-from tests.segments import random_segments
+from tests.segments import push_and_read_exactly
 
 SIZE = 4 << 20
 
@@ -38,19 +38,9 @@ async def planes(request):
 async def test_random_scatter_gather_push_and_read_are_exact(planes, seed):
     """Random data, random scatter-gather lists (1 byte to >1 chunk, overlapping sources): every byte lands."""
     a, b, ra, rb = planes
-    rng = random.Random(seed)
-    ra[:] = rng.randbytes(SIZE)
-    rb[:] = rng.randbytes(SIZE)
     b.grant(Grant(1, [(0, SIZE)]))
-    segs = random_segments(rng, 12, SIZE, 300_000)
-    await a.push(b.address, 1, segs, Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND)
-    for s in segs:
-        assert rb[s.dst: s.dst + s.length] == ra[s.src: s.src + s.length]
-    reads = random_segments(rng, 40, SIZE, 100_000)
-    expected = bytes(rb)
-    await a.read(b.address, 1, reads)
-    for s in reads:
-        assert ra[s.dst: s.dst + s.length] == expected[s.src: s.src + s.length]
+    await push_and_read_exactly(a, b, ra, rb, random.Random(seed), 1, 12,
+                                Lane.BACKGROUND if seed % 2 else Lane.ON_DEMAND, read_ticket=1)
 
 
 async def test_background_reads_keep_flowing_and_leave_the_grant_idle(planes):

@@ -73,3 +73,16 @@ def test_worker_id_must_fit_in_a_subject():
     with pytest.raises(ConfigError, match="worker_id"):
         load_config(ModelWorkerConfig, ["--worker-id", "decode.1"], {})
     assert load_config(ModelWorkerConfig, ["--worker-id", "decode-1"], {}).worker_id == "decode-1"
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    """A temperature so small that logits / T overflows (the API fuzz sent 2e-187) is its limit, greedy, not a
+    NaN distribution that fails the request."""
+    import torch
+
+    from schemas import Sampling
+    from shared.compute.sampling import sample
+
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, Sampling(2e-187, seed=1), 0) == int(logits.argmax())
+    assert 0 <= sample(logits, Sampling(0.7, seed=1), 0) < 100
