@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import deque
 from typing import Any
 
 import structlog
@@ -57,6 +58,9 @@ log = structlog.get_logger()
 MODES_SERVED = modes_where(resolves_to=())
 
 
+NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request's open or generate
+
+
 class TransferError(RuntimeError):
     """The KV for a request did not arrive (push failed, or timed out)."""
 
@@ -71,6 +75,7 @@ class DecodeService(ModelWorkerService):
         self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
+        self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)  # aborts of requests not (yet) here
         self.recomputes = self.metrics.counter("smartgen_kv_recomputes_total",
                                                "Requests whose prefill the decode worker recomputed (failure_policy recompute)")
 
@@ -96,6 +101,8 @@ class DecodeService(ModelWorkerService):
             raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
                                                 f"fit 1..{self.runner.max_positions}")
         aux_bytes = await self._aux_bytes(req)
+        if req.request_id in self.aborted:  # NOTE: the abort overtook this open while it sized the aux area
+            raise RequestRefused("not_found", f"request {req.request_id} was aborted")
         self._check_fits(req.num_tokens, req.max_tokens, aux_bytes)
         self._admit(req.request_id)
         slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
@@ -113,6 +120,8 @@ class DecodeService(ModelWorkerService):
 
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode in MODES_SERVED and not mode_of(req.transfer_mode).is_disaggregated:  # colocated
+            if req.request_id in self.aborted:  # the client left before this generate was handled
+                raise RequestRefused("not_found", f"request {req.request_id} was aborted")
             self._admit(req.request_id)
             state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode))
         else:
@@ -156,7 +165,9 @@ class DecodeService(ModelWorkerService):
 
     async def abort(self, req: Abort) -> Ack:
         state = self.active.get(req.request_id)
-        if state is not None:
+        if state is None:  # NOTE: it may overtake the request's open or generate (handlers run concurrently)
+            self.aborted.append(req.request_id)
+        else:
             log.info("request_aborted", reason=req.reason, phase=state.phase.value)
             if state.phase is Phase.RUNNING:
                 assert state.task is not None
@@ -360,6 +371,8 @@ class DecodeService(ModelWorkerService):
         """The aux area a mode needs: selector metadata (selective modes and auto) or low-bit codes."""
         assert self.engine
         mode = mode_of(req.transfer_mode)
+        if mode.aux is Aux.NONE:
+            return 0
         if mode.aux is Aux.METADATA and not req.selector:
             raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
         try:

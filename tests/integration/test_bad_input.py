@@ -234,3 +234,28 @@ def wait_until_forgotten(stack, worker_id: str, timeout_s: float = 15.0) -> None
     while any(w["id"] == worker_id for w in get_json(stack.gateway_url + "/workers")["workers"]):
         assert time.monotonic() < deadline, f"{worker_id} still registered after {timeout_s} s"
         time.sleep(0.2)
+
+
+async def test_an_abort_that_overtakes_its_open_or_generate_leaves_nothing(clean_stack):
+    """A client that leaves while its request's decode.open (or colocated generate) is still queued: the abort
+    arrives first, and the open or generate that follows is refused instead of holding a slab and a ticket
+    until the reservation expires."""
+    from shared.rpc import RemoteError, call
+    from tests.integration.conftest import assert_no_leaks
+
+    ids = {w["role"]: w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}
+    nc = await connect(clean_stack)
+    try:
+        for rid, subject, message in (
+                ("overtaken-open", "open", schemas.OpenKv("overtaken-open", 8, 4, "full")),
+                ("overtaken-gen", "generate", schemas.Generate("overtaken-gen", "colocated", [1, 2, 3], -1, 4, [],
+                                                               schemas.Sampling(), "fuzz.stream"))):
+            await call(nc, subjects.worker("decode", ids["decode"], "abort"), schemas.Abort(rid, "client_gone"),
+                       schemas.Ack, 10)
+            with pytest.raises(RemoteError) as refused:
+                await call(nc, subjects.worker("decode", ids["decode"], subject), message, schemas.KvHandle
+                           if subject == "open" else schemas.Accepted, 10)
+            assert refused.value.code == "not_found" and "aborted" in refused.value.message
+    finally:
+        await nc.close()
+    assert_no_leaks(clean_stack, timeout_s=2)
