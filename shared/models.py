@@ -23,6 +23,14 @@ class ModelNotFound(FileNotFoundError):
     pass
 
 
+PREP_DIR = "smartgen-selectors"  # beside a model: the selectors' offline preparation, <name>.safetensors
+
+
+def prep_dir_of(model_path: Path) -> Path:
+    """Where the selectors' offline preparation for the model at `model_path` lives."""
+    return Path(model_path) / PREP_DIR
+
+
 class PreparationMissing(FileNotFoundError):
     """A selector needs offline preparation that has not been run for this model (the message names the command).
     Here, torch-free, so that every CLI can turn it into one line without loading torch."""

@@ -170,22 +170,27 @@ class Gateway:
                 "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s, "text": "".join(text),
                 "e2e_s": time.monotonic() - started}
 
-    def kvprofile_url(self) -> str:
-        """The admin URL of the stack's kvprofile service (RuntimeError if it has none)."""
-        kvprofile = next((w for w in self.workers() if w["role"] == "kvprofile"), None)
-        if kvprofile is None:
-            raise RuntimeError("no kvprofile service in this stack")
-        return kvprofile["admin_url"]
+    def kvprofile_url(self) -> str | None:
+        """The admin URL of the stack's kvprofile service; None if it has none."""
+        return next((w["admin_url"] for w in self.workers() if w["role"] == "kvprofile"), None)
 
-    def learn_online(self, enabled: bool) -> None:
-        """Let kvprofile refresh profiles from served requests, or freeze them (benchmarks measure frozen)."""
-        status, reply = self.post(self.kvprofile_url() + "/online", {"enabled": enabled}, 10)
+    def learn_online(self, enabled: bool) -> bool:
+        """Let kvprofile refresh profiles from served requests, or freeze them (benchmarks measure frozen).
+        False when the stack has no kvprofile (nothing learns there); RuntimeError if the switch fails."""
+        url = self.kvprofile_url()
+        if url is None:
+            return False
+        status, reply = self.post(url + "/online", {"enabled": enabled}, 10)
         if status != 200:
             raise RuntimeError(f"switching online profile updates failed ({status}): {reply}")
+        return True
 
     def build_profile(self, selector: str, prompt_tokens: int, num_prompts: int, kv_budget: float) -> dict:
         """Calibrate the selector's profile for this prompt length in the stack's kvprofile service; its reply."""
-        status, reply = self.post(self.kvprofile_url() + "/profiles/build",
+        url = self.kvprofile_url()
+        if url is None:
+            raise RuntimeError("no kvprofile service in this stack")
+        status, reply = self.post(url + "/profiles/build",
                                   {"selector": selector, "prompt_tokens": prompt_tokens, "num_prompts": num_prompts,
                                    "kv_budget": kv_budget}, 3600)
         if status != 200:

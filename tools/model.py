@@ -36,7 +36,9 @@ def prepare_selectors(path, force: bool = False) -> None:
 
     from tools import prepare_selectors as preparation
 
-    prep_dir = Path(path) / "smartgen-selectors"  # NOTE: shared/compute/selectors' default_prep_dir (torch-free here)
+    from shared.models import prep_dir_of
+
+    prep_dir = prep_dir_of(Path(path))
     missing = [name for name in ("infinigen", "hata") if force or not (prep_dir / f"{name}.safetensors").is_file()]
     if missing:
         print(f"preparing {', '.join(missing)} for {Path(path).name} (once; about a minute)", flush=True)

@@ -56,6 +56,7 @@ log = structlog.get_logger()
 
 # colocated, and every disaggregated mode as the broker resolves it (auto reaches decode only at `open`)
 MODES_SERVED = modes_where(resolves_to=())
+LOCAL_MODES = modes_where(is_disaggregated=False)  # colocated: the prefill runs here, at `generate`
 
 
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request's open or generate
@@ -119,7 +120,7 @@ class DecodeService(ModelWorkerService):
                         req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes)
 
     async def generate(self, req: Generate) -> Accepted:
-        if req.transfer_mode in MODES_SERVED and not mode_of(req.transfer_mode).is_disaggregated:  # colocated
+        if req.transfer_mode in LOCAL_MODES:
             if req.request_id in self.aborted:  # the client left before this generate was handled
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted")
             self._admit(req.request_id)

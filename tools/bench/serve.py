@@ -213,7 +213,7 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict],
     paced = [m for m in cfg.modes if m not in UNPACED_MODES] + ([ONLINE_MODE] if cfg.online_profile else [])
     total = (len(unpaced) + len(paced) * len(settings) * len(regimes)) * cfg.requests * len(cfg.prompt_tokens)
     bar = _bar(cfg, total)
-    _learn_online(gateway, False)  # NOTE: no row learns from the prompts it measures (but ONLINE_MODE's)
+    gateway.learn_online(False)  # NOTE: no row learns from the prompts it measures (but ONLINE_MODE's)
     for length in cfg.prompt_tokens:
         samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
         gateway.pace(0)
@@ -231,11 +231,11 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict],
             for mode in modes:
                 body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
                         **mode_body(mode, cfg.selector, cfg.kv_budget)}
-                _learn_online(gateway, mode == ONLINE_MODE)
+                gateway.learn_online(mode == ONLINE_MODE)
                 try:
                     results = _serve(gateway, body, samples, cfg.concurrency, bar)
                 finally:
-                    _learn_online(gateway, False)
+                    gateway.learn_online(False)
                 for sample, res in zip(samples, results):
                     records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
                                     "link_gbps": gbps, "task": sample.task, **res})
@@ -259,15 +259,6 @@ def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list
         built[str(bucket)] = {**reply, "calibration_task": CALIBRATION_TASK, "calibration_prompt_tokens": longest,
                               "measured_prompt_tokens": sorted(n for n in lengths if bucket_for(n) == bucket)}
     return built
-
-
-def _learn_online(gateway: Gateway, enabled: bool) -> None:
-    """Switch kvprofile's online profile updates (a stack without kvprofile has none to switch)."""
-    try:
-        gateway.learn_online(enabled)
-    except RuntimeError as exc:
-        if "no kvprofile" not in str(exc):
-            raise
 
 
 @contextmanager

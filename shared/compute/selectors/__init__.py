@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas import SELECTORS
-from shared.models import PreparationMissing
+from shared.models import PreparationMissing, prep_dir_of
 from shared.compute.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
 from shared.compute.selectors.hata import HataSelector
 from shared.compute.selectors.infinigen import InfiniGenSelector
@@ -19,7 +19,6 @@ from shared.compute.selectors.oracle import OracleSelector
 from shared.compute.selectors.positional import PositionalSelector
 from shared.compute.selectors.quest import QuestSelector
 
-PREP_DIR = "smartgen-selectors"
 PREPARED = ("infinigen", "hata")  # the selectors that need offline preparation per model
 
 
@@ -28,7 +27,7 @@ def prep_path(prep_dir: Path, name: str) -> Path:
 
 
 def default_prep_dir(model_path: Path) -> Path:
-    return Path(model_path) / PREP_DIR
+    return prep_dir_of(model_path)
 
 
 def _load_layers(path: Path, prefix: str) -> dict:
