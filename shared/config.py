@@ -147,7 +147,7 @@ class ModelWorkerConfig(ServiceConfig):
     rdma_device: str = ""  # "" = the first RDMA device
     dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
     link_gbps: float = 0.0  # pace every data-plane link to this rate (10⁹ bit/s) to emulate a slow NIC; 0 = unpaced
-    dataplane_checksums: bool = True  # crc32 per chunk; a mismatch fails the transfer
+    dataplane_checksums: bool = True  # crc32c per chunk; a mismatch fails the transfer
     max_active_requests: int = 8
 
     def validate(self) -> None:

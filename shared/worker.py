@@ -127,7 +127,7 @@ class ModelWorkerService(Service):
 
     async def _inject_fault(self, request: web.Request) -> web.Response:
         """POST /fault (tests only, SMARTGEN_FAULT_INJECTION=1): break this worker's data plane on purpose.
-          {"kind": "corrupt_next_chunk", "count": N}  the next N data frames sent arrive corrupted (crc32 fails)
+          {"kind": "corrupt_next_chunk", "count": N}  the next N data frames sent arrive corrupted (crc32c fails)
           {"kind": "cut_links"}                       drop every data-plane connection now (later ones redial)
           {"kind": "refuse_tickets", "on": true}      refuse every incoming push and read, as for an unknown ticket
           {"kind": "delay", "delay_s": X}             hold every data frame sent X seconds (0 = off)

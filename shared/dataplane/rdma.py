@@ -16,7 +16,7 @@ exchanged through `rendezvous` (the services route it over NATS; tests call the 
 - lanes and pacing: chunks are posted ON_DEMAND first, then PUSH, BACKGROUND when allowed, with at most
   MAX_POSTED_BYTES outstanding per link, through the same Pacer as TCP.
 
-What RDMA does differently from TCP (see README.md): integrity relies on the link's ICRC (no crc32 per
+What RDMA does differently from TCP (see README.md): integrity relies on the link's ICRC (no crc32c per
 chunk, which would cost CPU on both sides); a READ is authorised per link (the rkey is handed out only in the
 rendezvous), not per request, because the owner's CPU never sees it; a push under an unknown ticket is
 detected and counted by the receiver but its bytes have already been placed.

@@ -8,7 +8,7 @@ One socket per pair of processes, used in both directions. Each end of it (a `_L
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
     straight in the registered region; a READ is answered by queueing its data on ON_DEMAND) and replies
     to our own requests (matched by `seq`).
-Transfers are cut into chunks of ≤ CHUNK_BYTES (less on a paced link: pacing.chunk_bytes), one frame each, checksummed (crc32) unless turned off.
+Transfers are cut into chunks of ≤ CHUNK_BYTES (less on a paced link: pacing.chunk_bytes), one frame each, checksummed (crc32c) unless turned off.
 Nothing on this path allocates per message beyond small headers: payloads are memoryviews of the region.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ class _Link:
                 try:
                     header = frame.header
                     if frame.payload and self.plane.use_checksums:
-                        header = _with_crc(header, frames.crc32(frame.payload))
+                        header = _with_crc(header, frames.crc32c(frame.payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
                         if self.plane.faults.delay_s:
@@ -239,7 +239,7 @@ class _Link:
             try:
                 views = [self.plane.region[off: off + n] for off, n in table]
                 await self._recv_into(views)
-                if header.flags & frames.FLAG_CHECKSUM and frames.crc32(views) != header.crc:
+                if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
                     status = frames.STATUS_CORRUPT
                     log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
                 else:
@@ -280,14 +280,14 @@ class _Link:
         if header.status == frames.STATUS_REFUSED:
             error = TicketRefused(f"{self.peer} refused ticket {header.ticket}: unknown, revoked, or ranges outside its grant")
         elif header.status == frames.STATUS_CORRUPT:
-            error = ChecksumMismatch(f"{self.peer} received a corrupted chunk (crc32 mismatch)")
+            error = ChecksumMismatch(f"{self.peer} received a corrupted chunk (crc32c mismatch)")
         elif header.op == frames.OP_READ_DATA:
             if header.payload_len != sum(s.length for s in waiting.local):
                 raise FrameError("read reply length does not match the request")
             views = [self.plane.region[s.dst: s.dst + s.length] for s in waiting.local]
             await self._recv_into(views)
-            if header.flags & frames.FLAG_CHECKSUM and frames.crc32(views) != header.crc:
-                error = ChecksumMismatch(f"a chunk read from {self.peer} arrived corrupted (crc32 mismatch)")
+            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
+                error = ChecksumMismatch(f"a chunk read from {self.peer} arrived corrupted (crc32c mismatch)")
         if not waiting.done.done():
             if error:
                 waiting.done.set_exception(error)

@@ -114,7 +114,7 @@ async def test_grant_is_idle_after_transfers(planes):
 
 
 async def test_corrupted_chunk_is_an_error_on_the_waiting_side():
-    """A chunk whose bytes do not match its crc32 fails the push (and a read) with ChecksumMismatch, and is
+    """A chunk whose bytes do not match its crc32c fails the push (and a read) with ChecksumMismatch, and is
     not counted as landed."""
     a, b, ra, rb = await pair("tcp")
     try:

@@ -158,3 +158,10 @@ async def test_hostile_streams_close_only_their_connection(server, stream):
 def test_struct_sizes_match_the_documented_format():
     """The header is 40 bytes and a segment 16, as the module docstring and MAX_FRAME_ALLOCATION assume."""
     assert HEADER.size == 40 and SEGMENT.size == 16 and struct.calcsize("!QQ") == SEGMENT.size
+
+
+def test_checksum_is_crc32c_over_the_concatenated_parts():
+    """The frame checksum is CRC-32C (Castagnoli): the standard check value, and split parts equal the whole."""
+    assert frames.crc32c([b"123456789"]) == 0xE3069283
+    data = bytes(range(256)) * 1000
+    assert frames.crc32c([memoryview(data)[:1000], memoryview(data)[1000:]]) == frames.crc32c([data])

@@ -136,7 +136,7 @@ async def _measure(peer_conn, peer_addr: str) -> dict[str, float]:
     async def tell_peer(cmd: str, arg: object) -> None:
         await loop.run_in_executor(None, lambda: (peer_conn.send((cmd, arg)), peer_conn.recv()))
 
-    plane.use_checksums = False  # the same transfers without crc32, to show what checksums cost
+    plane.use_checksums = False  # the same transfers without crc32c, to show what checksums cost
     await tell_peer("checksums", False)
     out["tcp_push_gbytes_s_no_checksum"] = await best_rate(plane.push)
     out["tcp_read_gbytes_s_no_checksum"] = await best_rate(plane.read)
@@ -206,9 +206,9 @@ def run(json_path: str | None = None) -> dict:
 
 def _print(r: dict) -> None:
     rows = [
-        ("TCP push, 64 MiB, crc32 on", f"{r['tcp_push_gbytes_s']:.2f} GB/s ({r['tcp_push_vs_raw']:.0%} of raw socket)"),
-        ("TCP push, 64 MiB, crc32 off", f"{r['tcp_push_gbytes_s_no_checksum']:.2f} GB/s ({r['tcp_push_vs_raw_no_checksum']:.0%} of raw socket)"),
-        ("TCP read, 64 MiB, crc32 on / off", f"{r['tcp_read_gbytes_s']:.2f} / {r['tcp_read_gbytes_s_no_checksum']:.2f} GB/s"),
+        ("TCP push, 64 MiB, crc32c on", f"{r['tcp_push_gbytes_s']:.2f} GB/s ({r['tcp_push_vs_raw']:.0%} of raw socket)"),
+        ("TCP push, 64 MiB, crc32c off", f"{r['tcp_push_gbytes_s_no_checksum']:.2f} GB/s ({r['tcp_push_vs_raw_no_checksum']:.0%} of raw socket)"),
+        ("TCP read, 64 MiB, crc32c on / off", f"{r['tcp_read_gbytes_s']:.2f} / {r['tcp_read_gbytes_s_no_checksum']:.2f} GB/s"),
         ("raw socket (sendall → recv_into)", f"{r['raw_socket_gbytes_s']:.2f} GB/s"),
         ("scattered read 1 MiB / 4 KiB, p50 / p99", f"{r['scattered_read_p50_ms']:.2f} / {r['scattered_read_p99_ms']:.2f} ms"),
         ("on-demand 16×4 KiB p99, idle / busy", f"{r['ondemand_p99_ms_idle']:.2f} / {r['ondemand_p99_ms_busy']:.2f} ms"),
