@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
 # Settings that hold a secret: each can instead be read from the file named by `<name>_file` (docker secrets).
 # NOTE: their fields are repr=False and nothing logs them; keep it that way for any secret added here.
-SECRET_FIELDS = ("nats_token", "nats_password", "admin_token")
+SECRET_FIELDS = ("nats_token", "nats_password", "admin_token", "cluster_secret")
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,7 @@ class ServiceConfig:
     worker_id: str = ""  # "" = "<role>-<8 hex>"
     log_level: str = "info"
     heartbeat_s: float = 1.0
+    restarts: int = 0  # how many times a supervisor (`smartgen up`) started this service again after it died
     # NATS credentials (see shared/natsconn.py): a token, or a user and password; none = an open server
     nats_token: str = field(default="", repr=False)
     nats_token_file: str = ""  # a file holding nats_token (e.g. /run/secrets/nats_token)
@@ -51,7 +53,14 @@ class ServiceConfig:
 
     @property
     def public_host(self) -> str:
-        return self.advertise_host or self.host
+        """The host name or address peers reach this process by: `advertise_host`; else, bound to every
+        interface (a container), this host's own address, so each replica of a scaled service advertises
+        itself; else `host`."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return own_address()
+        return self.host
 
     def validate(self) -> None:
         self.read_secret_files()
@@ -61,6 +70,8 @@ class ServiceConfig:
             raise ConfigError(f"admin_port {self.admin_port} is not a TCP port")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
+        if self.restarts < 0:
+            raise ConfigError("restarts must be ≥ 0")
         if self.worker_id and not is_token(self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must be letters, digits, '-' or '_' (it is part of NATS subjects)")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -79,7 +90,7 @@ class ServiceConfig:
     def read_secret_files(self) -> None:
         """Fill each secret from its `_file` setting. Idempotent; both set to different values is an error."""
         for name in SECRET_FIELDS:
-            path = getattr(self, name + "_file")
+            path = getattr(self, name + "_file", "")  # cluster_secret: model workers only
             if not path:
                 continue
             try:
@@ -93,6 +104,15 @@ class ServiceConfig:
             if getattr(self, name) and getattr(self, name) != secret:
                 raise ConfigError(f"{env_name(name)} and {env_name(name + '_file')} are both set and differ: keep one")
             setattr(self, name, secret)
+
+
+def own_address() -> str:
+    """This host's address as its own name resolves (in a container: its address on the compose network)."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
 
 
 def env_name(field_name: str) -> str:
@@ -148,6 +168,10 @@ class ModelWorkerConfig(ServiceConfig):
     dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
     link_gbps: float = 0.0  # pace every data-plane link to this rate (10⁹ bit/s) to emulate a slow NIC; 0 = unpaced
     dataplane_checksums: bool = True  # crc32c per chunk; a mismatch fails the transfer
+    # every data-plane link starts with a challenge–response keyed by this (shared/dataplane/handshake.py):
+    # the same in every prefill and decode of a cluster; "" = a data plane any process that reaches it may use
+    cluster_secret: str = field(default="", repr=False)
+    cluster_secret_file: str = ""
     max_active_requests: int = 8
 
     def validate(self) -> None:

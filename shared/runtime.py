@@ -50,6 +50,8 @@ class Service:
         self.config = config
         self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.metrics = Registry()
+        self.metrics.gauge("smartgen_service_restarts", "Times a supervisor (smartgen up) restarted this service "
+                           "after it died, before this process", lambda: float(config.restarts))
         self.nc: Client | None = None
         self.admin_url = ""
         self.started_unix = time.time()

@@ -87,8 +87,11 @@ class ModelWorkerService(Service):
 
             await nc.subscribe(subjects.dataplane_connect(self.worker_id), cb=_as_handler(endpoint(RdmaEndpoint, accept)))
         else:
-            plane = make_dataplane("tcp", cfg.host, cfg.dataplane_port, cfg.advertise_host, cfg.link_gbps,
-                                   cfg.dataplane_checksums)
+            plane = make_dataplane("tcp", cfg.host, cfg.dataplane_port, cfg.public_host, cfg.link_gbps,
+                                   cfg.dataplane_checksums, cfg.cluster_secret)
+            if not cfg.cluster_secret:
+                log.warning("dataplane_open", hint="any process that reaches the data-plane port may link to it: set "
+                                                   "SMARTGEN_CLUSTER_SECRET_FILE (smartgen up and compose do)")
         assert self.store
         plane.register_region(self.store.region)
         await plane.start()

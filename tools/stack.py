@@ -3,7 +3,8 @@ five services, each `python -m services.<role>`. Used by `smartgen up` and by th
 
 Secrets, per run: the embedded NATS wants a fresh random token; with an external server the services
 take whatever credentials the environment gives (SMARTGEN_NATS_TOKEN…). The admin token is
-SMARTGEN_ADMIN_TOKEN(_FILE) if set, else random. Services get both as files (mode 0600) in a private
+SMARTGEN_ADMIN_TOKEN(_FILE) if set, else random; so is the cluster secret that every data-plane link must
+prove (SMARTGEN_CLUSTER_SECRET(_FILE), shared/dataplane/handshake.py). Services get them as files (mode 0600) in a private
 folder, never on a command line; `client_env()` points a tool at them.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Stack:
         self._envs: dict[str, tuple[str, dict[str, str]]] = {}
         self._log = None
         self.admin_token = ""  # the bearer token of state-changing admin routes (set by start)
-        self.secrets_dir: Path | None = None  # mode 0700: admin-token (and the embedded NATS keeps its own)
+        self.secrets_dir: Path | None = None  # mode 0700: admin-token, cluster-secret (the embedded NATS keeps its own)
 
     def client_env(self) -> dict[str, str]:
         """SMARTGEN_* settings that let a tool reach this stack's NATS and admin routes (secrets by file)."""
@@ -64,10 +65,13 @@ class Stack:
         return client_options(self._service_env({**os.environ, **self.spec.env}))
 
     def _service_env(self, env: dict[str, str]) -> dict[str, str]:
-        """`env` with this run's secrets in place of any the caller set: the admin token, and with the embedded
-        NATS every SMARTGEN_NATS_* setting (its URL and token are its own; an external server's stay as given)."""
-        replaced = ("SMARTGEN_ADMIN_TOKEN", "SMARTGEN_NATS_") if self.nats else ("SMARTGEN_ADMIN_TOKEN",)
-        return {**{k: v for k, v in env.items() if not k.startswith(replaced)}, **self.client_env()}
+        """`env` with this run's secrets in place of any the caller set: the admin token, the cluster secret, and
+        with the embedded NATS every SMARTGEN_NATS_* setting (its URL and token are its own; an external
+        server's stay as given)."""
+        replaced = ("SMARTGEN_ADMIN_TOKEN", "SMARTGEN_CLUSTER_SECRET") + (("SMARTGEN_NATS_",) if self.nats else ())
+        assert self.secrets_dir, "start() first"
+        return {**{k: v for k, v in env.items() if not k.startswith(replaced)}, **self.client_env(),
+                "SMARTGEN_CLUSTER_SECRET_FILE": str(self.secrets_dir / "cluster-secret")}
 
     @property
     def nats_url(self) -> str:
@@ -81,6 +85,7 @@ class Stack:
         self.secrets_dir = Path(tempfile.mkdtemp(prefix="smartgen-stack-"))
         self.admin_token = admin_token_from_env({**os.environ, **self.spec.env}) or secrets.token_urlsafe(32)
         write_secret_file(self.secrets_dir / "admin-token", self.admin_token)
+        write_secret_file(self.secrets_dir / "cluster-secret", _cluster_secret({**os.environ, **self.spec.env}))
         if not self.spec.nats_url:
             self.nats = NatsServer().start()
         if self.spec.log_file:
@@ -109,6 +114,12 @@ class Stack:
         self._envs[name] = (role, env)
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=REPO_ROOT, env=env,
                                                 stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+    def respawn(self, name: str, extra_env: dict[str, str]) -> None:
+        """Start a service that has exited again, with its settings and `extra_env` (tools/supervisor.py)."""
+        assert self.processes[name].poll() is not None, f"{name} is still running"
+        role, env = self._envs[name]
+        self._spawn(name, role, {**env, **extra_env})
 
     def restart(self, name: str, timeout_s: float = 15.0) -> None:
         """Stop one service (SIGTERM, then SIGKILL) and start it again with the same settings."""
@@ -190,6 +201,14 @@ class Stack:
         self.nats.process.wait()
         time.sleep(down_s)
         self.nats.start()
+
+
+def _cluster_secret(env: dict[str, str]) -> str:
+    """The data plane's cluster secret: SMARTGEN_CLUSTER_SECRET(_FILE) where set (a stack that must link with
+    workers started elsewhere), else a fresh random one for this run."""
+    if env.get("SMARTGEN_CLUSTER_SECRET_FILE"):
+        return Path(env["SMARTGEN_CLUSTER_SECRET_FILE"]).read_text().removesuffix("\n").removesuffix("\r")
+    return env.get("SMARTGEN_CLUSTER_SECRET") or secrets.token_urlsafe(32)
 
 
 class StackNotReady(RuntimeError):

@@ -1,5 +1,6 @@
 """`smartgen up`: NATS (embedded unless SMARTGEN_NATS_URL names one) and all five services as local processes
-(tools/stack.py), in the foreground until Ctrl-C or SIGTERM, or until a service exits.
+(tools/stack.py), in the foreground until Ctrl-C or SIGTERM. A service that dies is restarted with backoff
+while the rest keep serving (tools/supervisor.py); one that keeps dying at start-up stops the stack.
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X] [--port P]
 """
@@ -30,10 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until a service exits (1); 2 for bad arguments or a
-    missing model."""
+    """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until the supervisor gives up on a service that keeps
+    dying at start-up (1); 2 for bad arguments or a missing model."""
     from shared.models import ModelNotFound, prepare_default_model, resolve_model
     from tools.stack import Stack, StackSpec
+    from tools.supervisor import Supervisor
 
     if args.prefill < 1 or args.decode < 1:
         print("smartgen up: --prefill and --decode must be at least 1", file=sys.stderr)
@@ -56,13 +58,13 @@ def command(args: argparse.Namespace) -> int:
     # NOTE: paths to the secrets (mode 0600), never the secrets: tools and admin routes need these settings
     print("smartgen: for tools and admin routes: export " + " ".join(f"{k}={v}" for k, v in stack.client_env().items()),
           flush=True)
+    supervisor = Supervisor(stack, say=lambda text: print(f"smartgen: {text}", file=sys.stderr, flush=True))
     code = 0
     try:
         ready = False
         while not stop["now"]:
-            dead = stack.dead()
-            if dead:
-                print(f"smartgen: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
+            if gave_up := supervisor.poll():
+                print(f"smartgen: {gave_up}; stopping the stack", file=sys.stderr, flush=True)
                 code = 1
                 break
             if not ready and stack.health().get("status") == "ok":

@@ -6,12 +6,13 @@ from shared.dataplane.base import ChecksumMismatch, DataPlane, DataPlaneError, G
 
 
 def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
-                   link_gbps: float = 0.0, checksums: bool = True) -> DataPlane:
-    """TCP or the in-process fake. (RDMA needs a rendezvous; `shared.worker` builds it.)"""
+                   link_gbps: float = 0.0, checksums: bool = True, cluster_secret: str = "") -> DataPlane:
+    """TCP or the in-process fake. (RDMA needs a rendezvous; `shared.worker` builds it.) A TCP plane only links
+    with peers that hold the same `cluster_secret` (shared/dataplane/handshake.py; "" = an open plane)."""
     if kind == "tcp":
         from shared.dataplane.tcp import TcpDataPlane
 
-        return TcpDataPlane(host, port, advertise_host, link_gbps, checksums)
+        return TcpDataPlane(host, port, advertise_host, link_gbps, checksums, cluster_secret)
     if kind == "inproc":
         from shared.dataplane.inproc import InProcDataPlane
 

@@ -25,8 +25,9 @@ CHUNK_BYTES = 256 << 10  # the most one frame carries: a high-priority frame wai
 MAX_HELLO_BYTES = 512
 MAX_STAGED_TABLE = 4096 * SEGMENT.size  # frames whose segment table is larger go out without staging
 
-OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA = 0, 1, 2, 3, 4
-OPS = (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA)
+OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME = 0, 1, 2, 3, 4, 5, 6
+OPS = (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME)
+HANDSHAKE_OPS = (OP_CHALLENGE, OP_HELLO, OP_WELCOME)  # before a link opens (handshake.py); never on an open link
 STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
 STATUSES = (STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT)
 FLAG_CHECKSUM = 1
@@ -71,7 +72,7 @@ class Header:
         # NOTE: bounds first: the reader allocates num_segments × 16 bytes of table from this header
         if n > MAX_SEGMENTS:
             raise FrameError(f"{n} segments exceed the limit of {MAX_SEGMENTS}")
-        limit = MAX_HELLO_BYTES if op == OP_HELLO else CHUNK_BYTES
+        limit = MAX_HELLO_BYTES if op in HANDSHAKE_OPS else CHUNK_BYTES
         if payload_len > limit:
             raise FrameError(f"payload of {payload_len} bytes exceeds the limit of {limit} for op {op}")
         if n and op not in (OP_PUSH, OP_READ):

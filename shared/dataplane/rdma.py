@@ -302,6 +302,14 @@ class RdmaDataPlane(DataPlane):
         link.qp.close()
         self.link_lost(link.peer, error)
 
+    def cut_links(self, reason: str = "cut by fault injection", peer: str | None = None) -> int:
+        """Fail every link (or those to `peer`) as a lost queue pair would: its transfers fail at once, its queue
+        pair is closed, and the next transfer to that peer runs the rendezvous again."""
+        links = [link for link in list(self.links.values()) if peer is None or link.peer == peer]
+        for link in links:
+            self.fail_link(link, DataPlaneError(f"RDMA link to {link.peer} {reason}"))
+        return len(links)
+
     def stats(self) -> dict[str, object]:
         return {"transport": "rdma", "device": self.device, "links": len(self.links), "grants": len(self.grants),
                 "refused": self.num_refused, "bytes_received": self.num_bytes_received, "link_gbps": self.link_gbps,

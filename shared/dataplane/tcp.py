@@ -2,7 +2,8 @@
 (Over 400 lines because it is one transport: the link's writer and reader tasks and the plane that owns
 the links share one framing and one set of counters; the frames themselves are already in frames.py.)
 
-One socket per pair of processes, used in both directions. Each end of it (a `_Link`) has:
+One socket per pair of processes, used in both directions; it becomes a link only once both ends have shown
+they hold the cluster secret (handshake.py). Each end of it (a `_Link`) has:
   - a writer task, the only one that sends: it takes the next frame by strict priority
     (CONTROL acks, then ON_DEMAND, then BACKGROUND unless paused), waits for the link's Pacer, sends;
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from shared.dataplane import frames
+from shared.dataplane import frames, handshake
 from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
                                    check_within, split_into_chunks)
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
@@ -37,6 +38,7 @@ CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
 # frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
 BACKGROUND_WINDOW = 2 * CHUNK_BYTES
 STAGE_PARTS = 3  # frames of this many parts or more are copied through one staging buffer (one syscall)
+HANDSHAKE_TIMEOUT_S = 10.0  # connect, and each step of the handshake
 RATE_WINDOW_BYTES = 16 << 20  # the send rate is a moving average over about this many recent bytes
 
 
@@ -329,6 +331,28 @@ class _Link:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def _recv_handshake(sock: socket.socket, op: int) -> bytes:
+    """The payload of the next frame, which must be the handshake frame `op` (FrameError otherwise); a refusal
+    (a WELCOME with status REFUSED) raises PeerRefused."""
+    raw = bytearray(frames.HEADER.size)
+    await _recv_exactly(sock, memoryview(raw))
+    header = Header.unpack(raw)
+    if header.op != op or header.num_segments:
+        raise FrameError(f"expected handshake frame {op}, got op {header.op}")
+    if header.status == frames.STATUS_REFUSED:
+        raise handshake.PeerRefused("the listener refused our proof: is this process's cluster secret the cluster's?")
+    payload = bytearray(header.payload_len)
+    await _recv_exactly(sock, memoryview(payload))
+    return bytes(payload)
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        return "%s:%s" % sock.getpeername()[:2]
+    except OSError:
+        return "?"
+
+
 def _with_crc(header: Header, crc: int) -> Header:
     return Header(header.op, header.status, header.seq, header.ticket, header.num_segments, header.payload_len,
                   header.flags | frames.FLAG_CHECKSUM, crc)
@@ -336,8 +360,10 @@ def _with_crc(header: Header, crc: int) -> Header:
 
 class TcpDataPlane(DataPlane):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
-                 checksums: bool = True):
+                 checksums: bool = True, cluster_secret: str = ""):
         super().__init__(link_gbps)
+        self.cluster_key = cluster_secret.encode()  # proves membership at every link's start ("" = an open plane)
+        self.num_peers_refused = 0  # connections that failed the handshake, either way
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
         self.use_checksums = checksums
         self.scratch = memoryview(bytearray(CHUNK_BYTES))  # where refused payloads are drained to
@@ -393,7 +419,8 @@ class TcpDataPlane(DataPlane):
         lanes = {name: vars(self.lane_stats[lane]).copy()
                  for name, lane in (("control", CONTROL), *((lane.name.lower(), lane) for lane in Lane))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
-                "refused": self.num_refused, "links": len(self.links), "grants": len(self.grants),
+                "refused": self.num_refused, "peers_refused": self.num_peers_refused,
+                "authenticated": bool(self.cluster_key), "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,
                 "background_paused": self.is_background_paused, "send_rate_gbps": round(self.send_rate_gbps(), 4),
                 "lanes": lanes}
@@ -431,13 +458,28 @@ class TcpDataPlane(DataPlane):
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), 10)
-                hello = self.address.encode()
-                await loop.sock_sendall(sock, Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
-            except (OSError, asyncio.TimeoutError) as exc:
+                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), HANDSHAKE_TIMEOUT_S)
+                await asyncio.wait_for(self._prove_to_listener(sock), HANDSHAKE_TIMEOUT_S)
+            except handshake.PeerRefused as exc:
+                sock.close()
+                self.num_peers_refused += 1
+                raise DataPlaneError(f"the data plane at {peer} refused us, or failed to prove itself: {exc}") from None
+            except (OSError, asyncio.TimeoutError, FrameError) as exc:
                 sock.close()
                 raise DataPlaneError(f"cannot connect to the data plane at {peer}: {exc or 'timeout'}") from None
             return self._add_link(sock, peer)
+
+    async def _prove_to_listener(self, sock: socket.socket) -> None:
+        """The dialer's half of the handshake (handshake.py): answer the challenge, check the welcome."""
+        loop = asyncio.get_running_loop()
+        challenge = await _recv_handshake(sock, frames.OP_CHALLENGE)
+        if len(challenge) != handshake.NONCE_BYTES:
+            raise FrameError("a challenge is one nonce")
+        nonce, address = handshake.new_nonce(), self.address.encode()
+        hello = handshake.hello_payload(self.cluster_key, challenge, nonce, address)
+        await loop.sock_sendall(sock, Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
+        welcome = await _recv_handshake(sock, frames.OP_WELCOME)
+        handshake.check_welcome(self.cluster_key, nonce, challenge, address, welcome)
 
     # --- serving side ------------------------------------------------------------------------------
     def grant_for(self, ticket: int, table: list[tuple[int, int]]) -> Grant | None:
@@ -464,17 +506,26 @@ class TcpDataPlane(DataPlane):
             task.add_done_callback(self._unnamed.discard)
 
     async def _greet(self, sock: socket.socket) -> None:
-        """Read the peer's hello (its own data-plane address), then serve the socket as a link."""
+        """The listener's half of the handshake (handshake.py); a peer that proves it holds the cluster secret
+        names its own data-plane address in its hello, and the socket becomes a link to that address."""
         sock.setblocking(False)
+        loop = asyncio.get_running_loop()
         try:
-            raw = bytearray(frames.HEADER.size)
-            await asyncio.wait_for(_recv_exactly(sock, memoryview(raw)), 10)
-            header = Header.unpack(raw)
-            if header.op != frames.OP_HELLO or not header.payload_len:
-                raise FrameError("the first frame must be a hello")
-            name = bytearray(header.payload_len)
-            await asyncio.wait_for(_recv_exactly(sock, memoryview(name)), 10)
-            self._add_link(sock, name.decode())
+            challenge = handshake.new_nonce()
+            await loop.sock_sendall(sock, Header(frames.OP_CHALLENGE, payload_len=len(challenge)).pack() + challenge)
+            hello = await asyncio.wait_for(_recv_handshake(sock, frames.OP_HELLO), HANDSHAKE_TIMEOUT_S)
+            try:
+                nonce, address = handshake.check_hello(self.cluster_key, challenge, hello)
+            except handshake.PeerRefused:
+                self.num_peers_refused += 1
+                await loop.sock_sendall(sock, Header(frames.OP_WELCOME, frames.STATUS_REFUSED).pack())
+                raise
+            proof = handshake.listener_proof(self.cluster_key, nonce, challenge, address)
+            await loop.sock_sendall(sock, Header(frames.OP_WELCOME, payload_len=len(proof)).pack() + proof)
+            self._add_link(sock, address.decode())
+        except handshake.PeerRefused as exc:
+            log.warning("dataplane_peer_refused", error=str(exc), peer=_peer_name(sock))
+            sock.close()
         except (OSError, ConnectionError, FrameError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
             log.warning("dataplane_bad_hello", error=str(exc))
             sock.close()

@@ -35,6 +35,7 @@ def compose_binary() -> Path:
 
 
 TEST_TOKEN = "compose-test-token-0123abcd"
+WORKERS = ("prefill", "decode")  # scale with --scale: no host ports, no fixed advertise host, the cluster secret
 
 
 def run_compose(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -52,11 +53,61 @@ def services() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 
 
+def required_env(tmp_path: Path) -> dict[str, str]:
+    """The settings compose refuses to start without: the NATS token and the cluster secret's file."""
+    secret = tmp_path / "cluster_secret"
+    secret.write_text("compose-test-cluster-secret\n")
+    return {"SMARTGEN_NATS_TOKEN": TEST_TOKEN, "SMARTGEN_CLUSTER_SECRET_FILE": str(secret)}
+
+
 def test_compose_file_is_valid(tmp_path):
-    """`docker-compose config -q` accepts the file once the NATS token is set (rc 0, nothing on stderr)."""
-    result = run_compose(tmp_path, "config", "-q", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
+    """`docker-compose config -q` accepts the file once the NATS token and cluster secret are set (rc 0,
+    nothing on stderr)."""
+    result = run_compose(tmp_path, "config", "-q", **required_env(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+def test_compose_refuses_to_start_without_the_cluster_secret(tmp_path):
+    """The data plane's key is required: without SMARTGEN_CLUSTER_SECRET_FILE Compose stops, naming it."""
+    result = run_compose(tmp_path, "config", "-q", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
+    assert result.returncode != 0 and "SMARTGEN_CLUSTER_SECRET_FILE" in result.stderr
+
+
+def test_workers_scale(tmp_path):
+    """What `--scale prefill=2 --scale decode=2` needs, in the file as Compose resolves it: no container name and
+    no host port on a worker (replicas would collide), no fixed advertise host (each replica advertises its own
+    address), the cluster secret mounted as a file the config reads, and a CPU limit with a matching torch-thread
+    count. A resolved override that runs two replicas of each is accepted too."""
+    result = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    for role in WORKERS:
+        service = resolved["services"][role]
+        assert "container_name" not in service and not service.get("ports"), role
+        env = service["environment"]
+        assert "SMARTGEN_ADVERTISE_HOST" not in env, role
+        assert [s["source"] for s in service["secrets"]] == ["cluster_secret"], role
+        assert env["SMARTGEN_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
+        assert float(service["cpus"]) == float(env["SMARTGEN_TORCH_THREADS"]), role
+    assert resolved["secrets"]["cluster_secret"]["file"].endswith("cluster_secret")
+    override = tmp_path / "scaled.yml"
+    override.write_text("services:\n" + "".join(f"  {r}:\n    deploy:\n      replicas: 2\n" for r in WORKERS))
+    scaled = run_compose(tmp_path, "-f", str(override), "config", "--format", "json", **required_env(tmp_path))
+    assert scaled.returncode == 0, scaled.stderr
+    assert all(json.loads(scaled.stdout)["services"][r]["deploy"]["replicas"] == 2 for r in WORKERS)
+
+
+def test_a_worker_bound_to_every_interface_advertises_its_own_address():
+    """Inside a container (SMARTGEN_HOST=0.0.0.0, no advertise host) the address in heartbeats is this host's
+    own, not 0.0.0.0 nor a shared service name; an explicit advertise host still wins."""
+    from services.decode.config import DecodeConfig
+    from shared.config import load_config, own_address
+
+    bound_all = load_config(DecodeConfig, [], {"SMARTGEN_HOST": "0.0.0.0"})
+    assert bound_all.public_host == own_address() and bound_all.public_host not in ("0.0.0.0", "")
+    named = load_config(DecodeConfig, [], {"SMARTGEN_HOST": "0.0.0.0", "SMARTGEN_ADVERTISE_HOST": "decode-7"})
+    assert named.public_host == "decode-7"
 
 
 def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
@@ -68,7 +119,7 @@ def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
 def test_every_service_gets_the_nats_token(tmp_path):
     """In the file as Compose resolves it, NATS and all five services carry the token; each service also has
     SMARTGEN_ADMIN_TOKEN (empty unless set: admin routes that change state stay off)."""
-    result = run_compose(tmp_path, "config", "--format", "json", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
+    result = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path))
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
     assert resolved["nats"]["environment"]["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN
@@ -76,7 +127,7 @@ def test_every_service_gets_the_nats_token(tmp_path):
         env = resolved[role]["environment"]
         assert env["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN, role
         assert env.get("SMARTGEN_ADMIN_TOKEN", None) in ("", None), role
-    admin = run_compose(tmp_path, "config", "--format", "json", SMARTGEN_NATS_TOKEN=TEST_TOKEN,
+    admin = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path),
                         SMARTGEN_ADMIN_TOKEN="admin-test")
     assert all(json.loads(admin.stdout)["services"][r]["environment"]["SMARTGEN_ADMIN_TOKEN"] == "admin-test"
                for r in CONFIG_CLASSES)
@@ -106,9 +157,9 @@ def test_compose_binary_rejects_a_broken_file(tmp_path):
 
 
 @pytest.mark.parametrize("role", sorted(CONFIG_CLASSES))
-def test_service_matches_its_config(services, role):
-    """Command runs the role's module; every SMARTGEN_* variable is a field of its config; published ports
-    are the ports the config sets; the config builds from that environment."""
+def test_service_matches_its_config(services, role, tmp_path):
+    """Command runs the role's module; every SMARTGEN_* variable is a field of its config; published ports are
+    the ports the config sets (workers publish none); the config builds from that environment."""
     from shared.config import load_config
 
     module, name = CONFIG_CLASSES[role]
@@ -119,13 +170,20 @@ def test_service_matches_its_config(services, role):
     fields = {env_name(f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in env if k.startswith("SMARTGEN_") and k not in fields]
     assert not unknown, f"{role}: environment names no config field: {unknown}"
+    if "SMARTGEN_CLUSTER_SECRET_FILE" in env:  # what compose mounts at /run/secrets/cluster_secret
+        secret = tmp_path / "cluster_secret"
+        secret.write_text("s3cret")
+        env["SMARTGEN_CLUSTER_SECRET_FILE"] = str(secret)
     config = load_config(cls, [], env)
     port = config.gateway_port if role == "gateway" else config.admin_port
+    assert str(port) in " ".join(service["healthcheck"]["test"])
+    assert config.nats_url == "nats://nats:4222"
+    if role in WORKERS:
+        assert config.cluster_secret == "s3cret" and config.advertise_host == "" and "ports" not in service
+        return
     published = {int(p.split(":")[-1]) for p in service["ports"]}
     assert port in published, f"{role}: config port {port} is not published ({published})"
     assert all(p.startswith("127.0.0.1:") for p in service["ports"]), "publish on loopback only"
-    assert str(port) in " ".join(service["healthcheck"]["test"])
-    assert config.nats_url == "nats://nats:4222"
     assert config.advertise_host == role
     assert env["SMARTGEN_NATS_TOKEN"].startswith("${SMARTGEN_NATS_TOKEN:?"), "the NATS token must be required"
     assert "SMARTGEN_ADMIN_TOKEN" in env

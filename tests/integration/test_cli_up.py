@@ -139,3 +139,64 @@ def test_up_uses_an_existing_nats_server(tiny_model_path, tmp_path, nats_server)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def service_process(proc: subprocess.Popen, role: str) -> psutil.Process:
+    return next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                if f"services.{role}" in " ".join(p.cmdline()))
+
+
+def test_up_restarts_a_dead_worker_while_the_rest_keep_serving(tiny_model_path, tmp_path):
+    """`kill -9` of one of two decode workers: `smartgen up` says so and starts it again after its backoff; the
+    gateway serves meanwhile from the other replica, both are back afterwards, the new process counts its
+    restart in /metrics, and Ctrl-C still stops everything with exit code 0."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    proc = start_up(["--decode", "2", "--model", str(tiny_model_path), "--port", str(port)],
+                    {"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NATS_URL": ""}, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        workers = wait_for_workers(url, {"prefill": 1, "decode": 2, "broker": 1, "kvprofile": 1}, proc, log)
+        victim = service_process(proc, "decode")
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while "restarting it in" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "exited (killed by SIGKILL)" in log.read_text(), log.read_text()[-3000:]
+        for _ in range(3):  # whatever the registry knows yet, requests keep being answered
+            status, body = post_json(url + "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
+            assert status == 200 or "decode" in json.dumps(body), body
+        before = {w["id"] for w in workers if w["role"] == "decode"}
+        deadline = time.monotonic() + 60
+        while True:  # until the replacement has registered and the dead one has left the registry
+            after = wait_for_workers(url, {"decode": 2}, proc, log)
+            restarted = [w for w in after if w["role"] == "decode" and w["id"] not in before]
+            if restarted and sum(w["role"] == "decode" for w in after) == 2:
+                break
+            assert time.monotonic() < deadline, f"the dead decode worker was not replaced: {after}"
+            time.sleep(0.5)
+        status, body = post_json(url + "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
+        assert status == 200, body
+        with urllib.request.urlopen(restarted[0]["admin_url"] + "/metrics") as r:
+            assert "smartgen_service_restarts 1" in r.read().decode()
+        interrupt_and_check_clean_exit(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_gives_up_on_a_service_that_keeps_dying_at_start(tiny_model_path, tmp_path):
+    """A setting that kills the model workers at start-up: `smartgen up` restarts them a few times, then stops
+    the stack with exit code 1 and a message naming the service and its exit code, and leaves nothing running."""
+    log = tmp_path / "up.log"
+    proc = start_up(["--model", str(tiny_model_path), "--port", str(free_port())],
+                    {"SMARTGEN_KV_CACHE_MB": "-1", "SMARTGEN_NATS_URL": ""}, log)
+    try:
+        assert proc.wait(120) == 1, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "giving up" in text and "times in a row" in text and "exit code" in text, text[-3000:]
+        assert "restarting it in 1 s (restart 1)" in text and "restarting it in 2 s (restart 2)" in text
+        assert "smartgen: stopped" in text and "Traceback" not in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

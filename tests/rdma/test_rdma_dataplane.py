@@ -121,3 +121,24 @@ async def test_on_demand_goes_before_queued_background(rdma_pair):
     await a.read(b.address, 1, [Segment(0, 0, 4096)])
     assert not background.done(), "the read should finish before 8 MiB of background writes"
     await asyncio.wait_for(background, 120)
+
+
+async def test_cut_links_fails_what_is_in_flight_and_the_next_transfer_reconnects(rdma_pair):
+    """cut_links (how decode stops reads from a prefill whose heartbeats stopped) fails the link's transfers at
+    once, tells on_link_lost, and a later transfer to the same peer runs the rendezvous again and works."""
+    a, b, ra, rb = rdma_pair
+    b.grant(Grant(1, [(0, SIZE)]))
+    await a.push(b.address, 1, [Segment(0, 0, 4096)])
+    lost = []
+    a.on_link_lost = lambda peer, error: lost.append(peer)
+    a.set_link_gbps(0.01)  # slow enough that the push below is still in flight when the link is cut
+    pending = asyncio.ensure_future(a.push(b.address, 1, [Segment(0, 0, 4 << 20)]))
+    await asyncio.sleep(0.05)
+    assert a.cut_links("cut by the test", peer=b.address) == 1
+    with pytest.raises(DataPlaneError, match="cut by the test"):
+        await asyncio.wait_for(pending, 2)
+    assert lost == [b.address] and b.address not in a.links
+    a.set_link_gbps(0)
+    ra[:4096] = random.Random(5).randbytes(4096)
+    await a.push(b.address, 1, [Segment(0, 0, 4096)])
+    assert rb[:4096] == ra[:4096]

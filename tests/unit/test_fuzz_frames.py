@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.dataplane import Grant, Segment, make_dataplane
-from shared.dataplane import frames
+from shared.dataplane import frames, handshake
 from shared.dataplane.frames import (CHUNK_BYTES, HEADER, MAGIC, MAX_HELLO_BYTES, MAX_SEGMENTS, SEGMENT, FrameError,
                                      Header)
 
@@ -112,9 +112,19 @@ async def server():
 
 
 async def send_and_wait_for_close(address: str, stream: bytes) -> None:
+    """Send `stream`; one that starts with HELLO stands for "a member's handshake, then the rest", so the hostile
+    frames after it reach an open link's reader (the fixture's plane has no secret: the key is empty)."""
     host, port = address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
+        if stream.startswith(HELLO):
+            stream = stream[len(HELLO):]
+            challenge = (await reader.readexactly(HEADER.size + handshake.NONCE_BYTES))[HEADER.size:]
+            hello = handshake.hello_payload(b"", challenge, handshake.new_nonce(), b"fuzzer:1")
+            writer.write(Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
+            welcome = Header.unpack(await reader.readexactly(HEADER.size))
+            assert welcome.op == frames.OP_WELCOME and welcome.status == frames.STATUS_OK
+            await reader.readexactly(welcome.payload_len)
         writer.write(stream)
         writer.write_eof()
         await asyncio.wait_for(reader.read(), 2)  # whatever it answers, then EOF: the server closed the connection

@@ -1,0 +1,94 @@
+"""Keeps a Stack's services running (`smartgen up`): a service that dies is started again, the rest keep serving.
+
+- A death is logged with its exit code and how long the process lived, and the service is started again after
+  a backoff: 1 s, then 2, 4, 8, 16, 30 s while it keeps dying soon after each start (back to 1 s once it
+  has lived QUICK_DEATH_S). The new process gets SMARTGEN_RESTARTS (its `smartgen_service_restarts` metric).
+- A service that dies within QUICK_DEATH_S of its start MAX_QUICK_DEATHS times in a row is given up on: `poll`
+  returns a message saying so, and the caller stops the stack (a bad setting will not fix itself).
+- The embedded NATS server is restarted the same way, on the same port with the same token and store, so the
+  services reconnect by themselves.
+While a decode or prefill worker is away the gateway routes around it: its heartbeats stop, the registry drops
+it, and requests go to the replicas left (or get a 503 naming the missing role when there is none).
+"""
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tools.stack import Stack
+
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # by the number of quick deaths in a row, less one
+QUICK_DEATH_S = 60.0  # a death this soon after a start counts toward giving up (a model loads in ~10 s)
+MAX_QUICK_DEATHS = 3
+NATS = "nats"  # the embedded server's name in messages
+
+
+@dataclass
+class _Service:
+    started: float  # monotonic seconds
+    restarts: int = 0
+    quick_deaths: int = 0  # deaths in a row, each within QUICK_DEATH_S of its start
+    restart_at: float | None = None  # set while the service is dead and waiting out its backoff
+
+
+class Supervisor:
+    def __init__(self, stack: Stack, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.stack, self.say, self.clock = stack, say, clock
+        now = clock()
+        self.services = {name: _Service(now) for name in [*stack.processes, *([NATS] if stack.nats else [])]}
+
+    def total_restarts(self) -> int:
+        return sum(s.restarts for s in self.services.values())
+
+    def poll(self) -> str:
+        """Look at every service once: note new deaths, start those whose backoff is over. Returns "" or, when a
+        service keeps dying at start-up, why the stack should stop."""
+        now = self.clock()
+        for name, service in self.services.items():
+            if service.restart_at is not None:
+                if now >= service.restart_at:
+                    self._start_again(name, service, now)
+                continue
+            code = self._exit_code(name)
+            if code is None:
+                continue
+            lived_s = now - service.started
+            service.quick_deaths = service.quick_deaths + 1 if lived_s < QUICK_DEATH_S else 0
+            if service.quick_deaths >= MAX_QUICK_DEATHS:
+                return (f"{name} died {service.quick_deaths} times in a row within {QUICK_DEATH_S:.0f} s of starting "
+                        f"(last: {_describe(code)}); giving up — its log above says why")
+            delay = BACKOFF_S[min(max(service.quick_deaths - 1, 0), len(BACKOFF_S) - 1)]
+            service.restart_at = now + delay
+            self.say(f"{name} exited ({_describe(code)}) after {lived_s:.0f} s; restarting it in {delay:.0f} s "
+                     f"(restart {service.restarts + 1})")
+        return ""
+
+    def _exit_code(self, name: str) -> int | None:
+        if name == NATS:
+            assert self.stack.nats is not None
+            process = self.stack.nats.process
+            return None if process is None else process.poll()
+        return self.stack.processes[name].poll()
+
+    def _start_again(self, name: str, service: _Service, now: float) -> None:
+        service.restarts += 1
+        service.restart_at, service.started = None, now
+        if name == NATS:
+            assert self.stack.nats is not None
+            try:
+                self.stack.nats.start()  # same port, token and store: the services reconnect by themselves
+            except (RuntimeError, TimeoutError) as exc:  # its process is dead: the next poll counts the death
+                self.say(f"{NATS} did not come back: {exc}")
+        else:
+            self.stack.respawn(name, {"SMARTGEN_RESTARTS": str(service.restarts)})
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
