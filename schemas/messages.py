@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.transfer import DEFAULT_KV_BUDGET, FAILURE_POLICIES
+from schemas.transfer import DEFAULT_FLOOR, DEFAULT_KV_BUDGET, FAILURE_POLICIES, BudgetFloor
 
 # The transfer modes, their defaults and the plan geometry: schemas/transfer.py.
 
@@ -79,6 +79,7 @@ class KvHandle:
     capacity: int  # tokens
     aux_offset: int = 0  # bytes: where selector metadata or quantized codes land (see shared/compute/kvstore.py)
     aux_bytes: int = 0
+    floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's budget floor: what its steps will attend to
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,9 @@ class TransferPlan:
     background: bool = False  # path 3: speculative transfer of the rest
     reason: str = ""  # why this mode (auto) and this push budget, in words
     selector: str = ""  # the selector the request runs with, as resolved here ("" = dense: auto chose full)
+    # smartgen's query-aware push: per KV head of each layer ≥ 2, how many tokens the prefill selects with that
+    # layer's last-position query and pushes (beyond `push_blocks`); 0 = none
+    query_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,7 @@ class PrefillDone:
     num_prompt_tokens: int
     prefill_s: float  # compute time of the prefill forward pass
     source: KvSource | None = None  # partial, smartgen: the KV left on the prefill node
+    query_entries: int = 0  # (layer, KV head, token) entries pushed by query (TransferPlan.query_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +200,7 @@ class Generate:
     prefill_worker_id: str = ""  # who prefilled (every mode but colocated)
     prefill_dataplane_addr: str = ""  # where its pushes come from: if that link drops, waiting for them stops
     failure_policy: str = FAILURE_POLICIES[0]  # one of FAILURE_POLICIES
+    query_entries: int = 0  # PrefillDone.query_entries: part of what decode waits for before its first step
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +284,8 @@ class OpenPlan:
     prefill_worker_id: str
     decode_worker_id: str
     ablate: list[str] = field(default_factory=list)  # SMARTGEN_PATHS switched off
+    kv_budget: float = 0.0  # the request's (0 = DEFAULT_KV_BUDGET): sizes smartgen's query-aware push
+    floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's (KvHandle.floor), likewise
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it nam
 KV_BITS = (2, 4)  # quantized transfer's code widths
 DEFAULT_KV_BITS = 2
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
-SMARTGEN_PATHS = ("proactive", "parallel", "background")  # the three paths; a request may `ablate` any
+# the three paths, and `query`, the query-aware part of the proactive push; a request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
 # an error naming what failed, or `recompute` the prefill itself and carry on.
 FAILURE_POLICIES = ("fail", "recompute")
@@ -71,6 +72,9 @@ class TransferMode:
     needs_selector: bool  # a request that names none gets DEFAULT_SELECTOR
     kv_bits: tuple[int, ...] = ()  # the kv_bits a request may ask for; () = none
     orders_by_profile: bool = False  # PLAN_BLOCKS: the most important blocks by the KV profile (else memory order)
+    # the prefill also pushes, per layer, the entries its own last-position query selects; the metadata then
+    # carries a bitmap of them (TransferPlan.query_tokens sizes it)
+    pushes_by_query: bool = False
     has_paths: bool = False  # smartgen's paths can be switched off (`ablate`)
     resolves_to: tuple[str, ...] = ()  # auto: the modes the broker chooses between
 
@@ -109,11 +113,13 @@ MODES: dict[str, TransferMode] = {m.name: m for m in (
                  allows_selector=False, needs_selector=False, kv_bits=KV_BITS),
     TransferMode("smartgen", "the three paths: profile push, parallel on-demand reads, background transfer",
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
-                 keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True),
+                 keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True,
+                 pushes_by_query=True),
     # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux), since the broker may choose it
     TransferMode("auto", "the broker chooses full or smartgen from the measured link and prompt length",
                  is_disaggregated=True, pushes=Push.NOTHING, aux=Aux.METADATA, is_selective=False, keeps_source=False,
-                 allows_selector=True, needs_selector=True, has_paths=True, resolves_to=("full", "smartgen")),
+                 allows_selector=True, needs_selector=True, has_paths=True, pushes_by_query=True,
+                 resolves_to=("full", "smartgen")),
 )}
 TRANSFER_MODES = tuple(MODES)
 SERVABLE_TRANSFER_MODES = TRANSFER_MODES
@@ -216,14 +222,19 @@ def pushed_pages(plan: TransferPlan, num_layers: int) -> np.ndarray:
     return unpack_bits(plan.push_blocks, (num_layers, plan.num_pages))
 
 
-def page_runs(pages: np.ndarray, page_tokens: int, num_tokens: int) -> list[tuple[int, int]]:
-    """Token ranges [start, stop) covering the runs of consecutive True pages of one layer."""
-    idx = np.flatnonzero(pages)
+def token_runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """Ranges [start, stop) of the runs of consecutive True entries of a 1-D bool array."""
+    idx = np.flatnonzero(flags)
     if not idx.size:
         return []
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
     starts, ends = idx[np.r_[0, breaks]], idx[np.r_[breaks - 1, idx.size - 1]] + 1
-    return [(int(a) * page_tokens, min(num_tokens, int(b) * page_tokens)) for a, b in zip(starts, ends)]
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def page_runs(pages: np.ndarray, page_tokens: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges [start, stop) covering the runs of consecutive True pages of one layer."""
+    return [(a * page_tokens, min(num_tokens, b * page_tokens)) for a, b in token_runs(pages)]
 
 
 def pushed_runs(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout,
@@ -239,12 +250,14 @@ def pushed_runs(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout,
 
 
 def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout, num_tokens: int,
-                 aux_bytes: int) -> int:
-    """Every byte the prefill pushes in `mode` (resolved): its aux area, if the mode fills one, and its rows.
+                 aux_bytes: int, query_entries: int = 0) -> int:
+    """Every byte the prefill pushes in `mode` (resolved): its aux area, if the mode fills one, its rows, and
+    the `query_entries` (layer, KV head, token) entries its query-aware push picked (K and V each).
     The decode worker starts decoding once exactly this many bytes have landed."""
     layer_token_bytes = layout.token_bytes // layout.num_layers  # one token's K and V in one layer
     rows = sum(stop - start for runs in pushed_runs(mode, plan, layout, num_tokens) for start, stop in runs)
-    return (aux_bytes if mode.aux is not Aux.NONE else 0) + rows * layer_token_bytes
+    entry_bytes = layer_token_bytes // layout.num_kv_heads  # one token's K and V in one KV head
+    return (aux_bytes if mode.aux is not Aux.NONE else 0) + rows * layer_token_bytes + query_entries * entry_bytes
 
 
 __all__ = ["DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
@@ -252,4 +265,4 @@ __all__ = ["DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LA
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
            "bitmap_bytes", "budget_tokens",
            "kv_budget_problem", "mode_of", "modes_where", "num_pages", "pack_bits", "page_runs", "plan_problem",
-           "pushed_bytes", "pushed_pages", "pushed_runs", "unpack_bits"]
+           "pushed_bytes", "pushed_pages", "pushed_runs", "token_runs", "unpack_bits"]

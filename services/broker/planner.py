@@ -4,7 +4,9 @@ computes, and in what order the rest follows. Pure arithmetic over the profile; 
 The budget (path 1, docs/architecture.md "The three transfer paths"): pushes may take as long as the prefill itself, so
     bytes that fit = link rate × T_prefill,   T_prefill = N / measured prefill rate,
 i.e. n_push ≈ N_blocks · T_prefill / T_full. The selector metadata is pushed first (decode cannot select
-without it), then layers 0–1 in full (they stay dense), then profile blocks in importance order.
+without it), then layers 0–1 in full (they stay dense), then, per layer, the tokens the prompt's own last
+query selects (`query_tokens` per KV head: what step 1 will attend to, as far as the budget allows), then
+profile blocks in importance order with what is left.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits
+from schemas import DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits
 from schemas.transfer import Push
 from shared.profiles import page_importance
 
@@ -78,15 +80,20 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
         queue: list[int] = []
         use_background = False
     else:
+        query_tokens = 0
         order = smartgen_order(importance, req.num_tokens, lay.page_tokens)
         dense = DENSE_LAYERS * num_pages  # layers 0–1 lead the order
         if "proactive" in req.ablate:
             pushed = order[:0]
             why = "smartgen without the proactive path: metadata only"
         else:
-            pushed = order[:max(budget, dense)]
-            why = (f"smartgen: metadata, layers 0–1, then {max(0, budget - dense)} profile blocks "
-                   f"({len(pushed)} of {num_blocks} blocks) fit behind the prefill")
+            left = max(0.0, fits - dense * block_bytes)
+            query_tokens = 0 if "query" in req.ablate else query_push_tokens(req, left)
+            left -= query_tokens * query_entry_bytes(req)
+            pushed = order[:max(dense + int(left // block_bytes), dense)]
+            why = (f"smartgen: metadata, layers 0–1, {query_tokens} tokens per KV head by the prompt's last query, "
+                   f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
+                   f"the prefill")
         use_background = "background" not in req.ablate
         queue = [int(b) for b in order[len(pushed):]] if use_background else []
     flags = np.zeros(num_blocks, dtype=bool)
@@ -94,8 +101,26 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     name, version, source = profile
     plan = TransferPlan(**base, push_blocks=pack_bits(flags), num_push_blocks=int(flags.sum()), profile=name,
                         profile_version=version, profile_source=source, background=use_background,
-                        reason="; ".join(r for r in (reason, why) if r))
+                        reason="; ".join(r for r in (reason, why) if r),
+                        query_tokens=query_tokens if spec.pushes_by_query and "proactive" not in req.ablate else 0)
     return PlannedTransfer(plan, queue)
+
+
+def query_entry_bytes(req: OpenPlan) -> int:
+    """Bytes one token per KV head costs in the query-aware push: its K and V in every layer ≥ DENSE_LAYERS."""
+    lay = req.layout
+    return (lay.num_layers - DENSE_LAYERS) * (lay.token_bytes // lay.num_layers)
+
+
+def query_push_tokens(req: OpenPlan, budget_bytes: float) -> int:
+    """Tokens per KV head the prefill should select with its last-position query and push: what step 1 will
+    attend to (the request's budget under the decode worker's floor, at N + 1 cached tokens), as far as
+    `budget_bytes` allows; 0 where step 1 attends densely (nothing to choose)."""
+    n = req.num_tokens + 1
+    k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, n)
+    if k >= n:
+        return 0
+    return max(0, min(k, int(budget_bytes // query_entry_bytes(req))))
 
 
 def smartgen_order(importance: np.ndarray | None, num_tokens: int, page_tokens: int) -> np.ndarray:

@@ -1,8 +1,9 @@
 """The part of one request's KV that is still on the prefill node, and the reads that bring it over
 (paths 2 and 3: docs/architecture.md, "The three transfer paths"). The decode node owns this picture; the broker only schedules.
 
-Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks before decoding
-starts, on-demand reads mark exactly the entries a step selected, background reads mark whole blocks.
+Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks (and, smartgen's
+query-aware push, single entries) before decoding starts, on-demand reads mark exactly the entries a step
+selected, background reads mark whole blocks.
 Tokens decoded here are always local. Threads:
   - the torch thread calls `fetch` inside attention and waits on the returned `Pending` (never on the loop);
   - the event loop runs every read, marks presence once bytes have landed, and runs `read_blocks` and `close`.
@@ -62,6 +63,8 @@ class RemoteKv:
     parallel: bool = True  # gather local entries while the remote read is in flight
     read_timeout_s: float = 30.0
     background_read_bytes: int = 64 << 10  # one background read; small, so an on-demand read never waits long
+    pushed_entries: np.ndarray | None = None  # (num_layers, num_kv_heads, num_tokens) bool: pushed one by one
+                                              # (smartgen's query-aware push), already landed
     bytes_on_demand: int = 0
     bytes_background: int = 0
     step_local_share: list[float] = field(default_factory=list)
@@ -83,6 +86,8 @@ class RemoteKv:
         self.dst_rows = self.dst_offset + rows * self.dst_capacity * self.token_bytes
         padded = np.repeat(self.pushed, self.page_tokens, axis=1)[:, : self.num_tokens]  # (L, N)
         self.present = np.repeat(padded[:, None], self.num_kv_heads, axis=1)  # (L, H, N)
+        if self.pushed_entries is not None:
+            self.present |= self.pushed_entries
         self.missing_per_layer = (~self.present).sum(axis=(1, 2))
         self.num_missing = int(self.missing_per_layer.sum())
         self._step_local = self._step_remote = 0

@@ -117,7 +117,7 @@ class DecodeService(ModelWorkerService):
             self.config.open_timeout_s, lambda: asyncio.ensure_future(self._expire(req.request_id)))
         self.active[req.request_id] = state
         return KvHandle(req.request_id, self.worker_id, self.dataplane.address, state.grant.ticket, self.store.layout,
-                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes)
+                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes, self.config.floor)
 
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode in LOCAL_MODES:
@@ -339,12 +339,14 @@ class DecodeService(ModelWorkerService):
             return
         assert req.plan is not None and req.source is not None
         pushed = pushed_pages(req.plan, self.store.layout.num_layers)
+        by_query = await self.in_torch(self.engine.pushed_by_query, state.slab, req.selector, n) \
+            if mode.pushes_by_query else None
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
-                                self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps))
+                                self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query)
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
-                            NUM_BLOCKS)
+                            NUM_BLOCKS, mode.pushes_by_query)
         state.plan_state = "transferring"
         if remote is None:
             await self.remote_kv.all_local(state, 0)
@@ -377,7 +379,8 @@ class DecodeService(ModelWorkerService):
         if mode.aux is Aux.METADATA and not req.selector:
             raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
         try:
-            return await self.in_torch(self.engine.aux_bytes, mode.aux, req.num_tokens, req.selector, req.kv_bits)
+            return await self.in_torch(self.engine.aux_bytes, mode.aux, req.num_tokens, req.selector, req.kv_bits,
+                                       mode.pushes_by_query)
         except (ValueError, PreparationMissing) as exc:
             raise RequestRefused("bad_request", str(exc)) from None
 
@@ -385,7 +388,7 @@ class DecodeService(ModelWorkerService):
         """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
         assert self.store and state.slab is not None
         return pushed_bytes(mode_of(req.transfer_mode), req.plan, self.store.layout, state.num_tokens,
-                            state.slab.aux_bytes)
+                            state.slab.aux_bytes, req.query_entries)
 
     def _problem(self, state: DecodeRequest, req: Generate) -> str:
         """Why `generate` cannot run this request as asked ("" if it can)."""

@@ -163,7 +163,9 @@ class CompletionRun:
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
-                                        self.decode.worker_id, job.ablate), TransferPlan, CONTROL_TIMEOUT_S)
+                                        self.decode.worker_id, job.ablate, job.kv_budget or 0.0, handle.floor),
+                               TransferPlan,
+                               CONTROL_TIMEOUT_S)
         self.mode, self.selector, self.decode_layers = self.plan.mode, self.plan.selector, handle.layout.num_layers
         return handle
 
@@ -198,7 +200,8 @@ class CompletionRun:
                                    self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
                                    done.source if done else None, job.kv_bits,
                                    self.prefill.worker_id if self.prefill else "",
-                                   prefill.dataplane_addr if prefill else "", job.failure_policy),
+                                   prefill.dataplane_addr if prefill else "", job.failure_policy,
+                                   done.query_entries if done else 0),
                           Accepted, CONTROL_TIMEOUT_S)
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
@@ -362,6 +365,7 @@ class CompletionRun:
             "plan": {"mode": plan.mode, "reason": plan.reason, "profile": plan.profile or None,
                      "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
+                     "query_tokens": plan.query_tokens,
                      "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
                      "parallel": plan.parallel, "background": plan.background} if plan else None,
             "failure_policy": self.job.failure_policy,

@@ -7,7 +7,9 @@ Life of a request here:
        full       the layer's K/V, one segment per (K|V, head), straight into the decode slab's rows;
        quantized  the layer's low-bit codes (computed on the torch thread), into the decode slab's aux area;
        partial,   the layer's selector metadata for every token, then the plan's blocks of this layer
-       smartgen   (path 1: layers 0–1 and the most important profile blocks).
+       smartgen   (path 1: layers 0–1 and the most important profile blocks); smartgen first sends the
+                  entries the layer's own last-position query selects (query-aware push), with their bitmap
+                  inside the metadata.
   3. The first token is sampled and returned at once; the last layers' pushes may still be in flight.
   4. full, quantized: when every push is acked, the local slab is freed.
      partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease the decode
@@ -23,12 +25,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import (Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
-                     TransferMode, TransferPlan, encode, mode_of, modes_where, plan_problem, pushed_runs, subjects)
+                     TransferMode, TransferPlan, encode, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
+                     subjects, token_runs)
 from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages, Slab, slab_rows
@@ -36,7 +40,7 @@ from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
-from shared.compute.prefill_engine import LayerEncoder, PrefillEngine
+from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
 
 log = structlog.get_logger()
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
@@ -58,6 +62,7 @@ class Transfer:
     row_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer: the token ranges it pushes
     read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
     lease: asyncio.TimerHandle | None = None
+    query_push: QueryPush | None = None  # smartgen: the entries each layer's last-position query picked
 
 
 class PrefillService(ModelWorkerService):
@@ -104,8 +109,10 @@ class PrefillService(ModelWorkerService):
             loop.call_soon_threadsafe(self._start_push, transfer, layer)
 
         started = loop.time()
+        by_query = transfer.query_push is not None and transfer.query_push.tokens > 0
         try:
-            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored, encode_layer)
+            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored, encode_layer,
+                                        by_query)
         except BaseException:
             await self._finish(req.request_id, cancel=True)
             raise
@@ -119,7 +126,8 @@ class PrefillService(ModelWorkerService):
                  mode=req.transfer_mode)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(self._await_pushes(req.request_id))
-        return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source)
+        query_entries = transfer.query_push.num_entries if transfer.query_push else 0
+        return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source, query_entries)
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)
@@ -181,8 +189,13 @@ class PrefillService(ModelWorkerService):
             layout, encode_layer = await self.in_torch(self.engine.quantizer, transfer.slab, req.kv_bits, n)
             ranges = [layout.layer_range(layer) for layer in range(layers)]
         elif transfer.mode.aux is Aux.METADATA:
+            if transfer.mode.pushes_by_query:
+                assert req.plan is not None
+                transfer.query_push = QueryPush(req.plan.query_tokens, pushed_pages(req.plan, layers),
+                                                self.store.layout.page_tokens, req.handle.floor)
             try:
-                layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n)
+                layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
+                                                           transfer.query_push)
             except (ValueError, PreparationMissing) as exc:
                 raise RequestRefused("bad_request", str(exc)) from None
             ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
@@ -210,6 +223,8 @@ class PrefillService(ModelWorkerService):
             aux = [Segment(self.store.aux_offset(transfer.slab) + at, handle.aux_offset + at, length)]
             pushes.append((transfer.mode.aux_path, aux))
         rows = []
+        if transfer.query_push is not None and layer in transfer.query_push.picked:
+            rows += self._entry_segments(transfer, layer, transfer.query_push.picked[layer])
         for start, stop in transfer.row_runs[layer]:
             src = self.store.rows(transfer.slab, layer, start, stop)
             dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, start, stop)
@@ -217,6 +232,20 @@ class PrefillService(ModelWorkerService):
         if rows:
             pushes.append((transfer.mode.rows_path, rows))
         return pushes
+
+    def _entry_segments(self, transfer: Transfer, layer: int, picked: np.ndarray) -> list[Segment]:
+        """`picked` (num_kv_heads, N) bool entries of `layer`: one K and one V segment per run of consecutive
+        tokens of a head (a slab keeps each head's tokens contiguous)."""
+        assert self.store
+        handle, lay = transfer.handle, self.store.layout
+        src_rows = self.store.rows(transfer.slab, layer, 0, handle.num_tokens)  # (K|V, head) rows, in order
+        dst_rows = slab_rows(handle.layout, handle.offset, handle.capacity, layer, 0, handle.num_tokens)
+        entry = src_rows[0][1] // handle.num_tokens  # one token of one head's K (or V), bytes
+        segments = []
+        for (src, _), (dst, _), heads in zip(src_rows, dst_rows, [*range(lay.num_kv_heads)] * 2):
+            for start, stop in token_runs(picked[heads]):
+                segments.append(Segment(src + start * entry, dst + start * entry, (stop - start) * entry))
+        return segments
 
     async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
         assert self.dataplane

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
 from transformers.cache_utils import DynamicCache
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
@@ -32,7 +34,7 @@ class DecodeEngine:
         self.selections: dict[str, selective.Selection] = {}
         self._selectors: dict[str, Selector] = {}  # built once per name (offline preparation is loaded here)
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
-                                 runner.head_dim, store.layout.page_tokens)
+                                 runner.head_dim, store.layout.page_tokens, getattr(torch, store.layout.dtype))
         selective.install(runner.model)
 
     def selector(self, name: str) -> Selector:
@@ -41,15 +43,25 @@ class DecodeEngine:
             self._selectors[name] = make_selector(name, self.geometry, self.prep_dir)
         return self._selectors[name]
 
-    def aux_bytes(self, aux: Aux, num_tokens: int, selector: str = "", kv_bits: int = 0) -> int:
-        """The bytes of the aux area a request of `num_tokens` prompt tokens needs: its selector's metadata, or
-        its KV as `kv_bits`-bit codes (ValueError or PreparationMissing, with the fix, when it cannot have one)."""
+    def aux_bytes(self, aux: Aux, num_tokens: int, selector: str = "", kv_bits: int = 0, query_bitmap: bool = False) -> int:
+        """The bytes of the aux area a request of `num_tokens` prompt tokens needs: its selector's metadata (and
+        the query-aware push's bitmap), or its KV as `kv_bits`-bit codes (ValueError or PreparationMissing, with
+        the fix, when it cannot have one)."""
         lay = self.store.layout
         if aux is Aux.CODES:
             return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, kv_bits).nbytes
         if aux is Aux.METADATA:
-            return MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens).nbytes
+            return MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap).nbytes
         return 0
+
+    def pushed_by_query(self, slab: Slab, selector: str, num_tokens: int) -> np.ndarray:
+        """(num_layers, num_kv_heads, num_tokens) bool: the entries the prefill's query-aware push sent, from
+        the bitmaps in `slab`'s aux area (layers 0–1: none; they arrive whole)."""
+        layout = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        present = np.zeros((self.runner.num_layers, self.runner.num_kv_heads, num_tokens), dtype=bool)
+        for layer in range(DENSE_LAYERS, self.runner.num_layers):
+            present[layer] = layout.read_query_bitmap(self.store.aux(slab), layer)
+        return present
 
     def detach_remote(self, request_id: str) -> None:
         """Every entry of the request is local now: its attention reads nothing remote any more. Called between
@@ -59,14 +71,16 @@ class DecodeEngine:
             selection.remote = None
 
     def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False,
-                      slab: Slab | None = None, remote: selective.RemoteEntries | None = None, count_blocks: int = 0) -> None:
+                      slab: Slab | None = None, remote: selective.RemoteEntries | None = None, count_blocks: int = 0,
+                      query_bitmap: bool = False) -> None:
         """Decode this request with selective attention from now on. The selector's state for the cached
-        tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given,
-        else from the keys in the cache. `count_blocks` > 0 counts selections per relative block."""
+        tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given
+        (`query_bitmap`: laid out with the query-aware push's bitmaps), else from the keys in the cache.
+        `count_blocks` > 0 counts selections per relative block."""
         sel = selective.Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
-        layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens) if slab is not None else None
+        layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens, query_bitmap) if slab is not None else None
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
             if layout is not None:
                 tensors = [t.to(self.runner.device) for t in layout.read(self.store.aux(slab), layer)]

@@ -34,9 +34,9 @@ class PackedTensors:
             at += _aligned(size)
         return views
 
-    def write(self, buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Copy `tensors` (matching the specs exactly) into `buf`."""
-        for view, tensor in zip(self.views(buf), tensors, strict=True):
+    def write(self, buf: torch.Tensor, tensors: list[torch.Tensor], first: int = 0) -> None:
+        """Copy `tensors` (matching the specs exactly, from spec `first` on) into `buf`."""
+        for view, tensor in zip(self.views(buf)[first:first + len(tensors)], tensors, strict=True):
             if tensor.shape != view.shape or tensor.dtype != view.dtype:
                 raise ValueError(f"tensor {tuple(tensor.shape)} {tensor.dtype} does not match the declared "
                                  f"{tuple(view.shape)} {view.dtype}")

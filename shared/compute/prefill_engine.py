@@ -1,12 +1,16 @@
 """Prefill compute: run a prompt layer by layer into the KV store. Synchronous torch; no asyncio."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from schemas import Sampling
+from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
+from shared.compute import selective
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.quantization import QuantLayout
@@ -18,12 +22,30 @@ from shared.compute.selectors.metadata import MetadataLayout
 LayerEncoder = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+@dataclass
+class QueryPush:
+    """smartgen's query-aware push for one request: per layer ≥ DENSE_LAYERS, the entries the prompt's last
+    position selects (its own query, the step rule of selective.select_with_floor with `tokens` per KV head),
+    less those the plan's blocks already push. The torch thread fills `picked` as each layer is stored."""
+
+    tokens: int  # TransferPlan.query_tokens
+    pushed_pages: np.ndarray  # (num_layers, num_pages) bool: the plan's blocks
+    page_tokens: int
+    floor: BudgetFloor = DEFAULT_FLOOR
+    picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
+
+    @property
+    def num_entries(self) -> int:
+        return int(sum(p.sum() for p in self.picked.values()))
+
+
 class PrefillEngine:
     def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None):
         self.runner, self.store, self.prep_dir = runner, store, prep_dir
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
-                                 runner.head_dim, store.layout.page_tokens)
+                                 runner.head_dim, store.layout.page_tokens, getattr(torch, store.layout.dtype))
         self._selectors: dict[str, Selector] = {}
+        self.last_query: dict[int, torch.Tensor] = {}  # layer → (H, d), during a run with a query-aware push
 
     def selector(self, name: str) -> Selector:
         """The named selector (raises PreparationMissing or ValueError with the fix), built once."""
@@ -32,10 +54,11 @@ class PrefillEngine:
         return self._selectors[name]
 
     def run(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling, on_layer_stored: Callable[[int], None],
-            encode: LayerEncoder | None = None) -> int:
+            encode: LayerEncoder | None = None, last_queries: bool = False) -> int:
         """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V as stored (rounded to the store's
         dtype, so metadata and codes describe exactly the KV decode will attend to), then `on_layer_stored(layer)`
-        fires as each layer has landed. Returns the first completion token."""
+        fires as each layer has landed. `last_queries`: keep each layer's last-position query for `encode` (a
+        query-aware push). Returns the first completion token."""
 
         def store_layer(layer: int, keys, values) -> None:
             self.store.write_layer(slab, layer, keys, values)
@@ -44,20 +67,52 @@ class PrefillEngine:
                 encode(layer, stored_k.to(keys.device, keys.dtype), stored_v.to(values.device, values.dtype))
             on_layer_stored(layer)
 
-        logits, _ = self.runner.prefill(token_ids, on_layer=store_layer)
+        with self._last_queries() if last_queries else _nothing():
+            logits, _ = self.runner.prefill(token_ids, on_layer=store_layer)
         return sample(logits, sampling, index=0)
 
-    def metadata_encoder(self, slab: Slab, selector: str, num_tokens: int) -> tuple[MetadataLayout, LayerEncoder]:
-        """Selective modes: each layer ≥ 2's selector metadata for every prompt token, into the aux area."""
+    @contextmanager
+    def _last_queries(self) -> Iterator[None]:
+        """While inside, each decoder layer's post-RoPE query at the prompt's last position lands in
+        `self.last_query[layer]` (H, d) as the layer starts (the query-aware push selects with it)."""
+        hooks = []
+        for i, decoder_layer in enumerate(self.runner.model.get_decoder().layers):
+            def keep(_module, args, kwargs, i=i, decoder_layer=decoder_layer):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                cos, sin = kwargs["position_embeddings"]
+                self.last_query[i] = selective.query_of(decoder_layer, hidden[:, -1:], cos[:, -1:], sin[:, -1:])
+            hooks.append(decoder_layer.register_forward_pre_hook(keep, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.last_query.clear()
+
+    def metadata_encoder(self, slab: Slab, selector: str, num_tokens: int,
+                         query_push: QueryPush | None = None) -> tuple[MetadataLayout, LayerEncoder]:
+        """Selective modes: each layer ≥ 2's selector metadata for every prompt token, into the aux area; with
+        `query_push`, also the entries the layer's last-position query selects, and their bitmap."""
         sel = self.selector(selector)
-        layout = MetadataLayout(sel, self.runner.num_layers, num_tokens)
+        layout = MetadataLayout(sel, self.runner.num_layers, num_tokens, query_bitmap=query_push is not None)
         aux = self.store.aux(slab)
 
         def encode(layer: int, keys: torch.Tensor, _values: torch.Tensor) -> None:
-            if layer >= DENSE_LAYERS:
-                state = sel.new_state(layer)
-                sel.extend(layer, state, keys)
-                layout.write(aux, layer, sel.export(state))
+            if layer < DENSE_LAYERS:
+                return
+            state = sel.new_state(layer)
+            sel.extend(layer, state, keys)
+            layout.write(aux, layer, sel.export(state))
+            if query_push is not None:
+                picked = np.zeros((keys.shape[0], num_tokens), dtype=bool)
+                if query_push.tokens > 0:
+                    idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], query_push.tokens,
+                                                      num_tokens, query_push.floor)
+                    np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)
+                    in_blocks = np.repeat(query_push.pushed_pages[layer], query_push.page_tokens)[:num_tokens]
+                    picked[:, in_blocks] = False  # the plan's blocks bring those already
+                query_push.picked[layer] = picked
+                layout.write_query_bitmap(aux, layer, picked)
 
         return layout, encode
 
@@ -67,3 +122,8 @@ class PrefillEngine:
         layout = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits)
         aux = self.store.aux(slab)
         return layout, lambda layer, keys, values: layout.quantize(aux, layer, keys, values)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

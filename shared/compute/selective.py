@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from shared.profiles import token_blocks
+from schemas import BudgetFloor
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 
 ATTENTION_NAME = "smartgen_selective"
@@ -149,11 +150,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     sel.selector.extend(layer, state, keys)
     q = query[0, :, 0]  # (H, d)
     probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
-    floor = sel.budget.floor
-    kept = min(n, floor.sinks + floor.recent)
-    idx = sel.selector.select(layer, state, probe, max(1, k - kept))  # (H_kv, k')
-    if kept:
-        idx = _with_sinks_and_recent(idx, n, floor.sinks, floor.recent)
+    idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
     pending = sel.remote.fetch(layer, idx) if sel.remote is not None else None
     parallel = sel.remote.parallel if sel.remote is not None else True
     if pending is not None and not parallel:
@@ -212,17 +209,32 @@ def _ensure_local(sel: Selection, layer: int, idx: torch.Tensor | None) -> None:
 def _speculated_query(sel: Selection, module, layer: int) -> torch.Tensor:
     """InfiniGen's speculation: layer i's query computed from layer i-1's input, (H, d)."""
     hidden = sel.layer_inputs.get(layer - 1)
-    decoder_layer = module._smartgen_decoder_layer
     if hidden is None or sel.position_embeddings is None:
         raise RuntimeError("speculation needs the previous layer's input: install_hooks() was not called")
+    return query_of(module._smartgen_decoder_layer, hidden, *sel.position_embeddings)
+
+
+def query_of(decoder_layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The post-RoPE query `decoder_layer` computes from its input `hidden` (1, 1, D) at the position of `cos`,
+    `sin` (1, 1, d): (H, d)."""
+    module = decoder_layer.self_attn
     x = decoder_layer.input_layernorm(hidden)
     q = module.q_proj(x).view(1, 1, -1, module.head_dim)
     if hasattr(module, "q_norm"):  # Qwen3 normalizes each head's query before RoPE
         q = module.q_norm(q)
     q = q.transpose(1, 2)  # (1, H, 1, d)
-    cos, sin = sel.position_embeddings
     q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
     return q[0, :, 0]
+
+
+def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, k: int, n: int,
+                      floor: BudgetFloor) -> torch.Tensor:
+    """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
+    budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
+    window (the decode step's rule, shared with the prefill's query-aware push)."""
+    kept = min(n, floor.sinks + floor.recent)
+    idx = selector.select(layer, state, probe, max(1, k - kept))
+    return _with_sinks_and_recent(idx, n, floor.sinks, floor.recent) if kept else idx
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,19 +11,22 @@ from schemas import SchemaError, decode, encode, messages, subjects
 
 LAYOUT = schemas.KvLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=3072)
 PLAN = schemas.TransferPlan("r1", "smartgen", "broker-0", 2, b"\x0f", 4, "m.quest.2048", 3, "calibration", 0.5, 200.0,
-                            True, True, "fits")
+                            True, True, "fits", "quest", 12)
 EXAMPLES = [
     schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5,
                        request_ids=["r1", "r2"]),
     schemas.Discover("gateway-1"),
     LAYOUT,
-    schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 4096, 48),
+    schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 4096, 48,
+                     floor=schemas.BudgetFloor(64, 512, 2, 16)),
+    schemas.BudgetFloor(128, 1024, 4, 32),
     schemas.OpenKv("r1", 20, 16, "full"),
     schemas.Sampling(0.7, 3),
     schemas.Prefill("r1", [1, 2, 3], "full", schemas.Sampling(), schemas.KvHandle("r1", "d", "a:1", 1, LAYOUT, 3, 0, 16)),
-    schemas.PrefillDone("r1", 7, "prefill-1", 3, 0.25),
+    schemas.PrefillDone("r1", 7, "prefill-1", 3, 0.25, query_entries=600),
     schemas.Generate("r1", "full", [1, 2], 5, 16, [2], schemas.Sampling(), "smartgen.stream.r1", "quest", 0.1,
-                     prefill_worker_id="prefill-1", prefill_dataplane_addr="127.0.0.1:3", failure_policy="recompute"),
+                     prefill_worker_id="prefill-1", prefill_dataplane_addr="127.0.0.1:3", failure_policy="recompute",
+                     query_entries=600),
     schemas.Accepted("r1", "decode-1"),
     schemas.TokenEvent("r1", 3, 99, "length", "", {"full": 1024}, 0.5, 0.1, recompute_reason="link dropped"),
     schemas.Abort("r1", "client_gone"),
@@ -38,7 +41,8 @@ EXAMPLES = [
     schemas.KvSource("prefill-1", "127.0.0.1:3", 2**61, 8192, 32, 30.0),
     schemas.Release("r1", "all_local"),
     schemas.KeepLease("r1"),
-    schemas.OpenPlan("r1", "auto", "m", "quest", 20, LAYOUT, 512, "prefill-1", "decode-1", ["background"]),
+    schemas.OpenPlan("r1", "auto", "m", "quest", 20, LAYOUT, 512, "prefill-1", "decode-1", ["background"], 0.2,
+                     schemas.NO_FLOOR),
     schemas.Progress("r1", 3, 10, 4000),
     schemas.BackgroundBatch("r1", [4, 5, 9], 12),
     schemas.PlanEvent("r1", "all_local", ""),

@@ -195,3 +195,27 @@ def test_a_restarted_broker_rebuilds_live_plans_from_heartbeats(paced):
     recent = get_json(broker_info(paced)["admin_url"] + "/transfers")["recent"]
     assert any(p["request_id"] == sg["id"] and p["state"] == "released" for p in recent)
     assert_no_leaks(paced)
+
+
+def test_the_query_aware_push_is_exact_and_counted(paced):
+    """On a link where the prompt's selection fits behind the prefill (R ≈ 1), the prefill also pushes the
+    entries its own last-position query selects: the plan says how many per KV head, they arrive as proactive
+    bytes before step 1 (decode waits for exactly what was pushed), and the tokens stay those of all-local
+    selective attention. (Whether step 1 finds them useful depends on real attention: test_real_model.py.)"""
+    from tests.integration.test_faults import admin_post, worker
+
+    prefill = worker(paced, "prefill")
+    admin_post(paced, prefill, "/link", {"gbps": 0.05})
+    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    try:
+        reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)
+        by_query = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
+        by_profile = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1,
+                              ablate=["background", "query"])
+    finally:
+        admin_post(paced, prefill, "/link", {"gbps": LINK_GBPS})
+        time.sleep(1.5)
+    assert by_query["token_ids"] == by_profile["token_ids"] == reference["token_ids"]
+    assert by_query["plan"]["query_tokens"] > 0 and by_profile["plan"]["query_tokens"] == 0
+    assert by_query["kv_bytes"]["proactive"] > 0 and by_query["step_local_share"][0] > 0
+    assert_no_leaks(paced)

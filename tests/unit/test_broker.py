@@ -29,17 +29,38 @@ def pushed(plan) -> np.ndarray:
     return unpack_bits(plan.push_blocks, (LAYOUT.num_layers, plan.num_pages))
 
 
+BLOCK_BYTES = 16 * LAYOUT.token_bytes / 30  # one layer's K and V of one page
+QUERY_TOKEN_BYTES = 28 * LAYOUT.token_bytes // 30  # one token per KV head in every layer ≥ 2, K and V
+
+
 def test_smartgen_pushes_what_fits_behind_the_prefill():
     """At R = T_full/T_prefill = 4, a quarter of the KV fits (less the push margin): metadata first, then layers
-    0–1, then profile blocks."""
+    0–1, then per layer the tokens step 1 will attend to as the prompt's last query picks them (the 10% budget of
+    2,049 tokens: 205 per KV head), then profile blocks with what is left."""
     aux = 1_000_000
     planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30),
                             link_for_ratio(4.0), "b")
     blocks = pushed(planned.plan)
-    expected = int((PUSH_MARGIN * N * LAYOUT.token_bytes / 4 - aux) // (16 * LAYOUT.token_bytes / 30))
+    assert planned.plan.query_tokens == 205
+    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 4 - aux
+    expected = 2 * 128 + int((fits - 2 * 128 * BLOCK_BYTES - 205 * QUERY_TOKEN_BYTES) // BLOCK_BYTES)
     assert planned.plan.num_push_blocks == blocks.sum() == expected
     assert blocks[:2].all()  # layers 0–1 whole
     assert len(planned.queue) == 30 * 128 - expected and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
+
+
+def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
+    """A tight link: the query-aware push gets what is left after layers 0–1, fewer than the budget's tokens and
+    no profile block; `ablate: ["query"]` gives that room back to profile blocks; partial never pushes by query."""
+    tight = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
+    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 8
+    assert 0 < tight.plan.query_tokens == int((fits - 2 * 128 * BLOCK_BYTES) // QUERY_TOKEN_BYTES) < 205
+    assert tight.plan.num_push_blocks == 2 * 128
+    no_query = plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30),
+                             link_for_ratio(8.0), "b")
+    assert no_query.plan.query_tokens == 0 and no_query.plan.num_push_blocks > 2 * 128
+    partial = plan_transfer(request("partial"), "partial", None, link_for_ratio(4.0), "b")
+    assert partial.plan.query_tokens == 0
 
 
 def test_smartgen_follows_the_profile():
@@ -47,7 +68,8 @@ def test_smartgen_follows_the_profile():
     middle pages pushed, and the speculative queue is in decreasing importance."""
     importance = np.zeros((30, 1024), dtype=np.float32)
     importance[:, 500:520] = 1.0
-    planned = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(8.0), "b")
+    # NOTE: without the query-aware push, which would take this budget first (the test above)
+    planned = plan_transfer(request("smartgen", ["query"]), "smartgen", importance, link_for_ratio(8.0), "b")
     blocks = pushed(planned.plan)
     middle = slice(500 * N // 1024 // 16, 520 * N // 1024 // 16)
     assert blocks[2:, middle].all() and not blocks[2:, -10:].any()  # the rest of the budget goes by position

@@ -48,6 +48,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     page_tokens: int = 16
+    kv_dtype: torch.dtype = torch.float32  # how the KV store keeps keys: metadata exact in it may travel in it
 
     @property
     def group(self) -> int:

@@ -4,7 +4,8 @@ Each page of `page_tokens` tokens keeps the channel-wise minimum and maximum of 
 for a query is the upper bound of q·k over it, Σ_d max(q_d·min_d, q_d·max_d), summed over the query heads
 of a KV head's group. The newest page, while partly filled, is always kept; the top full pages fill the
 rest of the budget, selected whole. Bounds are updated incrementally (min/max are exact), so extending
-never reads keys it has seen before.
+never reads keys it has seen before. The bounds travel in the KV store's dtype (Geometry.kv_dtype): min and
+max of keys kept in bf16 are bf16 values, so that is exact and half the bytes of fp32.
 """
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ class QuestSelector(Selector):
 
     def metadata_bytes_per_token(self) -> float:
         g = self.geometry
-        return 2 * g.num_kv_heads * g.head_dim * 4 / g.page_tokens
+        return 2 * g.num_kv_heads * g.head_dim * g.kv_dtype.itemsize / g.page_tokens
 
     def metadata_specs(self, num_tokens: int) -> MetadataSpec:
         g = self.geometry
         shape = (g.num_kv_heads, math.ceil(num_tokens / g.page_tokens), g.head_dim)
-        return [(shape, torch.float32), (shape, torch.float32)]
+        return [(shape, g.kv_dtype), (shape, g.kv_dtype)]
 
     def new_state(self, layer: int) -> QuestState:
         return QuestState()
@@ -57,12 +58,13 @@ class QuestSelector(Selector):
         state.num_tokens = keys.shape[1]
 
     def export(self, state: QuestState) -> list[torch.Tensor]:
-        return [state.page_min.data, state.page_max.data]
+        dtype = self.geometry.kv_dtype  # NOTE: exact when the keys were kept in it (the prefill reads them back)
+        return [state.page_min.data.to(dtype), state.page_max.data.to(dtype)]
 
     def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> QuestState:
         state = QuestState()
-        state.page_min.append(tensors[0])
-        state.page_max.append(tensors[1])
+        state.page_min.append(tensors[0].float())
+        state.page_max.append(tensors[1].float())
         state.num_tokens = num_tokens
         return state
 
