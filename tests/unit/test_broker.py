@@ -34,16 +34,16 @@ QUERY_TOKEN_BYTES = 28 * LAYOUT.token_bytes // 30  # one token per KV head in ev
 
 
 def test_smartgen_pushes_what_fits_behind_the_prefill():
-    """At R = T_full/T_prefill = 4, a quarter of the KV fits (less the push margin): metadata first, then layers
-    0–1, then per layer the tokens step 1 will attend to as the prompt's last query picks them (the 10% budget of
-    2,049 tokens: 205 per KV head), then profile blocks with what is left."""
+    """At R = T_full/T_prefill = 2.5, 40% of the KV fits (less the push margin): metadata first, then layers
+    0–1, then per layer twice the tokens step 1 will attend to as the prompt's last query picks them (the 10%
+    budget of 2,049 tokens: 205 per KV head, so 410), then profile blocks with what is left."""
     aux = 1_000_000
     planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30),
-                            link_for_ratio(4.0), "b")
+                            link_for_ratio(2.5), "b")
     blocks = pushed(planned.plan)
-    assert planned.plan.query_tokens == 205
-    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 4 - aux
-    expected = 2 * 128 + int((fits - 2 * 128 * BLOCK_BYTES - 205 * QUERY_TOKEN_BYTES) // BLOCK_BYTES)
+    assert planned.plan.query_tokens == 410
+    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 2.5 - aux
+    expected = 2 * 128 + int((fits - 2 * 128 * BLOCK_BYTES - 410 * QUERY_TOKEN_BYTES) // BLOCK_BYTES)
     assert planned.plan.num_push_blocks == blocks.sum() == expected
     assert blocks[:2].all()  # layers 0–1 whole
     assert len(planned.queue) == 30 * 128 - expected and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
@@ -54,7 +54,7 @@ def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
     no profile block; `ablate: ["query"]` gives that room back to profile blocks; partial never pushes by query."""
     tight = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
     fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 8
-    assert 0 < tight.plan.query_tokens == int((fits - 2 * 128 * BLOCK_BYTES) // QUERY_TOKEN_BYTES) < 205
+    assert 0 < tight.plan.query_tokens == int((fits - 2 * 128 * BLOCK_BYTES) // QUERY_TOKEN_BYTES) < 410
     assert tight.plan.num_push_blocks == 2 * 128
     no_query = plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30),
                              link_for_ratio(8.0), "b")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tools.bench import cluster
 
-ABLATIONS = ("smartgen", "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background")
+ABLATIONS = ("smartgen", "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
 PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
 
 

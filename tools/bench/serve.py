@@ -61,7 +61,7 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
     """The request extras of a benchmark mode name."""
     sel = {"selector": selector, "kv_budget": kv_budget}
     ablations = {"smartgen-no-proactive": "proactive", "smartgen-no-parallel": "parallel",
-                 "smartgen-no-background": "background"}
+                 "smartgen-no-background": "background", "smartgen-no-query": "query"}
     if name in ablations:
         return {"transfer_mode": "smartgen", "ablate": [ablations[name]], **sel}
     if name == ONLINE_MODE:
@@ -77,7 +77,7 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
 
 
 ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized", "smartgen", "smartgen-no-proactive",
-             "smartgen-no-parallel", "smartgen-no-background")
+             "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
