@@ -36,6 +36,7 @@ class WorkerInfo:
     # model workers: the requests they hold (decode: until the stream's last event is out). A gateway back from a
     # NATS reconnect uses it to tell a slow request from one whose reply or tokens were lost meanwhile.
     request_ids: list[str] = field(default_factory=list)
+    max_requests: int = 0  # model workers: how many requests they take at once (max_active_requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,9 @@ class Generate:
     prefill_dataplane_addr: str = ""  # where its pushes come from: if that link drops, waiting for them stops
     failure_policy: str = FAILURE_POLICIES[0]  # one of FAILURE_POLICIES
     query_entries: int = 0  # PrefillDone.query_entries: part of what decode waits for before its first step
+    # a request moved here because its decode worker died (colocated, failure_policy recompute): the completion
+    # tokens the client already has; this worker recomputes the prompt, replays them and streams from there on
+    resume_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +241,26 @@ class TokenEvent:
     # mode pushes (full, quantized), or the metadata, the dense layers and step 1's own selection (selective)
     step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0  # the first decode step's time less its network waits (all-local step time)
+
+
+@dataclass(frozen=True, slots=True)
+class ResendTokens:
+    """Gateway → decode (`decode.<id>.resend`): token events of this request were lost on the way (NATS core is
+    at most once: a server that dies takes what it had not delivered). Reply: TokenBacklog."""
+
+    request_id: str
+    from_index: int  # the first completion token index the gateway lacks
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBacklog:
+    """Decode → gateway: the completion tokens from `from_index` on, as decoded so far, and the stream's last
+    event if it has been sent (the decode worker keeps both a while after the request ends)."""
+
+    request_id: str
+    from_index: int
+    token_ids: list[int]
+    final: TokenEvent | None = None
 
 
 @dataclass(frozen=True, slots=True)

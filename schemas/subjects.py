@@ -1,4 +1,4 @@
-"""Every NATS subject, in one place. All live under `smartgen.`.
+"""Every NATS subject, in one place. All live under `smartgen.` (or `smartgen.<namespace>.`: use_namespace).
 
 Request plane (request/reply, addressed to one worker):
     smartgen.<role>.<worker_id>.<verb>        e.g. smartgen.decode.decode-3f2a.open
@@ -19,6 +19,20 @@ DISCOVER = f"{PREFIX}.discover"
 HEARTBEATS = f"{PREFIX}.heartbeat.*"
 PROFILE_STATS = f"{PREFIX}.profile.stats"
 PROFILE_UPDATED = f"{PREFIX}.profile.updated"
+
+
+def use_namespace(namespace: str) -> None:
+    """Put every subject of this process under `smartgen.<namespace>.` ("" = plain `smartgen.`), so several
+    stacks can share one NATS without hearing each other (SMARTGEN_NAMESPACE; call before any subject is
+    used: shared/natsconn.py does, for every service and tool)."""
+    global PREFIX, DISCOVER, HEARTBEATS, PROFILE_STATS, PROFILE_UPDATED
+    if namespace and not is_token(namespace):
+        raise ValueError(f"namespace {namespace!r} must be letters, digits, '-' or '_' (one subject token)")
+    PREFIX = f"smartgen.{namespace}" if namespace else "smartgen"
+    DISCOVER = f"{PREFIX}.discover"
+    HEARTBEATS = f"{PREFIX}.heartbeat.*"
+    PROFILE_STATS = f"{PREFIX}.profile.stats"
+    PROFILE_UPDATED = f"{PREFIX}.profile.updated"
 
 
 def heartbeat(role: str) -> str:

@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True)
 class ServiceConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # several, comma-separated, for a cluster: the client fails over
+    namespace: str = ""  # subjects under smartgen.<namespace>. and a bucket of its own: stacks sharing one NATS
     host: str = "127.0.0.1"  # bind address of the admin server (and data plane); loopback unless told otherwise
     advertise_host: str = ""  # the name peers reach this process by (e.g. its compose service); "" = host
     admin_port: int = 0  # 0 = pick a free port and advertise it
@@ -43,6 +44,7 @@ class ServiceConfig:
     nats_user: str = ""
     nats_password: str = field(default="", repr=False)
     nats_password_file: str = ""
+    nats_creds: str = ""  # a .creds file (user JWT + NKey seed) for a server in operator/JWT mode
     # TLS to NATS: on when nats_url is tls:// or a CA is given; the client pair only if the server asks for one
     nats_tls_ca: str = ""  # PEM bundle of the CA that signed the server's certificate ("" = the system's CAs)
     nats_tls_cert: str = ""  # PEM client certificate
@@ -50,6 +52,11 @@ class ServiceConfig:
     # Bearer token for admin routes that change state (POST/DELETE…); "" = those routes answer 403
     admin_token: str = field(default="", repr=False)
     admin_token_file: str = ""
+
+    @property
+    def nats_urls(self) -> list[str]:
+        """The servers of `nats_url` (one, or a cluster's, comma-separated)."""
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
 
     @property
     def public_host(self) -> str:
@@ -64,8 +71,17 @@ class ServiceConfig:
 
     def validate(self) -> None:
         self.read_secret_files()
-        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ConfigError(f"nats_url {self.nats_url!r} must start with nats:// (or tls://)")
+        for url in self.nats_urls:
+            if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ConfigError(f"nats_url {url!r} must start with nats:// (or tls://); several are comma-separated")
+        if self.namespace and not is_token(self.namespace):
+            raise ConfigError(f"namespace {self.namespace!r} must be letters, digits, '-' or '_' (one subject token)")
+        if self.nats_creds:
+            if self.nats_token or self.nats_user:
+                raise ConfigError("NATS takes a .creds file or a token or a user and password: keep one of "
+                                  "SMARTGEN_NATS_CREDS, SMARTGEN_NATS_TOKEN, SMARTGEN_NATS_USER")
+            if not Path(self.nats_creds).is_file():
+                raise ConfigError(f"nats_creds {self.nats_creds!r} is not a file (set SMARTGEN_NATS_CREDS to a .creds file)")
         if not 0 <= self.admin_port < 65536:
             raise ConfigError(f"admin_port {self.admin_port} is not a TCP port")
         if self.heartbeat_s <= 0:

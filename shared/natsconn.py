@@ -17,17 +17,23 @@ import typing
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from schemas import subjects
 from shared.config import ServiceConfig, load_config
 
 
 def connect_options(config: ServiceConfig) -> dict[str, Any]:
-    """`servers` and, where set, `token` or `user`/`password`, and `tls` (an SSLContext)."""
-    options: dict[str, Any] = {"servers": [config.nats_url]}
+    """`servers` (a cluster's several) and, where set, `token`, `user`/`password` or `user_credentials` (a .creds
+    file), and `tls` (an SSLContext). Also puts this process's subjects under the config's namespace (every
+    process reaches NATS through here, so they all agree)."""
+    subjects.use_namespace(config.namespace)
+    options: dict[str, Any] = {"servers": config.nats_urls}
     if config.nats_token:
         options["token"] = config.nats_token
     if config.nats_user:
         options["user"], options["password"] = config.nats_user, config.nats_password
-    if config.nats_tls_ca or config.nats_tls_cert or config.nats_url.startswith("tls://"):
+    if config.nats_creds:
+        options["user_credentials"] = config.nats_creds
+    if config.nats_tls_ca or config.nats_tls_cert or any(url.startswith("tls://") for url in config.nats_urls):
         options["tls"] = tls_context(config)
     return options
 
@@ -50,7 +56,10 @@ def client_options(env: typing.Mapping[str, str] | None = None, server: str = ""
 
 
 def redacted_url(url: str) -> str:
-    """The URL as it may be logged: credentials written into it (nats://user:pass@host) become ***."""
+    """The URL (or comma-separated URLs) as it may be logged: credentials written into one
+    (nats://user:pass@host) become ***."""
+    if "," in url:
+        return ",".join(redacted_url(one.strip()) for one in url.split(","))
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url

@@ -131,6 +131,11 @@ def build_admin_app(service: Service) -> web.Application:
         ok = service.is_ready()
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
+    async def live(_: web.Request) -> web.Response:
+        """Liveness (a Kubernetes livenessProbe): the process answers, whatever NATS or the workers do. A pod
+        that is alive but not ready is taken out of service, not restarted."""
+        return web.json_response({"live": True, "role": service.role, "worker_id": service.worker_id})
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=service.metrics.render(), content_type="text/plain", charset="utf-8")
 
@@ -139,7 +144,7 @@ def build_admin_app(service: Service) -> web.Application:
 
     app = web.Application(middlewares=[json_errors,
                                        require_admin_token(service.config.admin_token, service.public_path_prefixes)])
-    app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
+    app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/live", live), web.get("/metrics", metrics),
                     web.get("/stats", stats), *service.admin_routes()])
     return app
 
@@ -183,7 +188,7 @@ async def run_service(service: Service) -> None:
         stack.push_async_callback(nc.drain)
         service.nc = nc
         micro = await nats.micro.add_service(
-            nc, name=f"smartgen-{service.role}", version=__version__,
+            nc, name="-".join(filter(None, ("smartgen", config.namespace, service.role))), version=__version__,
             description=f"SmartGen {service.role} service",
             metadata={"worker_id": service.worker_id, "admin_url": service.admin_url})
         stack.push_async_callback(micro.stop)

@@ -168,6 +168,7 @@ class ModelWorkerService(Service):
             "dataplane_addr": self.dataplane.address if self.dataplane else "",
             "model": self.runner.name if self.runner else "",
             "active_requests": len(self.active),
+            "max_requests": self.config.max_active_requests,
             "kv_pages_free": self.store.num_pages_free if self.store else 0,
             "kv_pages_total": self.store.num_pages_total if self.store else 0,
             "send_rate_gbps": round(self.dataplane.send_rate_gbps(), 4) if self.dataplane else 0.0,

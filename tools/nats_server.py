@@ -104,3 +104,41 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """`size` nats-servers clustered over loopback routes, JetStream on each (its own store), one shared token:
+    what SMARTGEN_NATS_URL with several comma-separated URLs points at. For the tests; a real cluster is
+    configured by its operator."""
+
+    def __init__(self, size: int = 3, name: str = "smartgen"):
+        token = secrets.token_urlsafe(32)
+        route_ports = [free_port() for _ in range(size)]
+        routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
+        self.servers = [NatsServer(token=token, args=["-n", f"{name}-{i}", "--cluster_name", name,
+                                                      "--cluster", f"nats://127.0.0.1:{route_ports[i]}",
+                                                      "--routes", routes])
+                        for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        """The servers' URLs, comma-separated (how SMARTGEN_NATS_URL names a cluster)."""
+        return ",".join(s.url for s in self.servers)
+
+    def client_env(self) -> dict[str, str]:
+        return {**self.servers[0].client_env(), "SMARTGEN_NATS_URL": self.url}
+
+    def start(self) -> "NatsCluster":
+        for server in self.servers:
+            server.start()
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> "NatsCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

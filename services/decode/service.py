@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, TokenEvent,
-                     TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages, subjects)
+from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+                     TokenEvent, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
+                     subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import OutOfPages, Slab
@@ -60,6 +61,7 @@ LOCAL_MODES = modes_where(is_disaggregated=False)  # colocated: the prefill runs
 
 
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request's open or generate
+NUM_STREAMS_REMEMBERED = 256  # finished streams whose tokens `resend` can still give (the gateway may have lost some)
 
 
 class TransferError(RuntimeError):
@@ -77,6 +79,9 @@ class DecodeService(ModelWorkerService):
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)  # aborts of requests not (yet) here
+        # per request, the completion tokens sent so far (the list _run appends to) and the stream's last event once
+        # sent; kept NUM_STREAMS_REMEMBERED requests past their end, for `resend`
+        self.sent: OrderedDict[str, tuple[list[int], list[TokenEvent]]] = OrderedDict()
         self.recomputes = self.metrics.counter("smartgen_kv_recomputes_total",
                                                "Requests whose prefill the decode worker recomputed (failure_policy recompute)")
 
@@ -88,7 +93,7 @@ class DecodeService(ModelWorkerService):
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
                                            self.engine.detach_remote)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
-                                 abort=endpoint(Abort, self.abort))
+                                 abort=endpoint(Abort, self.abort), resend=endpoint(ResendTokens, self.resend))
         await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))
         assert self.dataplane
         self.dataplane.on_link_lost = self.link_lost
@@ -179,6 +184,17 @@ class DecodeService(ModelWorkerService):
                 await self._release(state)
         return Ack()
 
+    async def resend(self, req: ResendTokens) -> TokenBacklog:
+        """The gateway lost token events on the way (NATS is at most once): the tokens from `from_index` on, and
+        the stream's last event if it is out."""
+        sent = self.sent.get(req.request_id)
+        if sent is None:
+            raise RequestRefused("not_found", f"request {req.request_id} is not (or no longer) known here")
+        if req.from_index < 0:
+            raise RequestRefused("bad_request", "from_index must be ≥ 0")
+        tokens, final = sent
+        return TokenBacklog(req.request_id, req.from_index, tokens[req.from_index:], final[0] if final else None)
+
     async def transfer_failed(self, failed: TransferFailed) -> None:
         state = self.active.get(failed.request_id)
         if state is None:
@@ -215,10 +231,19 @@ class DecodeService(ModelWorkerService):
         assert self.engine and self.nc
         rid, stop_ids = req.request_id, set(req.stop_token_ids)
         tokens: list[int] = []  # the completion so far: token i is tokens[i]
+        finals: list[TokenEvent] = []  # the stream's last event, once sent
+        self.sent[rid] = (tokens, finals)
+        while len(self.sent) > NUM_STREAMS_REMEMBERED:
+            self.sent.popitem(last=False)
         kv_wait_s, reason, error = 0.0, "length", ""
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
-                if not state.mode.is_disaggregated:
+                if req.resume_tokens:  # moved here from a decode worker that died: rebuild, then carry on
+                    tokens.extend(req.resume_tokens)
+                    await self.in_torch(self.engine.recompute, rid, state.slab, req.token_ids, tokens, req.sampling,
+                                        req.selector, req.kv_budget, NUM_BLOCKS)
+                    state.recompute_reason = f"resumed after {len(tokens)} tokens: the first decode worker died"
+                elif not state.mode.is_disaggregated:
                     tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling,
                                                       state.slab))
                     await self._emit(req, TokenEvent(rid, 0, tokens[0]))
@@ -247,6 +272,8 @@ class DecodeService(ModelWorkerService):
                 if not state.recompute_reason and selection is not None:  # a replay would count steps twice
                     if stats := selection_stats(req, selection, self.runner):
                         asyncio.ensure_future(self.nc.publish(subjects.PROFILE_STATS, encode(stats)))
+                if reason in ("length", "stop", "error"):
+                    finals.append(final)  # NOTE: before it is sent, so a `resend` racing it finds it
                 if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
                     await self._emit(req, final)
                 await asyncio.shield(self._release(state, "failed" if reason in ("error", "abort") else "released",
@@ -401,6 +428,13 @@ class DecodeService(ModelWorkerService):
         if req.transfer_mode not in MODES_SERVED:
             return f"decode serves transfer modes {', '.join(MODES_SERVED)}, not {req.transfer_mode!r}"
         mode = mode_of(req.transfer_mode)
+        if req.resume_tokens:
+            if mode.is_disaggregated or req.first_token >= 0:
+                return "resume_tokens: a request resumes in colocated mode, from its prompt"
+            if len(req.resume_tokens) >= req.max_tokens:
+                return "resume_tokens: nothing is left to generate"
+            if problem := self.runner.token_problem(req.resume_tokens):  # type: ignore[union-attr]
+                return f"resume_tokens: {problem}"
         if not mode.is_disaggregated:
             return ""
         recomputing = req.first_token < 0 and req.failure_policy == "recompute"  # the prefill failed before token 1

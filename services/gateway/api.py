@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
+from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.openapi import openapi_document
 from services.gateway.requests import ApiError, CompletionJob, parse_job
@@ -35,6 +36,8 @@ class Gateway(Protocol):
     max_positions: int
     started_unix: float
     stop_token_ids: list[int]
+
+    admission: Admission
 
     def record(self, run: CompletionRun) -> None:
         """Count a finished request in /metrics."""
@@ -93,29 +96,42 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         if exc.param != REQUEST_ID_HEADER and REQUEST_ID_HEADER in request.headers:  # a valid id: echo it
             response.headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         return response
-    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream)
         try:
-            if job.stream:
-                try:
-                    streamed = await _stream(gw, request, run)
-                    if not streamed.prepared:  # an error answered before the stream began
-                        streamed.headers[REQUEST_ID_HEADER] = job.request_id
-                    return streamed
-                except ConnectionResetError:  # the client left mid-stream; `close()` below aborts the workers
-                    log.info("client_gone", tokens=len(run.token_ids))
-                    return web.Response(status=499)  # aiohttp ignores the write to the closed connection
-            response = await _respond(gw, run)
+            async with gw.admission.slot() as queue_s:
+                return await _run(gw, request, job, queue_s)
+        except ApiError as exc:  # the admission queue is full, or the wait ran out
+            log.info("request_not_admitted", status=exc.status, reason=exc.message)
+            response = _error(exc)
             response.headers[REQUEST_ID_HEADER] = job.request_id
             return response
-        except asyncio.CancelledError:  # the client disconnected (handler cancellation): `close()` aborts the workers
-            log.info("client_gone", tokens=len(run.token_ids))
-            raise
-        finally:
-            await run.close()
-            gw.record(run)
+
+
+async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: float) -> web.StreamResponse:
+    """One admitted request, answered as a JSON body or a stream."""
+    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
+    run.queue_s = queue_s
+    try:
+        if job.stream:
+            try:
+                streamed = await _stream(gw, request, run)
+                if not streamed.prepared:  # an error answered before the stream began
+                    streamed.headers[REQUEST_ID_HEADER] = job.request_id
+                return streamed
+            except ConnectionResetError:  # the client left mid-stream; `close()` below aborts the workers
+                log.info("client_gone", tokens=len(run.token_ids))
+                return web.Response(status=499)  # aiohttp ignores the write to the closed connection
+        response = await _respond(gw, run)
+        response.headers[REQUEST_ID_HEADER] = job.request_id
+        return response
+    except asyncio.CancelledError:  # the client disconnected (handler cancellation): `close()` aborts the workers
+        log.info("client_gone", tokens=len(run.token_ids))
+        raise
+    finally:
+        await run.close()
+        gw.record(run)
 
 
 async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:

@@ -30,13 +30,13 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
-                     PrefillDone, Sampling, SchemaError, TokenEvent, TransferFailed, TransferPlan, WorkerInfo, decode,
-                     encode, mode_of, subjects)
+                     PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TransferFailed,
+                     TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
 from schemas.transfer import Aux
 from shared.rpc import RemoteError, call
 from shared.timeline import Timeline
 from shared.registry import WorkerRegistry
-from services.gateway.liveness import Liveness, RequestFailed
+from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
 
 __all__ = ["CompletionRun", "RequestFailed"]
@@ -44,6 +44,7 @@ log = structlog.get_logger()
 T = TypeVar("T")
 CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
 LIVENESS_POLL_S = 0.5  # while waiting on a worker, how often to check that its heartbeats still come
+MAX_MIGRATIONS = 2  # failure_policy recompute: decode workers a request may outlive before it fails
 _background: set[asyncio.Task[None]] = set()  # aborts sent to workers that stopped heartbeating (see _abort)
 
 
@@ -70,6 +71,8 @@ class CompletionRun:
     selector: str = ""  # the selector that ran ("" = dense)
     decode_layers: int = 0  # from the KvHandle, to report the plan's block count
     recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
+    queue_s: float = 0.0  # time spent in the gateway's admission queue before it started
+    migrated_from: list[str] = field(default_factory=list)  # decode workers that died while streaming this request
     _liveness: Liveness | None = None
     # Whether the prefill's death matters now: "push" until decode's first event (decode may wait on its pushes),
     # then "reads" to the end in partial and smartgen modes (decode reads the rest of the KV from it), else "".
@@ -114,17 +117,56 @@ class CompletionRun:
         self._next_index = 0 if first < 0 else 1
         if first >= 0:
             yield self._stamp(first)
-        async for event in self._events():
-            if event.token_id >= 0:
-                yield self._stamp(event.token_id)
-            if event.finish_reason:
-                self.final = event
-                self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
-                self.recompute_reason = self.recompute_reason or event.recompute_reason
-                if event.finish_reason == "error":
-                    raise RequestFailed(f"decode worker {self.decode.worker_id}: {event.error}")
-                self.finish_reason = event.finish_reason
-                return
+        while True:
+            try:
+                async for event in self._events():
+                    if event.token_id >= 0:
+                        yield self._stamp(event.token_id)
+                    if event.finish_reason:
+                        self.final = event
+                        self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
+                        self.recompute_reason = self.recompute_reason or event.recompute_reason
+                        if event.finish_reason == "error":
+                            raise RequestFailed(f"decode worker {self.decode.worker_id}: {event.error}")
+                        self.finish_reason = event.finish_reason
+                        return
+            except DecodeLost as exc:
+                if job.failure_policy != "recompute" or len(self.migrated_from) >= MAX_MIGRATIONS:
+                    raise
+                await self._migrate(str(exc), sampling)
+
+    async def _migrate(self, why: str, sampling: Sampling) -> None:
+        """failure_policy `recompute`, the decode worker died mid-request: move the request to another decode
+        worker, which recomputes the prompt, replays the tokens already streamed and goes on from there, in
+        colocated mode (its greedy tokens are colocated's), on a stream subject of its own (a worker that was
+        only frozen must not interleave late tokens). The client sees one stream. RequestFailed if none is left."""
+        job, lost = self.job, self.decode
+        assert lost is not None
+        self.migrated_from.append(lost.worker_id)
+        log.warning("decode_lost_resuming", decode_worker_id=lost.worker_id, tokens_so_far=len(self.token_ids))
+        await self._abort(lost, "its request moved to another decode worker", wait=False)
+        if self.prefill is not None:  # it holds KV for the dead worker's reads: free it now
+            await self._abort(self.prefill, "its decode worker died", wait=False)
+        self._watch_prefill = ""
+        if self._plan_asked and self.plan is not None:  # the transfer plan ends with the worker it fed
+            await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
+                                  encode(PlanEvent(job.request_id, "failed", f"{why}; resumed colocated")))
+        self.decode = self.registry.pick("decode", exclude=set(self.migrated_from))
+        if self.decode is None:
+            raise RequestFailed(f"{why}, and no other decode worker is registered to resume on")
+        await self._sub.unsubscribe()
+        subject = f"{subjects.stream(job.request_id)}.resume{len(self.migrated_from)}"
+        self._sub = await self.nc.subscribe(subject)
+        self.recompute_reason = f"{why}; resumed on decode worker {self.decode.worker_id} after {len(self.token_ids)} tokens"
+        self.mode = "colocated"
+        resume = Generate(job.request_id, "colocated", job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
+                          sampling, subject, self.selector, (job.kv_budget or 0.0) if self.selector else 0.0,
+                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
+        try:
+            await self._on_some_decode(lambda: call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
+                                                    resume, Accepted, CONTROL_TIMEOUT_S))
+        except RemoteError as exc:
+            raise RequestFailed(f"{why}; resuming on decode worker {self.decode.worker_id} failed: {exc}") from None
 
     async def _on_some_decode(self, ask: Callable[[], Awaitable[T]]) -> T:
         """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages),
@@ -205,6 +247,8 @@ class CompletionRun:
                           Accepted, CONTROL_TIMEOUT_S)
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        """The decode worker's token events, in order, each once. Events lost on the way (NATS is at most once: a
+        reconnect, or a server that died with them) are asked for again (`resend`) and given in their place."""
         assert self.decode
         while True:
             also = [self.prefill] if self._watch_prefill and self.prefill else []
@@ -213,6 +257,12 @@ class CompletionRun:
                                              self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
+            except EventsLost as exc:  # the last events (the final one at least) never came
+                async for event in self._resent(str(exc)):
+                    yield event
+                    if event.finish_reason:
+                        return
+                continue
             if self._watch_prefill == "push":
                 self._watch_prefill = "reads" if mode_of(self.mode).keeps_source else ""
             try:
@@ -220,18 +270,38 @@ class CompletionRun:
             except SchemaError as exc:
                 log.warning("bad_token_event", error=str(exc))
                 continue
-            self._check_order(event)
+            in_order = event.index == self._next_index or not (event.token_id >= 0 or event.finish_reason in ("length", "stop"))
+            if event.index < self._next_index and event.token_id >= 0:
+                continue  # already given (resent)
+            if not in_order:  # a gap: the events before this one were lost
+                async for resent in self._resent(f"expected token index {self._next_index}, got {event.index}"):
+                    yield resent
+                    if resent.finish_reason:
+                        return
+                if event.index < self._next_index and event.token_id >= 0:
+                    continue
+            if event.token_id >= 0:
+                self._next_index += 1
             yield event
 
-    def _check_order(self, event: TokenEvent) -> None:
-        """Token events arrive in order; a gap means some were lost (NATS reconnected meanwhile): fail the
-        request rather than return a text with holes in it."""
-        assert self.decode
-        if (event.token_id >= 0 or event.finish_reason in ("length", "stop")) and event.index != self._next_index:
-            raise RequestFailed(f"token events from decode worker {self.decode.worker_id} were lost (expected index "
-                                f"{self._next_index}, got {event.index}): NATS reconnected mid-request?")
-        if event.token_id >= 0:
-            self._next_index += 1
+    async def _resent(self, why: str) -> AsyncIterator[TokenEvent]:
+        """Ask the decode worker for the tokens from `_next_index` on (and the last event, if it is out), and give
+        them as the events that were lost. RequestFailed if it cannot say."""
+        assert self.decode and self._liveness
+        log.warning("token_events_lost", why=why, from_index=self._next_index)
+        try:
+            backlog = await call(self.nc, subjects.worker("decode", self.decode.worker_id, "resend"),
+                                 ResendTokens(self.job.request_id, self._next_index), TokenBacklog, CONTROL_TIMEOUT_S)
+        except (RemoteError, asyncio.TimeoutError) as exc:
+            raise RequestFailed(f"token events from decode worker {self.decode.worker_id} were lost ({why}) and could "
+                                f"not be asked for again: {exc}") from None
+        self._liveness.heard()
+        for offset, token in enumerate(backlog.token_ids):
+            if backlog.from_index + offset == self._next_index:
+                self._next_index += 1
+                yield TokenEvent(self.job.request_id, backlog.from_index + offset, token)
+        if backlog.final is not None:
+            yield backlog.final
 
     async def _wait(self, awaitable: Awaitable[T], awaited: WorkerInfo, what: str,
                     also: list[WorkerInfo] | None = None) -> T:
@@ -246,14 +316,14 @@ class CompletionRun:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
                 if done:
-                    self._liveness.is_suspect = False  # something came: the worker still has the request
+                    self._liveness.heard()  # something came: the worker still had the request
                     return task.result()
                 for worker in self._liveness.dead([awaited, *also]):
                     # NOTE: once decoding, the decode worker decides: it fails (or recomputes) only if it still
                     # needs KV from the dead prefill; a request already all local completes.
                     if worker is awaited or (self.job.failure_policy != "recompute" and self._watch_prefill != "reads"):
-                        raise RequestFailed(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats "
-                                            f"during {what}")
+                        lost = DecodeLost if worker is awaited and worker.role == "decode" else RequestFailed
+                        raise lost(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats during {what}")
                     also.remove(worker)
                     await self._report_prefill_lost(worker)
                 self._liveness.check_not_lost(awaited, what)
@@ -344,6 +414,7 @@ class CompletionRun:
         t = Timeline.of(self.token_times_s)
         final, plan = self.final, self.plan
         return {
+            "queue_s": round(self.queue_s, 4),
             "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s, "ttst_bound_s": self.ttst_bound_s(),
             "token_times_s": [round(x, 6) for x in self.token_times_s],
             "kv_bytes": self.kv_bytes,
@@ -370,6 +441,7 @@ class CompletionRun:
                      "parallel": plan.parallel, "background": plan.background} if plan else None,
             "failure_policy": self.job.failure_policy,
             "recomputed": bool(self.recompute_reason),
+            "resumed_from": self.migrated_from,  # decode workers that died while streaming it (recompute)
             "recompute_reason": self.recompute_reason or None,
             "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
             "decode_worker_id": self.decode.worker_id if self.decode else None,

@@ -15,6 +15,11 @@ class GatewayConfig(ServiceConfig):
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
     max_tokens_default: int = 16  # completions without max_tokens (OpenAI's default)
     chat_max_tokens_default: int = 1024  # chat without max_tokens; the decode worker reserves KV for this many
+    # the admission queue (admission.py): requests running at once (0 = what the decode workers say they take),
+    # how many may wait beyond that (then 429), and for how long (then 503)
+    max_running: int = 0
+    max_waiting: int = 64
+    queue_timeout_s: float = 30.0
 
     def validate(self) -> None:
         ServiceConfig.validate(self)
@@ -22,5 +27,7 @@ class GatewayConfig(ServiceConfig):
             raise ConfigError(f"transfer_mode {self.transfer_mode!r}: use one of {', '.join(SERVABLE_TRANSFER_MODES)}")
         if self.default_selector not in SELECTORS:
             raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
+        if self.max_running < 0 or self.max_waiting < 0 or self.queue_timeout_s <= 0:
+            raise ConfigError("max_running and max_waiting must be ≥ 0 and queue_timeout_s positive")
         if not 0 <= self.gateway_port < 65536:
             raise ConfigError(f"gateway_port {self.gateway_port} is not a TCP port")

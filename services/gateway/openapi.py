@@ -35,6 +35,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
             "/health": {"get": _read("200 once a prefill, a decode and a broker worker are registered", "Health",
                                      unavailable=True)},
             "/ready": {"get": _read("Like /health, as {ready: bool}", "Ready", unavailable=True)},
+            "/live": {"get": _read("200 while the process answers, whatever NATS or the workers do (liveness)", "Live")},
             "/workers": {"get": _read("The workers this gateway hears heartbeats from", "WorkerList")},
             "/stats": {"get": _read("This gateway's counters", "Stats")},
             "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
@@ -80,6 +81,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                                    "workers": {"type": "object", "additionalProperties": _INT}},
                                   required=["status"]),
                 "Ready": _object({"ready": {"type": "boolean"}}),
+                "Live": _object({"live": {"type": "boolean"}, "role": _STR, "worker_id": _STR}),
                 "WorkerList": _object({"workers": {"type": "array", "items": _object(
                     {"role": _STR, "id": _STR, "pid": _INT, "host": _STR, "admin_url": _STR, "dataplane_addr": _STR,
                      "active_requests": _INT, "kv_pages_free": _INT, "kv_pages_total": _INT},
@@ -162,7 +164,7 @@ def _smartgen_object() -> Schema:
     return {"type": "object", "required": ["ttft_s", "token_times_s", "kv_bytes", "transfer_mode", "token_ids"],
             "properties": {
                 "ttft_s": _NUMBER_OR_NULL, "ttst_s": _NUMBER_OR_NULL, "tbt_s": _NUMBER_OR_NULL,
-                "ttst_bound_s": _NUMBER_OR_NULL,
+                "ttst_bound_s": _NUMBER_OR_NULL, "queue_s": {"type": "number"},
                 "token_times_s": {"type": "array", "items": {"type": "number"}},
                 "kv_bytes": {"type": "object", "additionalProperties": _INT},
                 "transfer_mode": _STR, "requested_mode": _STR, "attention": {"enum": ["dense", "selective"]},

@@ -17,6 +17,7 @@ from shared.metrics import LatencyMetrics
 from shared.models import resolve_model
 from shared.runtime import Service
 from services.gateway import api
+from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
 from shared.registry import WorkerRegistry
@@ -31,6 +32,7 @@ class GatewayService(Service):
         super().__init__(config)
         self.registry = WorkerRegistry(config.worker_ttl_s)
         self.latency = LatencyMetrics(self.metrics)
+        self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
@@ -59,6 +61,10 @@ class GatewayService(Service):
     def is_ready(self) -> bool:
         return self.health()[0]
 
+    def capacity(self) -> int:
+        """Requests that may run at once: `max_running`, else what the live decode workers say they take."""
+        return self.config.max_running or sum(w.max_requests for w in self.registry.alive("decode"))
+
     def record(self, run: CompletionRun) -> None:
         """Count a finished request in /metrics."""
         self.latency.observe_timeline(run.token_times_s)
@@ -68,4 +74,5 @@ class GatewayService(Service):
 
     def stats(self) -> dict[str, Any]:
         return {"model": self.model_id, "workers": {r: len(self.registry.alive(r)) for r in ("prefill", "decode", "broker", "kvprofile")},
-                "requests_done": self.latency.requests.by_first_label()}
+                "requests_done": self.latency.requests.by_first_label(), "capacity": self.capacity(),
+                "running": self.admission.running, "waiting": len(self.admission.waiting)}

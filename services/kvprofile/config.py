@@ -5,7 +5,8 @@ from shared.config import ConfigError, ServiceConfig
 
 @dataclass(slots=True)
 class KvProfileConfig(ServiceConfig):
-    bucket: str = "smartgen_profiles"  # JetStream key-value bucket holding the profiles
+    bucket: str = ""  # JetStream key-value bucket holding the profiles; "" = smartgen_profiles (per namespace)
+    bucket_replicas: int = 1  # copies of the bucket across a JetStream cluster (3 on a 3-node cluster)
     online_weight: float = 0.05  # each served request moves a profile at most this far toward what it selected
     online_updates: bool = True  # refresh profiles from served requests (POST /online switches it at run time)
     model: str = ""  # the model calibration runs on (loaded on the first build); "" = the cached default SmolLM2
@@ -21,5 +22,9 @@ class KvProfileConfig(ServiceConfig):
             raise ConfigError("online_weight must be in (0, 1]")
         if self.kv_dtype not in ("", "float32", "bfloat16", "float16"):
             raise ConfigError(f"kv_dtype {self.kv_dtype!r}: use float32, bfloat16, float16, or '' for the compute dtype")
+        if not self.bucket:
+            self.bucket = f"smartgen_{self.namespace}_profiles" if self.namespace else "smartgen_profiles"
         if not self.bucket.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"bucket {self.bucket!r}: use letters, digits, '-' and '_'")
+        if not 1 <= self.bucket_replicas <= 5:
+            raise ConfigError("bucket_replicas must be 1 to 5 (JetStream's limit), and at most the cluster's servers")

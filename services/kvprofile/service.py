@@ -14,10 +14,13 @@ Life of a profile:
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import nats.errors
 import numpy as np
 import structlog
 from aiohttp import web
@@ -61,7 +64,7 @@ class KvProfileService(Service):
         self.builds = self.metrics.counter("smartgen_profile_builds_total", "Profile builds by outcome", ["status"])
 
     async def start(self, nc: Client, micro: MicroService) -> None:
-        self.store = await ProfileStore.open(nc.jetstream(), self.config.bucket)
+        self.store = await ProfileStore.open(nc.jetstream(), self.config.bucket, self.config.bucket_replicas)
         await self.add_endpoints(micro, get=endpoint(ProfileQuery, self.get), list=endpoint(ListQuery, self.list),
                                  show=endpoint(ProfileKey, self.show), build=endpoint(BuildProfile, self.build),
                                  delete=endpoint(ProfileKey, self.delete))
@@ -234,13 +237,28 @@ class KvProfileService(Service):
             log.info("online_updates", enabled=enabled)
             return web.json_response({"enabled": enabled})
 
-        return [web.get("/profiles", profiles), web.get("/profiles/{key}", show), web.post("/profiles/build", build),
-                web.delete("/profiles/{key}", delete), web.post("/online", online)]
+        return [web.get("/profiles", _bucket_answers(profiles)), web.get("/profiles/{key}", _bucket_answers(show)),
+                web.post("/profiles/build", _bucket_answers(build)), web.delete("/profiles/{key}", _bucket_answers(delete)),
+                web.post("/online", online)]
 
     def stats(self) -> dict[str, Any]:
         return {"bucket": self.config.bucket, "ready": self.is_ready(), "builds_running": self.builds_running,
                 "online_updates": self.online_updates.value(), "online_weight": self.config.online_weight,
                 "online_learning": self.is_learning_online, "online_skipped": self.online_skipped.value()}
+
+
+def _bucket_answers(handler: Callable[[web.Request], Awaitable[web.Response]]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route over the JetStream bucket answers 503 (JSON, saying why) while the bucket cannot be reached, e.g.
+    while a NATS cluster elects a new leader, instead of a bare 500."""
+    @functools.wraps(handler)
+    async def answer(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("profiles_bucket_unreachable", error=repr(exc))
+            return web.json_response({"error": f"the profiles bucket cannot be reached now ({exc!r}); try again"},
+                                     status=503, headers={"Retry-After": "2"})
+    return answer
 
 
 def _check_key(key: str) -> None:

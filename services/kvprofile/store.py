@@ -14,8 +14,9 @@ class ProfileStore:
         self.kv = kv  # nats.js.kv.KeyValue
 
     @classmethod
-    async def open(cls, js: Any, bucket: str) -> "ProfileStore":
-        return cls(await js.create_key_value(bucket=bucket, history=5))
+    async def open(cls, js: Any, bucket: str, replicas: int = 1) -> "ProfileStore":
+        """The bucket, created with `replicas` copies if it does not exist yet (an existing one is used as is)."""
+        return cls(await js.create_key_value(bucket=bucket, history=5, replicas=replicas))
 
     async def keys(self) -> list[str]:
         try:

@@ -112,7 +112,8 @@ def test_a_worker_bound_to_every_interface_advertises_its_own_address():
 
 def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
     """Default deny: with SMARTGEN_NATS_TOKEN unset Compose stops, naming the variable to set."""
-    result = run_compose(tmp_path, "config", "-q")
+    env = {k: v for k, v in required_env(tmp_path).items() if k != "SMARTGEN_NATS_TOKEN"}
+    result = run_compose(tmp_path, "config", "-q", **env)
     assert result.returncode != 0 and "SMARTGEN_NATS_TOKEN" in result.stderr
 
 

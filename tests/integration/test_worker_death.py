@@ -45,3 +45,40 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
     prefill = next(w for w in get_json(own_stack.gateway_url + "/workers")["workers"] if w["role"] == "prefill")
     stats = get_json(prefill["admin_url"] + "/stats")
     assert stats["active_requests"] == 0 and stats["kv_pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "smartgen"])
+def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, tmp_path, mode):
+    """failure_policy `recompute`, two decode workers, kill -9 of the one streaming: the client sees one
+    continuous stream with every token, the same greedy tokens as colocated decoding, and the response names
+    the worker it lost; nothing stays held on the workers left."""
+    from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, post_json
+
+    spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
+                          **NO_FLOOR_ENV})
+    with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
+        url = stack.gateway_url
+        body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 300, "ignore_eos": True,
+                "temperature": 0, "transfer_mode": mode, "failure_policy": "recompute"}
+        if mode == "smartgen":
+            body |= {"selector": "quest", "kv_budget": 0.25}
+        _, reference = post_json(url + "/v1/completions", body | {"transfer_mode": "colocated", "stream": False})
+        tokens, final, killed = [], None, None
+        with open_stream(url + "/v1/completions", body, timeout=120) as events:
+            for payload in events:
+                if not isinstance(payload, dict):
+                    break
+                assert "error" not in payload, payload["error"]
+                if payload["choices"] and payload["choices"][0].get("finish_reason") is None:
+                    tokens.append(payload)
+                final = payload.get("smartgen", final)
+                if len(tokens) == 20 and killed is None:
+                    killed = next(w for w in get_json(url + "/workers")["workers"]  # asked now, not from heartbeats
+                                  if w["role"] == "decode" and get_json(w["admin_url"] + "/stats")["active_requests"])
+                    os.kill(killed["pid"], signal.SIGKILL)
+        assert killed is not None and final is not None
+        assert final["token_ids"] == reference["smartgen"]["token_ids"] and len(final["token_ids"]) == 300
+        assert final["resumed_from"] == [killed["id"]] and final["recomputed"]
+        assert final["decode_worker_id"] != killed["id"]
+        assert_no_leaks(stack)

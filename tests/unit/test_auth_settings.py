@@ -130,3 +130,42 @@ async def test_without_an_admin_token_state_changing_routes_are_off():
         assert (await client.get("/health")).status in (200, 503)
     finally:
         await client.close()
+
+
+def test_a_nats_cluster_a_creds_file_and_a_namespace(tmp_path):
+    """Comma-separated URLs become the client's server list (credentials redacted in each for logs); a .creds
+    file goes to nats.connect as user_credentials; a namespace moves every subject under smartgen.<ns>. (and back
+    with none); and each of them refuses what cannot work with a sentence naming the setting."""
+    from schemas import subjects
+
+    creds = tmp_path / "user.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n…\n")
+    config = load_config(ServiceConfig, [], {"SMARTGEN_NATS_URL": "nats://a:4222, nats://b:4222,tls://c:4222",
+                                             "SMARTGEN_NATS_CREDS": str(creds), "SMARTGEN_NAMESPACE": "team-a"})
+    try:
+        options = connect_options(config)
+        assert options["servers"] == ["nats://a:4222", "nats://b:4222", "tls://c:4222"]
+        assert options["user_credentials"] == str(creds) and isinstance(options["tls"], ssl.SSLContext)
+        assert subjects.DISCOVER == "smartgen.team-a.discover"
+        assert subjects.worker("decode", "d-1", "open") == "smartgen.team-a.decode.d-1.open"
+        assert subjects.HEARTBEATS == "smartgen.team-a.heartbeat.*"
+    finally:
+        subjects.use_namespace("")
+    assert subjects.DISCOVER == "smartgen.discover"
+    assert redacted_url("nats://u:pw@a:4222,nats://b:4222") == "nats://***@a:4222,nats://b:4222"
+    for env, message in [({"SMARTGEN_NATS_URL": "nats://a:4222,http://b"}, "nats_url 'http://b'"),
+                         ({"SMARTGEN_NAMESPACE": "team.a"}, "namespace"),
+                         ({"SMARTGEN_NATS_CREDS": "/no/such.creds"}, "SMARTGEN_NATS_CREDS"),
+                         ({"SMARTGEN_NATS_CREDS": str(creds), "SMARTGEN_NATS_TOKEN": "t"}, "keep one")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(ServiceConfig, [], env)
+
+
+def test_the_profiles_bucket_follows_the_namespace():
+    from services.kvprofile.config import KvProfileConfig
+
+    assert load_config(KvProfileConfig, [], {}).bucket == "smartgen_profiles"
+    assert load_config(KvProfileConfig, [], {"SMARTGEN_NAMESPACE": "team-a"}).bucket == "smartgen_team-a_profiles"
+    assert load_config(KvProfileConfig, [], {"SMARTGEN_BUCKET": "mine", "SMARTGEN_NAMESPACE": "x"}).bucket == "mine"
+    with pytest.raises(ConfigError, match="bucket_replicas"):
+        load_config(KvProfileConfig, [], {"SMARTGEN_BUCKET_REPLICAS": "7"})

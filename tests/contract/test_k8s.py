@@ -1,0 +1,130 @@
+"""deploy/k8s is valid Kubernetes (every object against the API schemas of kubernetes-validate, offline), every
+SmartGen Deployment's command, environment, ports and probes match what the code's config accepts, secrets are
+mounted files, the NATS config passes the real nats-server's check, and the kustomizations name what exists."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import env_name, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "deploy" / "k8s" / "base"
+OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
+K8S_VERSION = "1.30.0"
+CONFIG_CLASSES = {
+    "gateway": ("services.gateway.config", "GatewayConfig"),
+    "prefill": ("services.prefill.config", "PrefillConfig"),
+    "decode": ("services.decode.config", "DecodeConfig"),
+    "broker": ("services.broker.config", "BrokerConfig"),
+    "kvprofile": ("services.kvprofile.config", "KvProfileConfig"),
+}
+SECRET_MOUNT = "/run/secrets/smartgen"
+
+
+def documents() -> list[dict]:
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((BASE / name).read_text()) if doc]
+
+
+def deployment(role: str) -> dict:
+    return next(d for d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == role)
+
+
+def test_every_object_is_valid_kubernetes():
+    """Each object validates strictly (unknown fields are errors) against the Kubernetes API schemas."""
+    import kubernetes_validate
+
+    docs = documents()
+    assert {d["kind"] for d in docs} >= {"StatefulSet", "Deployment", "Service", "ConfigMap"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_validator_can_fail():
+    """A misspelt field is an error (so the test above means something)."""
+    import kubernetes_validate
+
+    bad = deployment("decode")
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("role", sorted(CONFIG_CLASSES))
+def test_deployment_matches_its_config(role, tmp_path):
+    """The container runs the role's module; every SMARTGEN_* variable is a field of its config and the config
+    builds from them (secret files stand in for the mounted Secret); the container port is the config's port and
+    the probes use it: readiness on /ready, liveness on /live; it requests CPU and memory; every secret arrives as
+    a file under the Secret's mount, none as a value."""
+    module, name = CONFIG_CLASSES[role]
+    cls = getattr(importlib.import_module(module), name)
+    container = deployment(role)["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", f"services.{role}"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    fields = {env_name(f.name) for f in dataclasses.fields(cls)}
+    assert not [k for k in env if k not in fields], f"{role}: environment names no config field"
+    assert not [k for k in env if any(s in k for s in ("TOKEN", "SECRET", "PASSWORD")) and not k.endswith("_FILE")]
+    secret_files = {k: v for k, v in env.items() if k.endswith("_FILE")}
+    assert secret_files and all(v.startswith(SECRET_MOUNT + "/") for v in secret_files.values())
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in deployment(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == mounts[SECRET_MOUNT])
+    assert {i["path"] for i in volume["secret"]["items"]} == {Path(v).name for v in secret_files.values()}
+    for key, path in secret_files.items():
+        stand_in = tmp_path / Path(path).name
+        stand_in.write_text("k8s-test-secret")
+        env[key] = str(stand_in)
+    config = load_config(cls, [], env)
+    port = config.gateway_port if role == "gateway" else config.admin_port
+    assert port in {p["containerPort"] for p in container["ports"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": port}
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+    assert config.nats_urls == [f"nats://nats-{i}.nats:4222" for i in range(3)], "all three NATS servers"
+    assert config.advertise_host == "", "each pod advertises its own address"
+    if role in ("prefill", "decode"):
+        assert config.cluster_secret == "k8s-test-secret"
+        assert config.dataplane_port in {p["containerPort"] for p in container["ports"]}
+    if role == "kvprofile":
+        assert config.bucket_replicas == 3
+
+
+def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path):
+    """The StatefulSet runs three servers; their config (from the ConfigMap) clusters them over routes with
+    JetStream on, and the real nats-server accepts it with the token set and refuses it without."""
+    from tools.nats_server import nats_server_binary
+
+    docs = documents()
+    statefulset = next(d for d in docs if d["kind"] == "StatefulSet")
+    assert statefulset["spec"]["replicas"] == 3 and statefulset["spec"]["serviceName"] == "nats"
+    conf_text = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
+    assert "jetstream" in conf_text and all(f"nats-{i}.nats:6222" in conf_text for i in range(3))
+    conf = tmp_path / "nats.conf"
+    conf.write_text(conf_text.replace("/data/jetstream", str(tmp_path / "js")))
+    clean = {k: v for k, v in os.environ.items() if k not in ("SMARTGEN_NATS_TOKEN", "POD_NAME")}
+    ok = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                        env={**clean, "SMARTGEN_NATS_TOKEN": "k8s-test-token", "POD_NAME": "nats-0"})
+    assert ok.returncode == 0, ok.stderr
+    unset = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                           env={**clean, "POD_NAME": "nats-0"})
+    assert unset.returncode != 0 and "SMARTGEN_NATS_TOKEN" in unset.stderr
+
+
+def test_kustomizations_name_what_exists():
+    """The base lists every manifest in its folder; each overlay builds on the base and scales only Deployments
+    the base has."""
+    listed = set(yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    names = {d["metadata"]["name"] for d in documents() if d["kind"] == "Deployment"}
+    overlays = list(OVERLAYS.glob("*/kustomization.yaml"))
+    assert overlays
+    for path in overlays:
+        overlay = yaml.safe_load(path.read_text())
+        assert "../../base" in overlay["resources"]
+        assert {r["name"] for r in overlay.get("replicas", [])} <= names

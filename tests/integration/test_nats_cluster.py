@@ -1,0 +1,128 @@
+"""Past one NATS server: the whole stack on a three-node NATS cluster (JetStream, the profiles bucket at three
+replicas) rides out the loss of the server a worker is connected to, mid-stream, and of the JetStream meta
+leader; and two stacks share one NATS server in namespaces of their own without hearing each other."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json
+from tools.client import DONE, Gateway, open_stream
+from tools.nats_server import NatsCluster, NatsServer, free_port
+from tools.stack import StackSpec, started_stack
+
+PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 8
+BODY = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "transfer_mode": "smartgen",
+        "selector": "quest", "kv_budget": 0.25}
+
+
+def connection_names(server: NatsServer) -> set[str]:
+    """The client names (worker ids) connected to `server` now."""
+    conns = get_json(f"http://127.0.0.1:{server.monitor_port}/connz", timeout=5)["connections"] or []
+    return {c.get("name", "") for c in conns}
+
+
+def meta_leader(cluster: NatsCluster) -> NatsServer:
+    """The server that leads JetStream's meta group now (by its monitoring endpoint)."""
+    for server in cluster.servers:
+        if server.process is not None and server.process.poll() is None:
+            leader = get_json(f"http://127.0.0.1:{server.monitor_port}/jsz", timeout=5).get("meta_cluster", {}).get("leader")
+            if leader:
+                return next(s for s in cluster.servers if s.args[s.args.index("-n") + 1] == leader)
+    raise AssertionError("no JetStream meta leader")
+
+
+def stream_through(url: str, during) -> list[int]:
+    """Stream BODY; after its 5th token run `during()`, then read the stream to its end. The token ids of the
+    final chunk; AssertionError if the stream broke or ended early."""
+    final = None
+    with open_stream(url + "/v1/completions", BODY, timeout=120) as events:
+        for i, event in enumerate(events):
+            if event == DONE:
+                break
+            assert "error" not in event, event["error"]
+            if i == 5:
+                during()
+            final = event.get("smartgen", final)
+    assert final is not None, "the stream ended without its final chunk"
+    return final["token_ids"]
+
+
+def test_the_stack_rides_out_losing_nats_servers(tiny_model_path: Path, tmp_path: Path):
+    """SMARTGEN_NATS_URL names three clustered servers. Killing the server the decode worker is connected to in
+    the middle of a stream: the stream completes with every token (events the dead server had not delivered are
+    asked for again), the decode worker reconnects to another server. Restarted, then the JetStream meta leader killed: the profile kvprofile
+    stored at three replicas is still readable, and a stream completes."""
+    with NatsCluster(3) as cluster:
+        spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), nats_url=cluster.url,
+                         log_file=tmp_path / "stack.log",
+                         env={**cluster.client_env(), "SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_BUCKET_REPLICAS": "3",
+                              **NO_FLOOR_ENV})
+        with started_stack(spec, 180) as stack:
+            gateway = Gateway(stack.gateway_url, stack.admin_token)
+            first = gateway.stream(BODY, timeout=120)  # also has kvprofile store a profile (online update)
+            assert len(first["token_ids"]) == 40
+            decode_id = next(w["id"] for w in gateway.workers() if w["role"] == "decode")
+            victim = next(s for s in cluster.servers if decode_id in connection_names(s))
+            # NOTE: the gateway may be on it too (1 run in 3): then it reconnects as well, and asks for the token
+            # events lost meanwhile again, like any others
+
+            def kill_victim() -> None:
+                victim.process.kill()
+                victim.process.wait()
+
+            assert stream_through(stack.gateway_url, kill_victim) == first["token_ids"], "every token, the same"
+            deadline = time.monotonic() + 20
+            while not any(decode_id in connection_names(s) for s in cluster.servers if s is not victim):
+                assert time.monotonic() < deadline, "the decode worker did not reconnect to another server"
+                time.sleep(0.2)
+            victim.start()  # back in the cluster (same store), so losing one more server keeps a quorum
+
+            kvprofile = gateway.kvprofile_url()
+            deadline = time.monotonic() + 40
+            keys: list[str] = []
+            while not keys:  # NOTE: JetStream answers again once the restarted server has caught up
+                try:
+                    keys = [p["key"] for p in get_json(kvprofile + "/profiles", timeout=10).get("profiles", [])]
+                except OSError:  # a 503 (HTTPError) while JetStream catches up, or no answer yet
+                    pass
+                assert keys or time.monotonic() < deadline, "no profile was stored, or the bucket stayed unreadable"
+                time.sleep(0.5)
+            leader = meta_leader(cluster)
+            leader.process.kill()
+            leader.process.wait()
+            deadline = time.monotonic() + 30
+            while True:  # a new meta leader is elected; the bucket's stream has replicas on the other servers
+                try:
+                    profile = get_json(kvprofile + f"/profiles/{keys[0]}", timeout=10)
+                    if "importance" in profile:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "the stored profile did not stay readable"
+                time.sleep(0.5)
+            after = gateway.stream(BODY, timeout=120)
+            assert after["token_ids"] == first["token_ids"]
+            assert_no_leaks(stack)
+
+
+def test_two_stacks_share_one_nats_in_their_own_namespaces(tiny_model_path: Path, tmp_path: Path):
+    """SMARTGEN_NAMESPACE puts a stack's subjects under smartgen.<namespace>. and its profiles in a bucket of its
+    own: two stacks on one server each see only their own workers and each serves."""
+    with NatsServer() as server:
+        specs = [StackSpec(model=str(tiny_model_path), gateway_port=free_port(), nats_url=server.url,
+                           log_file=tmp_path / f"{ns}.log",
+                           env={**server.client_env(), "SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NAMESPACE": ns})
+                 for ns in ("team-a", "team-b")]
+        with started_stack(specs[0], 180) as a, started_stack(specs[1], 180) as b:
+            for stack in (a, b):
+                workers = Gateway(stack.gateway_url).workers()
+                assert sorted(w["role"] for w in workers) == ["broker", "decode", "gateway", "kvprofile", "prefill"], workers
+                reply = Gateway(stack.gateway_url).complete({"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
+                assert len(reply["token_ids"]) == 3
+            # NOTE: both stacks name their broker broker-0 (and kvprofile-0): the namespace keeps them apart
+            seen_a = {w["admin_url"] for w in Gateway(a.gateway_url).workers()}
+            seen_b = {w["admin_url"] for w in Gateway(b.gateway_url).workers()}
+            assert not seen_a & seen_b
+            buckets = {get_json(Gateway(s.gateway_url).kvprofile_url() + "/stats")["bucket"] for s in (a, b)}
+            assert buckets == {"smartgen_team-a_profiles", "smartgen_team-b_profiles"}
