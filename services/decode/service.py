@@ -187,11 +187,11 @@ class DecodeService(ModelWorkerService):
     async def resend(self, req: ResendTokens) -> TokenBacklog:
         """The gateway lost token events on the way (NATS is at most once): the tokens from `from_index` on, and
         the stream's last event if it is out."""
+        if req.from_index < 0:
+            raise RequestRefused("bad_request", "from_index must be ≥ 0")
         sent = self.sent.get(req.request_id)
         if sent is None:
             raise RequestRefused("not_found", f"request {req.request_id} is not (or no longer) known here")
-        if req.from_index < 0:
-            raise RequestRefused("bad_request", "from_index must be ≥ 0")
         tokens, final = sent
         return TokenBacklog(req.request_id, req.from_index, tokens[req.from_index:], final[0] if final else None)
 

@@ -28,6 +28,8 @@ EXAMPLES = [
                      prefill_worker_id="prefill-1", prefill_dataplane_addr="127.0.0.1:3", failure_policy="recompute",
                      query_entries=600),
     schemas.Accepted("r1", "decode-1"),
+    schemas.ResendTokens("r1", 7),
+    schemas.TokenBacklog("r1", 7, [5, 6, 7], schemas.TokenEvent("r1", 10, -1, "length", kv_bytes={"full": 8})),
     schemas.TokenEvent("r1", 3, 99, "length", "", {"full": 1024}, 0.5, 0.1, recompute_reason="link dropped"),
     schemas.Abort("r1", "client_gone"),
     schemas.TransferFailed("r1", "boom"),

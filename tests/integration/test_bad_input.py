@@ -21,7 +21,7 @@ from tests.integration.conftest import get_json, post_json
 REPLY_WITHIN_S = 2.0
 FUZZER_ID = "fuzzer-1"  # a made-up worker whose heartbeat carries hostile plan registrations
 ROLES = ("gateway", "prefill", "decode", "broker", "kvprofile")
-EXPECTED_VERBS = {"prefill": {"prefill", "abort", "release"}, "decode": {"open", "generate", "abort"},
+EXPECTED_VERBS = {"prefill": {"prefill", "abort", "release"}, "decode": {"open", "generate", "abort", "resend"},
                   "broker": {"open", "progress", "workers"}, "kvprofile": {"get", "list", "show", "build", "delete"}}
 LAYOUT = schemas.KvLayout(4, 2, 16, 16, "float32", 1024)
 # Not one of these is any endpoint's message (ListQuery takes {} and {"prefix": …}: none is that either).
@@ -117,6 +117,9 @@ def semantically_bad(ids: dict[str, str]) -> list[tuple[str, object]]:
                                            "fuzz.stream")),
         (decode_generate, schemas.Generate("fuzz-4", "colocated", [1, -7], -1, 4, [], schemas.Sampling(),
                                            "fuzz.stream")),
+        (decode_generate, schemas.Generate("fuzz-4", "colocated", [1, 2], -1, 4, [], schemas.Sampling(),
+                                           "fuzz.stream", resume_tokens=[3, 4, 5, 6])),  # nothing left to generate
+        (subjects.worker("decode", ids["decode"], "resend"), schemas.ResendTokens("fuzz-5", -1)),
         (prefill, schemas.Prefill("fuzz-2", out_of_vocab, "full", schemas.Sampling(), handle)),
         (decode_open, schemas.OpenKv("fuzz-1", 8, 4, "teleport")),
         (decode_open, schemas.OpenKv("fuzz-1", -5, 4, "full")),
