@@ -187,7 +187,8 @@ class ModelWorkerService(Service):
             "kv_pages_total": store.num_pages_total if store else 0,
             "kv_requests_holding_pages": store.request_ids if store else [],
             "leases_open": len(self.dataplane.grants) if self.dataplane else 0,
-            "dataplane": {"address": self.dataplane.address, **self.dataplane.stats()} if self.dataplane else None,
+            "dataplane": {"address": self.dataplane.address, **self.dataplane.stats(),
+                          "faults": self.dataplane.faults.summary()} if self.dataplane else None,
             "kv_bytes": self.latency.kv_bytes.by_first_label(),
         }
 
