@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_LIBC = None
+try:  # NOTE: loaded here, in the parent: the child may only call it between fork and exec
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    pass
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of the processes a stack starts: on Linux they get SIGTERM when the process that started them
+    dies, so a `smartgen up` (or a test) that is killed outright leaves no service or NATS server behind."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def nats_server_binary() -> str:
@@ -75,7 +93,7 @@ class NatsServer:
         # NOTE: the log goes to a file, not a pipe: an unread pipe fills up and blocks the server.
         self.log_path = Path(self.store) / "nats-server.log"
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from shared.admin_auth import admin_token_from_env
 from shared.config import write_secret_file
 from tools.client import request
-from tools.nats_server import NatsServer
+from tools.nats_server import NatsServer, die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 5000  # how much of the log a failed start-up or a dead service shows
@@ -113,7 +113,8 @@ class Stack:
         out = self._log if self._log else None
         self._envs[name] = (role, env)
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=REPO_ROOT, env=env,
-                                                stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+                                                stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                                preexec_fn=die_with_parent)
 
     def respawn(self, name: str, extra_env: dict[str, str]) -> None:
         """Start a service that has exited again, with its settings and `extra_env` (tools/supervisor.py)."""

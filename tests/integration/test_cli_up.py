@@ -200,3 +200,29 @@ def test_up_gives_up_on_a_service_that_keeps_dying_at_start(tiny_model_path, tmp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_killed_up_leaves_nothing_running(tiny_model_path, tmp_path):
+    """`smartgen up` killed outright (SIGKILL: no chance to stop its children): its services and its NATS server
+    still exit (each was started to die with its parent), so nothing keeps the ports or the KV memory."""
+    log = tmp_path / "up.log"
+    proc = start_up(["--model", str(tiny_model_path), "--port", str(free_port())],
+                    {"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_NATS_URL": ""}, log)
+    try:
+        wait_for_workers_until_up(proc, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 6  # NATS and the five services
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, f"left running after smartgen up was killed: {[p.cmdline()[:3] for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def wait_for_workers_until_up(proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while "ready — OpenAI API" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
