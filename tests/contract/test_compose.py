@@ -4,7 +4,6 @@ every service is given."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -14,15 +13,9 @@ import pytest
 import yaml
 
 from shared.config import env_name
+from tests.contract.service_configs import CONFIG_CLASSES, config_class
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_CLASSES = {
-    "gateway": ("services.gateway.config", "GatewayConfig"),
-    "prefill": ("services.prefill.config", "PrefillConfig"),
-    "decode": ("services.decode.config", "DecodeConfig"),
-    "broker": ("services.broker.config", "BrokerConfig"),
-    "kvprofile": ("services.kvprofile.config", "KvProfileConfig"),
-}
 
 
 def compose_binary() -> Path:
@@ -163,8 +156,7 @@ def test_service_matches_its_config(services, role, tmp_path):
     the ports the config sets (workers publish none); the config builds from that environment."""
     from shared.config import load_config
 
-    module, name = CONFIG_CLASSES[role]
-    cls = getattr(importlib.import_module(module), name)
+    cls = config_class(role)
     service = services[role]
     assert service["command"] == ["python", "-m", f"services.{role}"]
     env = {k: str(v) for k, v in service["environment"].items()}

@@ -4,7 +4,6 @@ mounted files, the NATS config passes the real nats-server's check, and the kust
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -13,18 +12,12 @@ import pytest
 import yaml
 
 from shared.config import env_name, load_config
+from tests.contract.service_configs import CONFIG_CLASSES, config_class
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "k8s" / "base"
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 K8S_VERSION = "1.30.0"
-CONFIG_CLASSES = {
-    "gateway": ("services.gateway.config", "GatewayConfig"),
-    "prefill": ("services.prefill.config", "PrefillConfig"),
-    "decode": ("services.decode.config", "DecodeConfig"),
-    "broker": ("services.broker.config", "BrokerConfig"),
-    "kvprofile": ("services.kvprofile.config", "KvProfileConfig"),
-}
 SECRET_MOUNT = "/run/secrets/smartgen"
 
 
@@ -63,8 +56,7 @@ def test_deployment_matches_its_config(role, tmp_path):
     builds from them (secret files stand in for the mounted Secret); the container port is the config's port and
     the probes use it: readiness on /ready, liveness on /live; it requests CPU and memory; every secret arrives as
     a file under the Secret's mount, none as a value."""
-    module, name = CONFIG_CLASSES[role]
-    cls = getattr(importlib.import_module(module), name)
+    cls = config_class(role)
     container = deployment(role)["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", f"services.{role}"]
     env = {e["name"]: e["value"] for e in container["env"]}
