@@ -198,14 +198,19 @@ def test_a_restarted_broker_rebuilds_live_plans_from_heartbeats(paced):
 
 
 def test_the_query_aware_push_is_exact_and_counted(paced):
-    """On a link where the prompt's selection fits behind the prefill (R ≈ 1), the prefill also pushes the
+    """On a link where the prompt's selection fits behind the prefill (R ≈ 1.2), the prefill also pushes the
     entries its own last-position query selects: the plan says how many per KV head, they arrive as proactive
     bytes before step 1 (decode waits for exactly what was pushed), and the tokens stay those of all-local
     selective attention. (Whether step 1 finds them useful depends on real attention: test_real_model.py.)"""
     from tests.integration.test_faults import admin_post, worker
 
     prefill = worker(paced, "prefill")
-    admin_post(paced, prefill, "/link", {"gbps": 0.05})
+    complete(paced, transfer_mode="full")  # so the prefill has measured its rate on this prompt
+    rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
+    kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
+    # R ≈ 1.2: layers 0–1 (25% of the KV) fit behind the prefill with room for the query-aware push, even if the
+    # prefill runs twice as fast or slow as it just did
+    admin_post(paced, prefill, "/link", {"gbps": kv_bits_per_token * rate / 1.2 / 1e9})
     time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
     try:
         reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)
