@@ -24,9 +24,9 @@ AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: f
 # paced link: a full budget left 1–3 s of pushes after a 10 s prefill)
 PUSH_MARGIN = 0.8
 # The query-aware push selects this many times step 1's budget: the last prompt position and the first decoded
-# one pick largely, not exactly, the same entries. Measured on SmolLM2 with quest at 10% of 1.1K (2.1K)
-# tokens, the share of step 1's selection inside the push: 0.78 (0.85) at 1×, 0.88 at 1.5×, 0.95 (0.98) at 2×,
-# 0.98 at 3× — 2× buys most of it for twice the bytes.
+# one pick largely, not exactly, the same entries. Measured on SmolLM2 with quest at 10% under the default floor
+# (`python -m tools.bench.query_overlap`), the share of step 1's selection inside the push, 1.1K (2.1K) tokens:
+# 0.90 (0.81) at 1×, 0.97 (0.93) at 1.5×, 0.99 (0.96) at 2×, 1.00 (0.98) at 3× — 2× buys most of it.
 QUERY_PUSH_FACTOR = 2
 
 
