@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import socket
 import time
 import uuid
@@ -34,6 +35,7 @@ from shared.natsconn import connect_options, redacted_url
 from shared.rpc import subscriber
 
 log = structlog.get_logger()
+SHUTDOWN_GRACE_S = 10.0  # after SIGINT/SIGTERM the process ends within this, cleanly or not (tools/stack.py kills at 15 s)
 
 
 class Service:
@@ -207,7 +209,18 @@ async def run_service(service: Service) -> None:
                  admin_token_set=bool(config.admin_token), pid=os.getpid())
         await stop.wait()
         log.info("service_stopping")
+        # NOTE: undoing can hang where what it waits on is gone (draining a NATS connection whose server died
+        # with the stack): whatever happens, the process ends SHUTDOWN_GRACE_S after the signal (a thread, so a
+        # blocked event loop cannot hold it up)
+        watchdog = threading.Timer(SHUTDOWN_GRACE_S, _exit_late)
+        watchdog.daemon = True
+        watchdog.start()
     log.info("service_stopped")
+
+
+def _exit_late() -> None:
+    log.error("shutdown_timed_out", grace_s=SHUTDOWN_GRACE_S)
+    os._exit(1)
 
 
 async def _heartbeat_loop(service: Service) -> None:
