@@ -270,16 +270,14 @@ class CompletionRun:
             except SchemaError as exc:
                 log.warning("bad_token_event", error=str(exc))
                 continue
-            in_order = event.index == self._next_index or not (event.token_id >= 0 or event.finish_reason in ("length", "stop"))
-            if event.index < self._next_index and event.token_id >= 0:
-                continue  # already given (resent)
-            if not in_order:  # a gap: the events before this one were lost
+            counted = event.token_id >= 0 or event.finish_reason in ("length", "stop")  # these carry an index
+            if counted and event.index > self._next_index:  # a gap: the events before this one were lost
                 async for resent in self._resent(f"expected token index {self._next_index}, got {event.index}"):
                     yield resent
                     if resent.finish_reason:
                         return
-                if event.index < self._next_index and event.token_id >= 0:
-                    continue
+            if event.token_id >= 0 and event.index < self._next_index:
+                continue  # already given (resent)
             if event.token_id >= 0:
                 self._next_index += 1
             yield event
