@@ -8,6 +8,7 @@ from shared.config import ConfigError, ModelWorkerConfig
 class DecodeConfig(ModelWorkerConfig):
     kv_timeout_s: float = 120.0  # how long `generate` waits for the KV to land before failing the request
     open_timeout_s: float = 60.0  # pages reserved by `open` are freed if `generate` does not follow by then
+    max_batch: int = 32  # continuous batching: at most this many running requests step in one forward
     # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below
@@ -17,6 +18,8 @@ class DecodeConfig(ModelWorkerConfig):
 
     def validate(self) -> None:
         ModelWorkerConfig.validate(self)
+        if self.max_batch < 1:
+            raise ConfigError("max_batch must be ≥ 1")
         if min(self.selective_min_tokens, self.sink_tokens, self.recent_tokens) < 0 or self.min_budget_tokens < 1:
             raise ConfigError("selective_min_tokens, sink_tokens and recent_tokens must be ≥ 0, min_budget_tokens ≥ 1")
 

@@ -46,6 +46,7 @@ from shared.dataplane import DataPlaneError, Grant
 from shared.profiles import NUM_BLOCKS
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.worker import ModelWorkerService
+from services.decode.batcher import StepBatcher
 from services.decode.config import DecodeConfig
 from services.decode.remote import RemoteKv, RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle, background_read_bytes
@@ -75,6 +76,7 @@ class DecodeService(ModelWorkerService):
     def __init__(self, config: DecodeConfig):
         super().__init__(config)
         self.engine: DecodeEngine | None = None
+        self.batcher: StepBatcher | None = None  # continuous batching: every running request's steps go together
         self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
@@ -90,6 +92,7 @@ class DecodeService(ModelWorkerService):
         assert self.runner and self.store
         self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path),
                                           self.config.floor)
+        self.batcher = StepBatcher(self.engine, self.in_torch, self.config.max_batch)
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
                                            self.engine.detach_remote)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
@@ -282,6 +285,7 @@ class DecodeService(ModelWorkerService):
                     await self._emit(req, final)
             finally:
                 self.streaming.discard(rid)
+                self.batcher.leave(rid)
             log.info("decode_done", finish_reason=reason, tokens=len(tokens), kv_wait_s=round(kv_wait_s, 3),
                      local_share=round(final.local_share, 3), all_local_step=state.all_local_step,
                      recomputed=bool(state.recompute_reason))
@@ -312,18 +316,18 @@ class DecodeService(ModelWorkerService):
         try:
             if index == 1:
                 return await self._first_step(state, req, tokens)
-            return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index)
         except RemoteReadError as exc:
             if req.failure_policy != "recompute" or state.recompute_reason:
                 raise
             await self._recompute(state, req, tokens, str(exc))
-            return await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, index)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index)
 
     async def _first_step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> int:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
         assert self.engine and self.store
         started = asyncio.get_running_loop().time()
-        token = await self.in_torch(self.engine.step, req.request_id, tokens[-1], req.sampling, 1)
+        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
         state.step1_kv_bytes = step1_kv_bytes(state, req, self.store.layout, self.engine.selections.get(req.request_id))
@@ -504,6 +508,13 @@ class DecodeService(ModelWorkerService):
         if self.store:
             self.store.free(state.request_id)
 
+    def stats(self) -> dict[str, Any]:
+        batcher = self.batcher
+        return {**super().stats(), "batching": {"max_batch": self.config.max_batch,
+                                                "batches": batcher.num_batches if batcher else 0,
+                                                "mean_batch": round(batcher.mean_batch, 2) if batcher else 0.0,
+                                                "last_batch": batcher.last_batch if batcher else 0}}
+
     def load_info(self) -> dict[str, Any]:
         plans = [self.remote_kv.registration(state) for state in list(self.active.values())] if self.remote_kv else []
         return {**super().load_info(), "plans": [r for r in plans if r],
@@ -515,4 +526,6 @@ class DecodeService(ModelWorkerService):
                 state.task.cancel()
                 await asyncio.gather(state.task, return_exceptions=True)
             await self._release(state)
+        if self.batcher is not None:
+            await self.batcher.close()
         await super().stop()

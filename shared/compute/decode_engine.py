@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
 from schemas.transfer import Aux
@@ -29,7 +28,7 @@ class DecodeEngine:
     def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None,
                  floor: BudgetFloor = DEFAULT_FLOOR):
         self.runner, self.store, self.prep_dir, self.floor = runner, store, prep_dir, floor
-        self.caches: dict[str, DynamicCache] = {}
+        self.caches: dict[str, SlabCache] = {}
         self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
         self.selections: dict[str, selective.Selection] = {}
         self._selectors: dict[str, Selector] = {}  # built once per name (offline preparation is loaded here)
@@ -138,21 +137,31 @@ class DecodeEngine:
         """Feed `token` (completion token index-1); returns completion token `index`."""
         return sample(self.step_logits(request_id, token), sampling, index)
 
-    def step_logits(self, request_id: str, token: int):
-        """One decode step; the logits (vocab,) of the next token."""
-        selection = self.selections.get(request_id)
-        remote = selection.remote if selection else None
-        if remote is not None:
+    def step_logits(self, request_id: str, token: int) -> torch.Tensor:
+        """One decode step of one request; the logits (vocab,) of its next token."""
+        result = self.step_batch([(request_id, token)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def step_batch(self, steps: Sequence[tuple[str, int]]) -> list[torch.Tensor | Exception]:
+        """One decode step of several requests together (continuous batching): feed each (request_id, token).
+        Per request, in order: the logits (vocab,) of its next token, or the exception that failed it (a remote
+        read that failed or timed out; the others are unaffected, and its cache must be rebuilt or dropped)."""
+        selections = [self.selections.get(request_id) for request_id, _ in steps]
+        remotes = [sel.remote for sel in selections if sel is not None and sel.remote is not None]
+        for remote in remotes:
             remote.begin_step()
-        selective.activate(selection)
         try:
-            return self.runner.step(self.caches[request_id], token)
+            with selective.stepping(selections) as step:
+                logits = self.runner.step([self.caches[request_id] for request_id, _ in steps], [t for _, t in steps])
         finally:
-            selective.activate(None)
-            if remote is not None:
+            for remote in remotes:
                 remote.end_step()
-            if selection is not None:
-                selection.num_steps += 1
+            for sel in selections:
+                if sel is not None:
+                    sel.num_steps += 1
+        return [step.errors.get(b, logits[b]) for b in range(len(steps))]
 
     def end(self, request_id: str) -> selective.Selection | None:
         """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any."""

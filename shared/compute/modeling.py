@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from schemas import KvLayout
 from shared.compute.kvstore import layout_for
+from shared.compute.slab_cache import BatchCache, SlabCache
 
 # on_layer(layer, keys, values): keys/values (num_kv_heads, num_tokens, head_dim), called as each layer finishes.
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -88,8 +89,14 @@ class ModelRunner:
         return hook
 
     @torch.inference_mode()
-    def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
-        """Append one token; returns its logits (vocab,)."""
-        ids = torch.tensor([[token]], device=self.device)
-        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-
+    def step(self, caches: Sequence[SlabCache], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of a batch: append tokens[b] to caches[b], each at its own position. Returns the
+        next-token logits (B, vocab). Attention must be installed (selective.install): it reads each row's
+        own cache."""
+        ids = torch.tensor([[t] for t in tokens], device=self.device)
+        positions = torch.tensor([[cache.get_seq_length()] for cache in caches], device=self.device)
+        # NOTE: a ready 4D mask makes transformers skip building one; each row attends to its whole cache anyway
+        unused_mask = torch.ones(len(caches), 1, 1, 1, dtype=torch.bool, device=self.device)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=unused_mask,
+                         cache=BatchCache(self.config, list(caches)), use_cache=True)
+        return out.logits[:, -1]

@@ -2,20 +2,21 @@
 
 The model runs with attention implementation "smartgen_selective". The cache may hold K/V in a narrower
 dtype than the model computes in (kv_dtype bf16, compute fp32): what attention reads is cast up, the whole
-layer when dense, only the selected entries when selective. For prefill (many queries), layers 0–1,
-or a step without a selection context it is plain SDPA, bit for bit. For a decode step with an active
-`Selection`, each layer ≥ 2 asks the request's selector for token indices per KV head, gathers those K/V
-and attends to them only. Attention is order-invariant and RoPE is already in the cached keys, so the
-gathered tokens need no re-positioning.
+layer when dense, only the selected entries when selective. For prefill (many queries) it is plain SDPA, bit
+for bit. A decode step runs a batch of requests (continuous batching: the projections and MLPs see all rows
+at once) over a `BatchCache`, and attention goes row by row, each over its own slab: a row without a
+`Selection`, or at layers 0–1, attends densely; at each layer ≥ 2 a row with one asks its selector for token
+indices per KV head, gathers those K/V and attends to them only. Attention is order-invariant and RoPE is
+already in the cached keys, so the gathered tokens need no re-positioning.
 
 When part of the KV is still on the prefill node (`Selection.remote`, the partial and smartgen modes), the
-selected indices split into local and remote (path 2): the remote read starts first, the local entries are
-gathered while it is in flight, then the remote positions are filled in from the slab where the read
-landed them. The gathered tensor is then exactly what an all-local gather gives (same values, same order),
+selected indices split into local and remote (path 2): every row's remote read starts first, the local
+entries are gathered while they are in flight, then the remote positions are filled in from the slab where
+the read landed them. The gathered tensor is then exactly what an all-local gather gives (same values, same order),
 so transfer never changes tokens.
 
-NOTE: the context is a module global set around one forward pass. Only the engine's single torch thread
-runs the model, so there is never more than one active selection.
+NOTE: the step's context (`STEP`) is a module global set around one forward pass. Only the engine's single
+torch thread runs the model, so there is never more than one step in flight.
 """
 from __future__ import annotations
 
@@ -71,8 +72,6 @@ class Selection:
     budget: Budget
     measure_mass: bool = False  # also compute the dense attention to report how much mass was kept
     states: dict[int, LayerState] = field(default_factory=dict)
-    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (speculation)
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
     remote: RemoteEntries | None = None  # the KV still on the prefill node; None once every entry is local
     block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
     block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
@@ -103,13 +102,29 @@ class Selection:
         return self.num_selected / self.num_candidates if self.num_candidates else None
 
 
-ACTIVE: Selection | None = None
+@dataclass
+class Step:
+    """One decode step of a batch of requests, while the model runs it: row b is request b."""
+
+    selections: list[Selection | None]  # per row: its selective-attention state (None: dense)
+    errors: dict[int, Exception] = field(default_factory=dict)  # rows whose reads failed: their output is void
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (B, 1, D) (speculation)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin), each (B, 1, d)
+
+
+STEP: Step | None = None
 _CAPTURE: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # layer → [(query, key)] (capture())
 
 
-def activate(selection: Selection | None) -> None:
-    global ACTIVE
-    ACTIVE = selection
+@contextmanager
+def stepping(selections: list[Selection | None]) -> Iterator[Step]:
+    """While inside, the model's forward is one decode step of these rows (the engine's torch thread only)."""
+    global STEP
+    STEP = step = Step(selections)
+    try:
+        yield step
+    finally:
+        STEP = None
 
 
 @contextmanager
@@ -125,59 +140,115 @@ def capture() -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
 
 
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query (1, H, 1, d); key/value (1, H_kv, n, d): the whole cache. Returns (1, 1, H, d), None."""
-    sel, layer = ACTIVE, module.layer_idx
+    """Prefill, or a plain cache: query (B, H, q, d), key/value (B, H_kv, n, d), plain SDPA.
+    A decode step over a `BatchCache` (see slab_cache.py): query (B, H, 1, d); key/value are lists of each
+    row's whole cache, (1, H_kv, n_b, d). Returns (B, q, H, d), None."""
+    if isinstance(key, list):
+        return _attend_batch(module, query, key, value, scaling), None
     if _CAPTURE is not None:  # offline calibration: keep post-RoPE queries and keys (see capture())
-        _CAPTURE.setdefault(layer, []).append((query[0].detach(), key[0].detach()))
-    if sel is None or query.shape[2] != 1 or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, _as(query, key), _as(query, value), attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    keys, values = key[0], value[0]
-    n = keys.shape[1]
+        _CAPTURE.setdefault(module.layer_idx, []).append((query[0].detach(), key[0].detach()))
+    return sdpa_attention_forward(module, query, _as(query, key), _as(query, value), attention_mask,
+                                  dropout=dropout, scaling=scaling, **kwargs)
+
+
+@dataclass
+class _Row:
+    """One row's attention at one layer, between issuing its remote read and attending."""
+
+    query: torch.Tensor  # (1, H, 1, d)
+    keys: torch.Tensor  # (H_kv, n, d), the row's whole cache
+    values: torch.Tensor
+    idx: torch.Tensor | None = None  # (H_kv, k') selected token indices; None: dense
+    pending: PendingRead | None = None  # the remote read of what it needs and is not local
+
+
+def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Tensor], scaling) -> torch.Tensor:
+    """Every row selects and issues its remote read first, then each attends in turn, so the rows' reads are
+    in flight together. A row whose read fails is voided (zeros, its error kept in `STEP.errors`); the others
+    carry on. Returns (B, 1, H, d)."""
+    step, layer = STEP, module.layer_idx
+    assert step is not None and len(step.selections) == query.shape[0], "a BatchCache step outside stepping()"
+    out = query.new_zeros(query.shape[0], 1, query.shape[1], query.shape[3])
+    rows: list[_Row | None] = []
+    for b, sel in enumerate(step.selections):
+        rows.append(None)
+        if b in step.errors:
+            continue
+        try:
+            rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0]))
+        except Exception as exc:  # noqa: BLE001 (a read that could not start: this row only)
+            step.errors[b] = exc
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        try:
+            out[b] = _attend(module, step.selections[b], row, scaling)[0]
+        except Exception as exc:  # noqa: BLE001 (a read that failed or timed out: this row only)
+            step.errors[b] = exc
+    return out
+
+
+def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row:
+    """Choose what `row` attends to at `layer` and start reading the part of it that is not local."""
+    if sel is None:
+        return row
+    n = row.keys.shape[1]
     k = sel.budget.tokens(n)
     if layer < DENSE_LAYERS or k >= n:  # the whole cache: exactly dense
-        _ensure_local(sel, layer, None)
         if layer >= DENSE_LAYERS:
             sel.num_selections += 1
             sel.mass_sum += 1.0
-            sel.num_selected += n * keys.shape[0]
-            sel.num_candidates += n * keys.shape[0]
-        return sdpa_attention_forward(module, query, _as(query, key), _as(query, value), attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+            sel.num_selected += n * row.keys.shape[0]
+            sel.num_candidates += n * row.keys.shape[0]
+        row.pending = sel.remote.fetch(layer, None) if sel.remote is not None else None
+        return row
     state = sel.states.get(layer)
     if state is None:
         state = sel.states[layer] = sel.selector.new_state(layer)
-    sel.selector.extend(layer, state, keys)
-    q = query[0, :, 0]  # (H, d)
-    probe = _speculated_query(sel, module, layer) if getattr(sel.selector, "speculates", False) else q
-    idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
-    pending = sel.remote.fetch(layer, idx) if sel.remote is not None else None
-    parallel = sel.remote.parallel if sel.remote is not None else True
-    if pending is not None and not parallel:
-        pending.wait()  # path 2 switched off: fetch first, then gather
+    sel.selector.extend(layer, state, row.keys)
+    probe = _speculated_query(module, layer, b) if getattr(sel.selector, "speculates", False) else row.query[0, :, 0]
+    row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
+    row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
+    if row.pending is not None and not sel.remote.parallel:
+        row.pending.wait()  # path 2 switched off: fetch first, then gather
+        row.pending = None
+    return row
+
+
+def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
+    """`row`'s attention output (1, 1, H, d), once what it reads has landed."""
+    query, keys, values, idx = row.query, row.keys, row.values, row.idx
+    if idx is None:  # dense: every entry, local once the read of the missing ones has landed
+        if row.pending is not None:
+            row.pending.wait()
+        return sdpa_attention_forward(module, query, _as(query, keys[None]), _as(query, values[None]), None,
+                                      scaling=scaling)[0]
+    assert sel is not None
     gather = idx[..., None].expand(-1, -1, keys.shape[-1])
     k_sel, v_sel = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)  # (H_kv, k', d)
-    if pending is not None and parallel:
-        pending.wait()  # the local entries above were gathered while the remote read was in flight
-        rows, cols = pending.remote.nonzero(as_tuple=True)
+    if row.pending is not None:
+        row.pending.wait()  # the local entries above were gathered while the remote read was in flight
+        rows, cols = row.pending.remote.nonzero(as_tuple=True)
         k_sel[rows, cols] = keys[rows, idx[rows, cols]]  # the remote entries, now landed in the slab
         v_sel[rows, cols] = values[rows, idx[rows, cols]]
     group = query.shape[1] // keys.shape[0]
     k_sel, v_sel = _as(query, k_sel), _as(query, v_sel)
     k_sel, v_sel = k_sel.repeat_interleave(group, dim=0), v_sel.repeat_interleave(group, dim=0)  # (H, k', d)
     out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
+    n = keys.shape[1]
     sel.num_selected += idx.numel()
     sel.num_candidates += n * idx.shape[0]
-    if layer == DENSE_LAYERS:  # NOTE: one step decides dense or sparse for all its layers (same n, same budget)
+    if module.layer_idx == DENSE_LAYERS:  # NOTE: one step decides dense or sparse for all its layers (same n, same budget)
         sel.num_sparse_steps += 1
     if sel.block_counts is not None:
-        sel._count(layer, idx)
+        sel._count(module.layer_idx, idx)
     if sel.measure_mass:
+        q = query[0, :, 0]  # (H, d)
         probs = torch.softmax((q[:, None, :] @ _as(q, keys).repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
         kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
         sel.mass_sum += float(kept.mean())
     sel.num_selections += 1
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2)
 
 
 def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
@@ -198,20 +269,14 @@ def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
-def _ensure_local(sel: Selection, layer: int, idx: torch.Tensor | None) -> None:
-    """Dense attention over a partly remote cache: read every missing entry of the layer first."""
-    if sel.remote is not None:
-        pending = sel.remote.fetch(layer, idx)
-        if pending is not None:
-            pending.wait()
-
-
-def _speculated_query(sel: Selection, module, layer: int) -> torch.Tensor:
-    """InfiniGen's speculation: layer i's query computed from layer i-1's input, (H, d)."""
-    hidden = sel.layer_inputs.get(layer - 1)
-    if hidden is None or sel.position_embeddings is None:
-        raise RuntimeError("speculation needs the previous layer's input: install_hooks() was not called")
-    return query_of(module._smartgen_decoder_layer, hidden, *sel.position_embeddings)
+def _speculated_query(module, layer: int, b: int) -> torch.Tensor:
+    """InfiniGen's speculation: row b's layer-i query computed from layer i-1's input, (H, d)."""
+    assert STEP is not None
+    hidden = STEP.layer_inputs.get(layer - 1)
+    if hidden is None or STEP.position_embeddings is None:
+        raise RuntimeError("speculation needs the previous layer's input: install() was not called")
+    cos, sin = STEP.position_embeddings
+    return query_of(module._smartgen_decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])
 
 
 def query_of(decoder_layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -252,12 +317,12 @@ def install(model) -> None:
         object.__setattr__(decoder_layer.self_attn, "_smartgen_decoder_layer", decoder_layer)
 
         def keep_input(_module, args, kwargs, i=i):
-            if ACTIVE is not None:
-                ACTIVE.layer_inputs[i] = args[0] if args else kwargs["hidden_states"]
+            if STEP is not None:
+                STEP.layer_inputs[i] = args[0] if args else kwargs["hidden_states"]
 
         def keep_rope(_module, args, kwargs):
-            if ACTIVE is not None and kwargs.get("position_embeddings") is not None:
-                ACTIVE.position_embeddings = kwargs["position_embeddings"]
+            if STEP is not None and kwargs.get("position_embeddings") is not None:
+                STEP.position_embeddings = kwargs["position_embeddings"]
 
         decoder_layer.register_forward_pre_hook(keep_input, with_kwargs=True)
         decoder_layer.self_attn.register_forward_pre_hook(keep_rope, with_kwargs=True)

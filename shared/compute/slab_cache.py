@@ -43,3 +43,33 @@ class SlabCache(DynamicCache):
         """slab: (num_layers, 2, num_kv_heads, capacity, head_dim), the request's slab view."""
         super().__init__(config=config)
         self.layers = [SlabLayer(slab[layer, 0], slab[layer, 1], num_tokens) for layer in range(slab.shape[0])]
+
+
+class BatchLayer(DynamicLayer):
+    """One layer of a batched decode step: each row appends its new token to its own slab layer, and
+    attention gets the rows' whole caches as lists (they differ in length; see selective.py)."""
+
+    def __init__(self, rows: list[SlabLayer]):
+        super().__init__()
+        self.rows = rows
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states/value_states (B, H_kv, 1, d) → lists of B (1, H_kv, n_b, d) views."""
+        keys, values = [], []
+        for b, row in enumerate(self.rows):
+            k, v = row.update(key_states[b: b + 1], value_states[b: b + 1])
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return max(row.num_tokens for row in self.rows)
+
+
+class BatchCache(DynamicCache):
+    """The caches of the requests one decode step runs together, row b being caches[b]."""
+
+    def __init__(self, config, caches: list[SlabCache]):
+        super().__init__(config=config)
+        self.layers = [BatchLayer([cache.layers[layer] for cache in caches]) for layer in range(len(caches[0].layers))]

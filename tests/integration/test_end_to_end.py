@@ -6,7 +6,7 @@ import asyncio
 import nats
 import pytest
 
-from tests.integration.conftest import get_json, post_json, post_sse
+from tests.integration.conftest import get_json, model_workers, post_json, post_sse
 from tests.reference import greedy_tokens, prompt_ids
 
 PROMPT = "The history of the city begins with a small settlement on the river, where traders"
@@ -98,6 +98,32 @@ def test_concurrent_requests_all_complete(clean_stack):
         results = list(pool.map(lambda _: post_json(clean_stack.gateway_url + "/v1/completions", body), range(4)))
     assert all(status == 200 for status, _ in results)
     assert all(r["smartgen"]["token_ids"] == alone["smartgen"]["token_ids"] for _, r in results)
+
+
+def test_concurrent_requests_step_together(clean_stack):
+    """Continuous batching: requests of different prompts and transfer modes (dense and selective, with reads
+    of remote KV) running at once on one decode worker share its forward passes, and each gets exactly the
+    tokens it gets alone."""
+    import concurrent.futures
+
+    base = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    bodies = [base | {"prompt": PROMPT, "transfer_mode": "full"},
+              base | {"prompt": PROMPT + " sold salt", "transfer_mode": "colocated"},
+              base | {"prompt": "Once upon a time " * 6, "transfer_mode": "partial", "selector": "quest", "kv_budget": 0.3},
+              base | {"prompt": PROMPT[::-1], "transfer_mode": "smartgen", "selector": "quest", "kv_budget": 0.25}]
+    url = clean_stack.gateway_url + "/v1/completions"
+    alone = [post_json(url, body)[1]["smartgen"]["token_ids"] for body in bodies]
+    decode = next(w for w in model_workers(clean_stack) if w["role"] == "decode")
+    before = get_json(decode["admin_url"] + "/stats")["batching"]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda body: post_json(url, body), bodies + bodies))
+    after = get_json(decode["admin_url"] + "/stats")["batching"]
+    assert all(status == 200 for status, _ in results), results
+    assert [r["smartgen"]["token_ids"] for _, r in results] == alone + alone
+    steps = 2 * len(bodies) * (base["max_tokens"] - 1)  # every step but the prefill's first token
+    batches = after["batches"] - before["batches"]
+    print(f"{steps} steps in {batches} forward passes")
+    assert batches < 0.6 * steps  # steps shared forward passes (alone, each step is one pass)
 
 
 def test_openai_client_works(clean_stack):

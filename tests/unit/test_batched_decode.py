@@ -1,0 +1,105 @@
+"""Continuous batching in the decode engine: requests of different lengths, dense and selective, stepped
+together in one forward give exactly the tokens each gives alone; a request joins and leaves between steps;
+a row whose remote read fails is the only one that fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas import NO_FLOOR, Sampling
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
+from tests.reference import prompt_ids
+
+PROMPTS = ["Once upon a time, in a valley between two mountains, there lived",
+           "The capital of France is",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n    return",
+           "List three colours of the rainbow: red,"]
+SELECTIVE = {1: ("quest", 0.3), 2: ("quest", 0.25)}  # request index → (selector, budget); the others dense
+NUM_STEPS = 12
+
+
+def engine_for(path) -> DecodeEngine:
+    runner = ModelRunner(path)
+    return DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens=4), 256), floor=NO_FLOOR)
+
+
+def start(engine: DecodeEngine, rid: str, ids: list[int], i: int) -> int:
+    first = engine.prefill_local(rid, ids, Sampling(), max_new_tokens=NUM_STEPS + 1)
+    if i in SELECTIVE:
+        engine.use_selection(rid, *SELECTIVE[i])
+    return first
+
+
+def alone(path, prompts: list[list[int]]) -> list[list[int]]:
+    engine = engine_for(path)
+    out = []
+    for i, ids in enumerate(prompts):
+        tokens = [start(engine, "r", ids, i)]
+        for index in range(1, NUM_STEPS):
+            tokens.append(engine.step("r", tokens[-1], Sampling(), index))
+        engine.end("r")
+        out.append(tokens)
+    return out
+
+
+def together(path, prompts: list[list[int]], join_at: int = 3) -> list[list[int]]:
+    """Requests 0–2 start together; request 3 joins at step `join_at`; each leaves when it has NUM_STEPS
+    tokens (so they leave at different steps)."""
+    engine = engine_for(path)
+    tokens: dict[int, list[int]] = {}
+    for i in range(3):
+        tokens[i] = [start(engine, f"r{i}", prompts[i], i)]
+    step = 0
+    while any(len(t) < NUM_STEPS for t in tokens.values()) or len(tokens) < len(prompts):
+        step += 1
+        if step == join_at:
+            tokens[3] = [start(engine, "r3", prompts[3], 3)]
+        running = [i for i, t in tokens.items() if len(t) < NUM_STEPS]
+        logits = engine.step_batch([(f"r{i}", tokens[i][-1]) for i in running])
+        for i, row in zip(running, logits):
+            assert not isinstance(row, Exception), row
+            tokens[i].append(int(torch.argmax(row)))
+            if len(tokens[i]) == NUM_STEPS:
+                engine.end(f"r{i}")
+    assert not engine.caches
+    return [tokens[i] for i in range(len(prompts))]
+
+
+def test_a_batch_decodes_each_request_as_alone(tiny_model_path):
+    prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths, so different positions per row
+    assert together(tiny_model_path, prompts) == alone(tiny_model_path, prompts)
+
+
+@pytest.mark.real_model
+def test_a_batch_decodes_each_request_as_alone_real_model(real_model_path):
+    """SmolLM2's real attention (selection depends on it): batched tokens equal single-request tokens."""
+    prompts = [prompt_ids(real_model_path, p * 8) for p in PROMPTS]  # a few hundred tokens, so quest selects
+    assert together(real_model_path, prompts) == alone(real_model_path, prompts)
+
+
+class FailingRemote:
+    """A request whose KV is partly remote and whose reads fail."""
+
+    parallel = True
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def fetch(self, layer, idx):
+        raise RuntimeError("the prefill node is gone")
+
+
+def test_a_failed_read_fails_only_its_row(tiny_model_path):
+    prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS[:2]]
+    engine = engine_for(tiny_model_path)
+    first = [start(engine, f"r{i}", ids, i) for i, ids in enumerate(prompts)]
+    engine.selections["r1"].remote = FailingRemote()
+    good, failed = engine.step_batch([("r0", first[0]), ("r1", first[1])])
+    assert isinstance(failed, RuntimeError) and "gone" in str(failed)
+    assert int(torch.argmax(good)) == alone(tiny_model_path, prompts[:1])[0][1]
