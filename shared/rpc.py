@@ -5,6 +5,7 @@ see it as an error too. `call` turns it back into a `RemoteError` on the calling
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -59,8 +60,20 @@ async def respond_error(req: Request, code: str, message: str) -> None:
     await req.respond(encode(ErrorReply(code, message)), headers={ERROR_HEADER: header, ERROR_CODE_HEADER: code})
 
 
-def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]]) -> Callable[[Request], Awaitable[None]]:
-    """Wrap `handler(message) -> reply message` as a nats.micro handler that never crashes on bad input."""
+def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
+             concurrent: bool = False) -> Callable[[Request], Awaitable[None]]:
+    """Wrap `handler(message) -> reply message` as a nats.micro handler that never crashes on bad input.
+
+    nats runs an endpoint's handlers one after another, in one task. `concurrent`: each message gets a task of
+    its own instead, so a long handler (a prefill waiting its turn for the model) does not keep the next
+    message unread, unseen by the service (and by its heartbeats, which say what it holds)."""
+
+    tasks: set[asyncio.Task] = set()
+
+    async def spawn(req: Request) -> None:
+        task = asyncio.create_task(handle(req))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def handle(req: Request) -> None:
         try:
@@ -82,7 +95,7 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]]) -> C
                 return
             await req.respond(encode(reply))
 
-    return handle
+    return spawn if concurrent else handle
 
 
 def subscriber(message_type: type[T], handler: Callable[[T], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
+from collections.abc import Coroutine
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +77,7 @@ class PrefillService(ModelWorkerService):
         self.active: dict[str, Transfer] = {}
         self.prefill_tokens_per_s = 0.0
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)
+        self._freeing: set[asyncio.Task] = set()  # frees run by abort and release, which reply at once
         self.leases_expired = self.metrics.counter("smartgen_kv_leases_expired_total",
                                                    "Prefill-held KV freed because its lease ran out")
 
@@ -82,7 +85,8 @@ class PrefillService(ModelWorkerService):
         await super().start(nc, micro)
         assert self.runner and self.store
         self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path))
-        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill), abort=endpoint(Abort, self.abort),
+        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True),
+                                 abort=endpoint(Abort, self.abort),
                                  release=endpoint(Release, self.release))
         await nc.subscribe(self.subject("keep"), cb=subscriber(KeepLease, self.keep))
 
@@ -108,15 +112,21 @@ class PrefillService(ModelWorkerService):
         def on_layer_stored(layer: int) -> None:  # torch thread
             loop.call_soon_threadsafe(self._start_push, transfer, layer)
 
-        started = loop.time()
         by_query = transfer.query_push is not None and transfer.query_push.tokens > 0
+
+        def run() -> tuple[int, float]:  # torch thread: the first token, and the prefill's own time in seconds
+            # NOTE: prefills wait their turn on the torch thread; one aborted meanwhile is skipped, not computed
+            if self.active.get(req.request_id) is not transfer:
+                raise RequestRefused("not_found", f"request {req.request_id} was aborted before its prefill")
+            started = time.perf_counter()
+            first = self.engine.run(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
+            return first, time.perf_counter() - started
+
         try:
-            first = await self.in_torch(self.engine.run, slab, req.token_ids, req.sampling, on_layer_stored, encode_layer,
-                                        by_query)
+            first, prefill_s = await self.in_torch(run)
         except BaseException:
             await self._finish(req.request_id, cancel=True)
             raise
-        prefill_s = loop.time() - started
         if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
             raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
         rate = n / prefill_s
@@ -131,7 +141,8 @@ class PrefillService(ModelWorkerService):
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)
-        await self._finish(req.request_id, cancel=True)
+        # NOTE: freed in its own task: freeing waits for the torch thread, which may have prefills queued
+        self._background(self._finish(req.request_id, cancel=True))
         return Ack()
 
     async def release(self, req: Release) -> Ack:
@@ -140,8 +151,13 @@ class PrefillService(ModelWorkerService):
             log.info("kv_released", request_id=req.request_id, reason=req.reason)
             # NOTE: freed in its own task: waiting out a read still leaving must not hold up the next release
             # (nats runs an endpoint's handlers one after another)
-            asyncio.create_task(self._finish(req.request_id, cancel=True))
+            self._background(self._finish(req.request_id, cancel=True))
         return Ack()
+
+    def _background(self, freeing: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(freeing)
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
 
     async def keep(self, req: KeepLease) -> None:
         transfer = self.active.get(req.request_id)

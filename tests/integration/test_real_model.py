@@ -49,11 +49,36 @@ def test_real_model_full_and_colocated_match_generate(real_model_path, tmp_path)
                       f"TTST {sg['ttst_s']:.3f} s, TBT {sg['tbt_s']:.3f} s, kv_bytes {sg['kv_bytes']}")
                 assert sg["token_ids"] == expected, mode
             assert_no_leaks(stack)
+            check_concurrent_requests(stack, real_model_path, prompt, expected)
+            assert_no_leaks(stack)
             check_smartgen_on_a_slow_link(stack, prompt)
             assert_no_leaks(stack)
         except BaseException:
             print(log_file.read_text()[-4000:])
             raise
+
+
+def check_concurrent_requests(stack: Stack, model_path, prompt: str, expected: list[int]) -> None:
+    """Four requests at once: their prefills queue on the one prefill worker for several heartbeats (none may be
+    taken for lost meanwhile) and each gets generate's tokens. (Steps sharing forward passes is checked in
+    test_end_to_end.py: 12 tokens decode faster than the next prefill here.)"""
+    import concurrent.futures
+
+    short = prompt[:2600]
+    short_expected = greedy_tokens(model_path, prompt_ids(model_path, short), NUM_TOKENS)
+    prompts = [prompt, short, prompt, short]
+    decode = next(w for w in model_workers(stack) if w["role"] == "decode")
+    before = get_json(decode["admin_url"] + "/stats")["batching"]
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: post_json(stack.gateway_url + "/v1/completions",
+                                                    {"prompt": p, "max_tokens": NUM_TOKENS, "temperature": 0,
+                                                     "transfer_mode": "full"}, timeout=300), prompts))
+    after = get_json(decode["admin_url"] + "/stats")["batching"]
+    print(f"4 concurrent requests in {time.monotonic() - started:.1f} s; "
+          f"{after['batches'] - before['batches']} decode forward passes for {4 * (NUM_TOKENS - 1)} steps")
+    assert [status for status, _ in results] == [200] * 4, results
+    assert [body["smartgen"]["token_ids"] for _, body in results] == [expected, short_expected] * 2
 
 
 def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
