@@ -146,6 +146,18 @@ class Sampling:
 
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
+    logprobs: int = -1  # ≥ 0: report each token's log-probability and this many most likely alternatives
+    echo: bool = False  # with logprobs ≥ 0: the prefill also reports every prompt token's (OpenAI `echo`)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One token's log-probability under the model (its raw distribution, before temperature), and the most
+    likely tokens at that position, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +185,8 @@ class PrefillDone:
     prefill_s: float  # compute time of the prefill forward pass
     source: KvSource | None = None  # partial, smartgen: the KV left on the prefill node
     query_entries: int = 0  # (layer, KV head, token) entries pushed by query (TransferPlan.query_tokens)
+    first_logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the first token's
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # Sampling.echo: prompt tokens 1…N-1's
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +255,8 @@ class TokenEvent:
     # mode pushes (full, quantized), or the metadata, the dense layers and step 1's own selection (selective)
     step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0  # the first decode step's time less its network waits (all-local step time)
+    logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # colocated, token 0 with Sampling.echo
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,3 +26,11 @@ def greedy_tokens(path: Path | str, prompt_ids: list[int], max_new_tokens: int) 
 
 def prompt_ids(path: Path | str, text: str) -> list[int]:
     return list(load(str(path))[1](text)["input_ids"])
+
+
+def token_logprobs(path: Path | str, token_ids: list[int]) -> list[float]:
+    """Plain transformers' log-probability of each token after the ones before it (tokens 1…N-1)."""
+    model, _ = load(str(path))
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()

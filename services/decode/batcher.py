@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import Sampling
+from schemas import Sampling, TokenLogprobs
 from shared.compute.decode_engine import DecodeEngine
-from shared.compute.sampling import sample
+from shared.compute.sampling import sample, scored
 
 
 @dataclass
@@ -32,7 +32,7 @@ class _Ask:
     token: int  # the token to feed (completion token index-1)
     sampling: Sampling
     index: int  # the completion index of the token to return
-    future: asyncio.Future[int]
+    future: asyncio.Future[tuple[int, TokenLogprobs | None]]
 
 
 class StepBatcher:
@@ -47,8 +47,9 @@ class StepBatcher:
         self.num_rows = 0  # Σ batch sizes: num_rows / num_batches is the mean batch
         self.last_batch = 0
 
-    async def step(self, request_id: str, token: int, sampling: Sampling, index: int) -> int:
-        """Feed `token` to the request and return its completion token `index`; raises what failed its row."""
+    async def step(self, request_id: str, token: int, sampling: Sampling, index: int) -> tuple[int, TokenLogprobs | None]:
+        """Feed `token` to the request and return its completion token `index` (with its log-probabilities when
+        `sampling` asks for them); raises what failed its row."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-batcher")
         if request_id in self._asks:
@@ -103,11 +104,16 @@ class StepBatcher:
             if self._asks:
                 self._asked.set()
 
-    def _step(self, rows: list[tuple[str, int, Sampling, int]]) -> list[int | Exception]:
-        """Torch thread: one batched step, then each row's token sampled from its logits."""
-        logits = self.engine.step_batch([(rid, token) for rid, token, _, _ in rows])
-        return [row if isinstance(row, Exception) else sample(row, sampling, index)
-                for row, (_, _, sampling, index) in zip(logits, rows)]
+    def _step(self, rows: list[tuple[str, int, Sampling, int]]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
+        """Torch thread: one batched step, then each row's token sampled from its logits (and scored)."""
+        out: list[tuple[int, TokenLogprobs | None] | Exception] = []
+        for logits, (_, _, sampling, index) in zip(self.engine.step_batch([(rid, token) for rid, token, _, _ in rows]), rows):
+            if isinstance(logits, Exception):
+                out.append(logits)
+            else:
+                token = sample(logits, sampling, index)
+                out.append((token, scored(logits, token, sampling)))
+        return out
 
     async def close(self) -> None:
         if self._task is not None:

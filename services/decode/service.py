@@ -36,7 +36,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
-                     TokenEvent, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
+                     TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
                      subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
@@ -247,17 +247,20 @@ class DecodeService(ModelWorkerService):
                                         req.selector, req.kv_budget, NUM_BLOCKS)
                     state.recompute_reason = f"resumed after {len(tokens)} tokens: the first decode worker died"
                 elif not state.mode.is_disaggregated:
-                    tokens.append(await self.in_torch(self.engine.prefill_local, rid, req.token_ids, req.sampling,
-                                                      state.slab))
-                    await self._emit(req, TokenEvent(rid, 0, tokens[0]))
+                    first = await self.in_torch(self.engine.prefill_local_scored, rid, req.token_ids, req.sampling,
+                                                state.slab)
+                    tokens.append(first.token)
+                    await self._emit(req, TokenEvent(rid, 0, first.token, logprobs=first.logprobs,
+                                                     prompt_logprobs=first.prompt_logprobs))
                 else:
                     kv_wait_s = await self._receive_kv(state, req, tokens)
                 if req.selector and rid not in self.engine.selections:
                     await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, None, None,
                                         NUM_BLOCKS)
                 while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens:
-                    tokens.append(await self._step(state, req, tokens))
-                    await self._emit(req, TokenEvent(rid, len(tokens) - 1, tokens[-1]))
+                    token, logprobs = await self._step(state, req, tokens)
+                    tokens.append(token)
+                    await self._emit(req, TokenEvent(rid, len(tokens) - 1, token, logprobs=logprobs))
                     await self.remote_kv.after_step(state, len(tokens) - 1)
                 reason = "stop" if tokens[-1] in stop_ids else "length"
             except asyncio.CancelledError:
@@ -308,8 +311,8 @@ class DecodeService(ModelWorkerService):
             await self._recompute(state, req, tokens, str(exc))
         return asyncio.get_running_loop().time() - started
 
-    async def _step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> int:
-        """One decode step: feed the last token, get the next. An on-demand read that fails mid-step fails the
+    async def _step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
+        """One decode step: feed the last token, get the next (and its log-probabilities if asked). An on-demand read that fails mid-step fails the
         request, or under failure_policy `recompute` (once) rebuilds the cache here and takes the step again."""
         assert self.engine
         index = len(tokens)
@@ -323,11 +326,11 @@ class DecodeService(ModelWorkerService):
             await self._recompute(state, req, tokens, str(exc))
             return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index)
 
-    async def _first_step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> int:
+    async def _first_step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
         assert self.engine and self.store
         started = asyncio.get_running_loop().time()
-        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1)
+        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1)  # (token, its logprobs)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
         state.step1_kv_bytes = step1_kv_bytes(state, req, self.store.layout, self.engine.selections.get(req.request_id))

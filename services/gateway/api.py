@@ -18,8 +18,9 @@ from nats.aio.client import Client
 
 from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun, RequestFailed
+from services.gateway.logprobs import chat_logprobs, completion_logprobs
 from services.gateway.openapi import openapi_document
-from services.gateway.requests import ApiError, CompletionJob, parse_job
+from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
 from shared.registry import WorkerRegistry
@@ -89,13 +90,16 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         return _error(ApiError(400, "the request body is not valid JSON"))
     try:
         default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default
-        job = parse_job(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode, default_max,
-                        gw.config.default_selector, request.headers.get(REQUEST_ID_HEADER))
+        jobs = parse_jobs(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode,
+                          default_max, gw.config.default_selector, request.headers.get(REQUEST_ID_HEADER))
     except ApiError as exc:
         response = _error(exc)
         if exc.param != REQUEST_ID_HEADER and REQUEST_ID_HEADER in request.headers:  # a valid id: echo it
             response.headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         return response
+    if len(jobs) > 1:
+        return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER))
+    job = jobs[0]
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream)
@@ -135,6 +139,14 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
 
 
 async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:
+    try:
+        return web.json_response(await _complete(gw, run))
+    except ApiError as exc:
+        return _error(exc)
+
+
+async def _complete(gw: Gateway, run: CompletionRun) -> dict[str, Any]:
+    """Run the request to its end: the JSON body, or ApiError."""
     text = TextStream(gw.tokenizer, run.job.stop)
     try:
         async for token in run.tokens():
@@ -142,19 +154,50 @@ async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:
             if text.is_stopped:
                 run.stop_early("stop_string")
                 break
-    except ApiError as exc:
-        return _error(exc)
     except RequestFailed as exc:
-        return _error(ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed"))
+        raise ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed") from None
     text.flush()
     await run.close()  # so the body reports the final finish_reason
-    return web.json_response(_final_body(gw, run, text.emitted))
+    return _final_body(gw, run, text.emitted)
+
+
+async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str | None) -> web.Response:
+    """A completions body with several prompts: each runs as a request of its own (admitted, queued and counted
+    alone), all at once; the answer has one choice per prompt, in order, each with its own `smartgen` figures
+    (the top-level `smartgen` is the first's), and the summed usage. The first failure answers for all."""
+    async def one(job: CompletionJob) -> dict[str, Any]:
+        with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+            log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
+                     transfer_mode=job.transfer_mode, stream=False, batch=len(jobs))
+            async with gw.admission.slot() as queue_s:
+                run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids,
+                                    gw.config.request_timeout_s)
+                run.queue_s = queue_s
+                try:
+                    return await _complete(gw, run)
+                finally:
+                    await run.close()
+                    gw.record(run)
+
+    bodies = await asyncio.gather(*(one(job) for job in jobs), return_exceptions=True)
+    for outcome in bodies:
+        if isinstance(outcome, ApiError):
+            return _error(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+    choices = [{**body["choices"][0], "index": i, "smartgen": body["smartgen"]} for i, body in enumerate(bodies)]
+    usage = {key: sum(body["usage"][key] for body in bodies) for key in bodies[0]["usage"]}
+    batch_id = client_id or jobs[0].request_id.rsplit("-", 1)[0]  # the jobs' ids are <batch_id>-<i>
+    response = web.json_response({**bodies[0], "id": batch_id, "choices": choices, "usage": usage})
+    response.headers[REQUEST_ID_HEADER] = batch_id
+    return response
 
 
 async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.StreamResponse:
     text = TextStream(gw.tokenizer, run.job.stop)
     response: web.StreamResponse | None = None
     sent_any = False  # the first chunk of a chat stream names the role
+    offset = 0  # the text offset of the next token (completions logprobs)
     try:
         async for token in run.tokens():
             if response is None:
@@ -163,7 +206,10 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
                 await response.prepare(request)
             # NOTE: one chunk per token, even when the text is held back (a possible stop string, an incomplete
             # UTF-8 sequence): a client times every token from the stream (bench serve, vllm bench, guidellm)
-            await _send(response, _chunk(gw, run, text.add(token), None, first=not sent_any))
+            chunk = _chunk(gw, run, text.add(token), None, first=not sent_any)
+            if run.job.logprobs >= 0:
+                offset = _add_logprobs(gw, run, chunk, offset)
+            await _send(response, chunk)
             sent_any = True
             if text.is_stopped:
                 run.stop_early("stop_string")
@@ -218,14 +264,29 @@ def _chunk(gw: Gateway, run: CompletionRun, delta: str, finish_reason: str | Non
             "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
+def _add_logprobs(gw: Gateway, run: CompletionRun, chunk: dict[str, Any], offset: int) -> int:
+    """Put the latest token's log-probabilities into its stream chunk; returns the next token's text offset."""
+    token, scores = run.token_ids[-1:], run.token_logprobs[-1:]
+    if run.job.kind == "chat":
+        chunk["choices"][0]["logprobs"] = chat_logprobs(gw.tokenizer, token, scores)
+        return offset
+    logprobs = chunk["choices"][0]["logprobs"] = completion_logprobs(gw.tokenizer, token, scores, offset=offset)
+    return offset + sum(len(t) for t in logprobs["tokens"])
+
+
 def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
     job = run.job
     finish_reason = "stop" if run.finish_reason == "stop" else "length"
     if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                  "logprobs": chat_logprobs(gw.tokenizer, run.token_ids, run.token_logprobs) if job.logprobs >= 0 else None}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        prompt = gw.tokenizer.decode(job.prompt_ids) if job.echo else ""
+        logprobs = completion_logprobs(gw.tokenizer, run.token_ids, run.token_logprobs,
+                                       job.prompt_ids if job.echo else None, run.prompt_logprobs) \
+            if job.logprobs >= 0 else None
+        choice = {"index": 0, "text": prompt + text, "finish_reason": finish_reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": job.request_id, "object": obj, "created": job.created, "model": gw.model_id, "choices": [choice],
             "usage": _usage(run), "smartgen": run.summary()}

@@ -30,7 +30,7 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
-                     PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TransferFailed,
+                     PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
                      TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
 from schemas.transfer import Aux
 from shared.rpc import RemoteError, call
@@ -73,6 +73,8 @@ class CompletionRun:
     recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
     queue_s: float = 0.0  # time spent in the gateway's admission queue before it started
     migrated_from: list[str] = field(default_factory=list)  # decode workers that died while streaming this request
+    token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token, when the job asks (logprobs ≥ 0)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1…N-1 (echo with logprobs)
     _liveness: Liveness | None = None
     # Whether the prefill's death matters now: "push" until decode's first event (decode may wait on its pushes),
     # then "reads" to the end in partial and smartgen modes (decode reads the rest of the KV from it), else "".
@@ -99,7 +101,7 @@ class CompletionRun:
         if disaggregated:
             self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
-        sampling = Sampling(job.temperature, job.seed)
+        sampling = Sampling(job.temperature, job.seed, job.logprobs, job.echo and job.logprobs >= 0)
         first, done = -1, None
         try:
             if not disaggregated:
@@ -109,6 +111,7 @@ class CompletionRun:
                 done = await self._run_prefill(handle, sampling)
                 if done is not None:
                     first, self.prefill_s = done.first_token, done.prefill_s
+                    self.prompt_logprobs = done.prompt_logprobs
                 await self._generate(first, done, sampling)
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
@@ -116,12 +119,14 @@ class CompletionRun:
         self._watch_prefill = "push" if done is not None else ""
         self._next_index = 0 if first < 0 else 1
         if first >= 0:
-            yield self._stamp(first)
+            yield self._stamp(first, done.first_logprobs if done is not None else None)
         while True:
             try:
                 async for event in self._events():
+                    if event.prompt_logprobs:  # colocated: the prefill ran on the decode worker
+                        self.prompt_logprobs = event.prompt_logprobs
                     if event.token_id >= 0:
-                        yield self._stamp(event.token_id)
+                        yield self._stamp(event.token_id, event.logprobs)
                     if event.finish_reason:
                         self.final = event
                         self.kv_bytes, self.kv_wait_s, self.selected_share = event.kv_bytes, event.kv_wait_s, event.selected_share
@@ -339,8 +344,9 @@ class CompletionRun:
         failed = TransferFailed(self.job.request_id, f"prefill worker {prefill.worker_id} stopped sending heartbeats")
         await self.nc.publish(subjects.worker("decode", self.decode.worker_id, "transfer_failed"), encode(failed))
 
-    def _stamp(self, token_id: int) -> int:
+    def _stamp(self, token_id: int, logprobs: TokenLogprobs | None) -> int:
         self.token_ids.append(token_id)
+        self.token_logprobs.append(logprobs)
         self.token_times_s.append(time.monotonic() - self.job.arrival)
         return token_id
 

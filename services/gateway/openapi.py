@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import FAILURE_POLICIES, KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import MAX_SEED, MAX_STOP_STRINGS, NOT_YET
+from services.gateway.requests import MAX_LOGPROBS, MAX_PROMPTS, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -46,12 +46,22 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
         "components": {
             "schemas": {
                 "CompletionRequest": _request({
-                    "prompt": {"description": "text, a list of one text, or token ids",
+                    "prompt": {"description": "text or token ids, or a list of several of either (one choice each; "
+                                              "not with stream)",
                                "anyOf": [{"type": "string", "minLength": 1},
                                          {"type": "array", "items": {"type": "string", "minLength": 1},
-                                          "minItems": 1, "maxItems": 1},
+                                          "minItems": 1, "maxItems": MAX_PROMPTS},
                                          {"type": "array", "minItems": 1, "maxItems": max_positions - 1,
-                                          "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}]},
+                                          "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
+                                         {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                                          "items": {"type": "array", "minItems": 1, "maxItems": max_positions - 1,
+                                                    "items": {"type": "integer", "minimum": 0,
+                                                              "maximum": vocab_size - 1}}}]},
+                    "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
+                                 "description": "each token's log-probability with this many alternatives"},
+                    "echo": {"type": "boolean", "description": "the prompt comes back before the completion (with "
+                                                               "its logprobs, if asked); not with stream"},
+                    "top_logprobs": {"type": "null", "description": "chat only (here: logprobs)"},
                 }, ["prompt"], model_id, max_positions),
                 "ChatCompletionRequest": _request({
                     "messages": {"type": "array", "minItems": 1, "items": {
@@ -59,17 +69,30 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                         "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"anyOf": [
                             _STR, {"type": "array", "minItems": 1, "items": _object(
                                 {"type": {"enum": ["text"]}, "text": _STR})}]}}}},
+                    "logprobs": {"type": "boolean", "description": "each token's log-probability"},
+                    "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
+                                     "description": "with logprobs: this many alternatives per token"},
+                    "echo": {"enum": [False, None], "description": "completions only"},
                 }, ["messages"], model_id, max_positions),
                 "CompletionResponse": _response("text_completion", {
                     "type": "object", "required": ["index", "text", "finish_reason"],
                     "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                   "finish_reason": {"enum": ["stop", "length"]}, "logprobs": {"type": "null"}}}),
+                                   "finish_reason": {"enum": ["stop", "length"]},
+                                   "logprobs": {"anyOf": [{"type": "null"}, _object({
+                                       "tokens": {"type": "array", "items": _STR},
+                                       "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                                       "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+                                       "text_offset": {"type": "array", "items": _INT}})]}}}),
                 "ChatCompletionResponse": _response("chat.completion", {
                     "type": "object", "required": ["index", "message", "finish_reason"],
                     "properties": {"index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]},
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"const": "assistant"},
-                                                              "content": {"type": "string"}}}}}),
+                                                              "content": {"type": "string"}}},
+                                   "logprobs": {"anyOf": [{"type": "null"}, _object({"content": {
+                                       "type": "array", "items": _object({"token": _STR, "logprob": {"type": "number"},
+                                                                          "bytes": {"type": "array", "items": _INT},
+                                                                          "top_logprobs": {"type": "array"}})}})]}}}),
                 "Usage": _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}),
                 "SmartGen": _smartgen_object(),
                 "Error": _object({"error": _object({"message": _STR, "type": _STR, "param": _STR_OR_NULL,
@@ -117,7 +140,7 @@ def _ref(name: str) -> Schema:
 
 def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int) -> Schema:
     """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
-    OpenAI's options not implemented yet (top_p, penalties, logprobs, …) are described at the one value that
+    OpenAI's options not implemented yet (top_p, penalties, …) are described at the one value that
     means "off"; any other value is a 400. Other fields (user, …) are accepted and ignored."""
     room = max_positions - 1
     max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,

@@ -12,13 +12,14 @@ from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILU
 from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 32  # completions: a list of prompts is this many jobs at most
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
 # OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
 # the default), refused with a 400 naming the option otherwise: never silently ignored.
 NOT_YET = {"top_p": (1, 1.0), "top_k": (-1, 0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-           "repetition_penalty": (1, 1.0), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
-           "best_of": (1,), "logit_bias": ({},)}
+           "repetition_penalty": (1, 1.0), "best_of": (1,), "logit_bias": ({},)}
+MAX_LOGPROBS = 20  # OpenAI's limit on (top_)logprobs alternatives
 
 
 class ApiError(Exception):
@@ -52,8 +53,34 @@ class CompletionJob:
     ignore_eos: bool = False  # generate max_tokens even past the end-of-sequence token (benchmarks)
     failure_policy: str = "fail"  # when the KV cannot come from the prefill node: fail, or recompute on decode
     include_usage: bool = False  # stream_options.include_usage: a last chunk with `choices: []` and the usage
+    logprobs: int = -1  # ≥ 0: each token's log-probability and this many alternatives (completions `logprobs`,
+                        # chat `logprobs` + `top_logprobs`)
+    echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
+               default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR,
+               request_id: str | None = None) -> list[CompletionJob]:
+    """A completions body whose `prompt` is a list of several texts or of several token-id lists is several
+    jobs, one per prompt (choice i answers prompt i; request ids `<id>-<i>`); any other body is one job
+    (`parse_job`)."""
+    prompts = body.get("prompt") if isinstance(body, dict) and kind == "completion" else None
+    if not (isinstance(prompts, list) and len(prompts) > 1
+            and (all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts))):
+        return [parse_job(body, kind, tokenizer, max_positions, model_id, default_mode, default_max_tokens,
+                          default_selector, request_id)]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt may be a list of at most {MAX_PROMPTS} prompts", "prompt")
+    if body.get("stream"):
+        raise ApiError(400, "stream: true takes one prompt", "prompt")
+    base = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
+    if len(base) > MAX_REQUEST_ID_CHARS - 3:
+        raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS - 3} characters with several prompts",
+                       "X-Request-Id")
+    return [parse_job({**body, "prompt": prompt}, kind, tokenizer, max_positions, model_id, default_mode,
+                      default_max_tokens, default_selector, f"{base}-{i}") for i, prompt in enumerate(prompts)]
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
@@ -114,6 +141,10 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
             raise ApiError(400, f"{name}={value!r} is not supported yet: leave it out or send {off[0]!r}", name,
                            "unsupported_parameter")
 
+    logprobs, echo = _logprobs_and_echo(body, kind)
+    if echo and stream:
+        raise ApiError(400, "echo is not supported with stream: true", "echo")
+
     stop = body.get("stop")
     stop = [] if stop is None else stop
     stop = [stop] if isinstance(stop, str) else stop
@@ -163,11 +194,37 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          transfer_mode=mode, selector=selector,
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
                          kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
-                         failure_policy=failure_policy)
+                         failure_policy=failure_policy, logprobs=logprobs, echo=echo)
+
+
+def _logprobs_and_echo(body: dict, kind: str) -> tuple[int, bool]:
+    """How many alternatives each token's log-probability comes with (-1: none), and echo."""
+    def count(name: str) -> int:
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise ApiError(400, f"{name} must be an integer from 0 to {MAX_LOGPROBS}", name)
+        return value
+
+    if kind == "chat":
+        wants = body.get("logprobs", False)
+        if not isinstance(wants, bool):
+            raise ApiError(400, "logprobs must be true or false (chat); top_logprobs gives the alternatives", "logprobs")
+        if body.get("top_logprobs") is not None and not wants:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if body.get("echo") is not None and body.get("echo") is not False:
+            raise ApiError(400, "echo is for /v1/completions", "echo")
+        return (count("top_logprobs") if body.get("top_logprobs") is not None else 0) if wants else -1, False
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "top_logprobs is for chat: completions take logprobs as the number of alternatives",
+                       "top_logprobs")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, "echo must be true or false", "echo")
+    return (count("logprobs") if body.get("logprobs") is not None else -1), echo
 
 
 def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         _check_text(prompt, "prompt")
@@ -178,7 +235,7 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
         return list(prompt)
     if prompt is None:
         raise ApiError(400, "missing required field 'prompt'", "prompt")
-    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", "prompt")
 
 
 def _chat_prompt(messages: Any, tokenizer) -> list[int]:

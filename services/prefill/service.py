@@ -43,6 +43,7 @@ from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_p
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
+from shared.compute.sampling import FirstToken
 
 log = structlog.get_logger()
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
@@ -114,12 +115,12 @@ class PrefillService(ModelWorkerService):
 
         by_query = transfer.query_push is not None and transfer.query_push.tokens > 0
 
-        def run() -> tuple[int, float]:  # torch thread: the first token, and the prefill's own time in seconds
+        def run() -> tuple[FirstToken, float]:  # torch thread: the first token, and the prefill's own time in seconds
             # NOTE: prefills wait their turn on the torch thread; one aborted meanwhile is skipped, not computed
             if self.active.get(req.request_id) is not transfer:
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted before its prefill")
             started = time.perf_counter()
-            first = self.engine.run(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
+            first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
             return first, time.perf_counter() - started
 
         try:
@@ -137,7 +138,8 @@ class PrefillService(ModelWorkerService):
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
-        return PrefillDone(req.request_id, first, self.worker_id, n, prefill_s, source, query_entries)
+        return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
+                           first.logprobs, first.prompt_logprobs)
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)

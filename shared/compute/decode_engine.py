@@ -19,7 +19,7 @@ from shared.compute.slab_cache import SlabCache
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.quantization import QuantLayout
-from shared.compute.sampling import sample
+from shared.compute.sampling import FirstToken, first_token, sample
 from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
 from shared.compute.selectors.metadata import MetadataLayout
 
@@ -110,15 +110,21 @@ class DecodeEngine:
 
     def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling, slab: Slab | None = None,
                       max_new_tokens: int = 64) -> int:
+        """`prefill_local_scored`'s first token."""
+        return self.prefill_local_scored(request_id, token_ids, sampling, slab, max_new_tokens).token
+
+    def prefill_local_scored(self, request_id: str, token_ids: Sequence[int], sampling: Sampling,
+                             slab: Slab | None = None, max_new_tokens: int = 64) -> FirstToken:
         """Colocated mode: run the prompt here, into `slab` (a service allocates it: admission is its call), or
         into one allocated here for the prompt and `max_new_tokens` (in-process tools; `end` frees it). Returns
-        the first completion token."""
+        the first completion token (and the log-probabilities `sampling` asks for)."""
         if slab is None:
             slab = self.store.allocate(request_id, len(token_ids) + max_new_tokens)
             self._own_slabs.add(request_id)
-        logits, _ = self.runner.prefill(token_ids, on_layer=lambda layer, k, v: self.store.write_layer(slab, layer, k, v))
+        first = first_token(self.runner, token_ids, sampling,
+                            lambda layer, k, v: self.store.write_layer(slab, layer, k, v))
         self.load_from_store(request_id, slab, len(token_ids))
-        return sample(logits, sampling, index=0)
+        return first
 
     def recompute(self, request_id: str, slab: Slab, token_ids: Sequence[int], completion: Sequence[int],
                   sampling: Sampling, selector: str = "", budget: float = 0.0, count_blocks: int = 0) -> int:

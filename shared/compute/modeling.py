@@ -13,10 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 from transformers.cache_utils import DynamicCache
 
-from schemas import KvLayout
+from schemas import KvLayout, TokenLogprobs
 from shared.compute.kvstore import layout_for
+from shared.compute.sampling import prompt_logprobs
 from shared.compute.slab_cache import BatchCache, SlabCache
 
+PROMPT_LOGITS_CHUNK = 256  # prompt positions whose logits are computed at once (prefill_scored)
 # on_layer(layer, keys, values): keys/values (num_kv_heads, num_tokens, head_dim), called as each layer finishes.
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -79,6 +81,25 @@ class ModelRunner:
             for h in hooks:
                 h.remove()
         return out.logits[0, -1], cache
+
+    @torch.inference_mode()
+    def prefill_scored(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                       top: int = 0) -> tuple[torch.Tensor, DynamicCache, list[TokenLogprobs]]:
+        """`prefill`, and each prompt token's log-probability after the tokens before it (tokens 1…N-1) with the
+        `top` most likely at each position (OpenAI `echo` with `logprobs`). The vocabulary projection runs on
+        PROMPT_LOGITS_CHUNK positions at a time, so a long prompt never holds all N × vocab logits at once."""
+        kept: list[torch.Tensor] = []
+        hook = self.model.get_decoder().norm.register_forward_hook(lambda _m, _a, out: kept.append(out))
+        try:
+            logits, cache = self.prefill(token_ids, on_layer)
+        finally:
+            hook.remove()
+        hidden, head, ids = kept[-1][0], self.model.get_output_embeddings(), list(token_ids)  # hidden (N, D)
+        scored = []
+        for start in range(0, len(ids) - 1, PROMPT_LOGITS_CHUNK):
+            stop = min(len(ids) - 1, start + PROMPT_LOGITS_CHUNK)
+            scored += prompt_logprobs(head(hidden[start:stop]), ids[start:], top)
+        return logits, cache, scored
 
     @staticmethod
     def _layer_hook(index: int, cache: DynamicCache, on_layer: LayerCallback):

@@ -14,7 +14,7 @@ from shared.compute import selective
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.quantization import QuantLayout
-from shared.compute.sampling import sample
+from shared.compute.sampling import FirstToken, first_token
 from shared.compute.selectors import DENSE_LAYERS, Geometry, Selector, make_selector
 from shared.compute.selectors.metadata import MetadataLayout
 
@@ -55,10 +55,16 @@ class PrefillEngine:
 
     def run(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling, on_layer_stored: Callable[[int], None],
             encode: LayerEncoder | None = None, last_queries: bool = False) -> int:
+        """`run_scored`'s first token."""
+        return self.run_scored(slab, token_ids, sampling, on_layer_stored, encode, last_queries).token
+
+    def run_scored(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling,
+                   on_layer_stored: Callable[[int], None], encode: LayerEncoder | None = None,
+                   last_queries: bool = False) -> FirstToken:
         """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V as stored (rounded to the store's
         dtype, so metadata and codes describe exactly the KV decode will attend to), then `on_layer_stored(layer)`
         fires as each layer has landed. `last_queries`: keep each layer's last-position query for `encode` (a
-        query-aware push). Returns the first completion token."""
+        query-aware push). Returns the first completion token (and the log-probabilities `sampling` asks for)."""
 
         def store_layer(layer: int, keys, values) -> None:
             self.store.write_layer(slab, layer, keys, values)
@@ -68,8 +74,7 @@ class PrefillEngine:
             on_layer_stored(layer)
 
         with self._last_queries() if last_queries else _nothing():
-            logits, _ = self.runner.prefill(token_ids, on_layer=store_layer)
-        return sample(logits, sampling, index=0)
+            return first_token(self.runner, token_ids, sampling, store_layer)
 
     @contextmanager
     def _last_queries(self) -> Iterator[None]:

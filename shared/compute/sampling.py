@@ -5,9 +5,37 @@ so a request gives the same tokens colocated or disaggregated.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
-from schemas import Sampling
+from schemas import Sampling, TokenLogprobs
+
+
+@dataclass
+class FirstToken:
+    """What a prefill gives: the first completion token, and the log-probabilities its request asked for."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # Sampling.echo: prompt tokens 1…N-1
+
+
+def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=None) -> FirstToken:
+    """Prefill `token_ids` on `runner` (a ModelRunner; `on_layer` as in its `prefill`) and sample token 0,
+    scoring what `sampling` asks for."""
+    if sampling.echo and sampling.logprobs >= 0:
+        logits, _, prompt = runner.prefill_scored(token_ids, on_layer, sampling.logprobs)
+    else:
+        (logits, _), prompt = runner.prefill(token_ids, on_layer), []
+    token = sample(logits, sampling, index=0)
+    return FirstToken(token, scored(logits, token, sampling), prompt)
+
+
+def scored(logits: torch.Tensor, token: int, sampling: Sampling) -> TokenLogprobs | None:
+    """`token`'s log-probabilities if `sampling` asks for them (logprobs ≥ 0), else None."""
+    return token_logprobs(logits, token, sampling.logprobs) if sampling.logprobs >= 0 else None
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
@@ -19,3 +47,27 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
         return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + index) % 2**63)
     return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log-probability under `logits` (vocab,) (the raw distribution: no temperature) and the `top`
+    most likely tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = logp.topk(top) if top > 0 else None
+    return TokenLogprobs(float(logp[token]), best.indices.tolist() if best is not None else [],
+                         best.values.tolist() if best is not None else [])
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """logits (n, vocab) at positions 0…n-1 of a prompt: each next prompt token's log-probability (tokens
+    1…n, n = len(token_ids) - 1) and the `top` most likely tokens there."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nxt = torch.tensor(token_ids[1: logits.shape[0] + 1], device=logits.device)
+    chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
+    best = logp.topk(top, dim=-1) if top > 0 else None
+    ids = best.indices.tolist() if best is not None else [[] for _ in chosen]
+    values = best.values.tolist() if best is not None else [[] for _ in chosen]
+    return [TokenLogprobs(lp, i, v) for lp, i, v in zip(chosen, ids, values)]

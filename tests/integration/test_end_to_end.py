@@ -7,7 +7,7 @@ import nats
 import pytest
 
 from tests.integration.conftest import get_json, model_workers, post_json, post_sse
-from tests.reference import greedy_tokens, prompt_ids
+from tests.reference import greedy_tokens, prompt_ids, token_logprobs
 
 PROMPT = "The history of the city begins with a small settlement on the river, where traders"
 
@@ -124,6 +124,52 @@ def test_concurrent_requests_step_together(clean_stack):
     batches = after["batches"] - before["batches"]
     print(f"{steps} steps in {batches} forward passes")
     assert batches < 0.6 * steps  # steps shared forward passes (alone, each step is one pass)
+
+
+@pytest.mark.parametrize("mode", ["full", "colocated"])
+def test_logprobs_and_echo_match_transformers(clean_stack, tiny_model_path, mode):
+    """completions with echo and logprobs (what lm-eval's loglikelihood tasks send): the text is prompt +
+    completion, and every token's log-probability, prompt and completion alike, is plain transformers' within
+    1e-4; the greedy tokens are their position's most likely; chat gives the same numbers in its own shape."""
+    ids = prompt_ids(tiny_model_path, PROMPT)
+    status, body = post_json(clean_stack.gateway_url + "/v1/completions",
+                             {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
+                              "ignore_eos": True, "transfer_mode": mode})
+    assert status == 200, body
+    choice, out = body["choices"][0], body["smartgen"]["token_ids"]
+    logprobs = choice["logprobs"]
+    assert choice["text"].startswith(PROMPT) and len(logprobs["tokens"]) == len(ids) + 4
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    reference = token_logprobs(tiny_model_path, ids + out)
+    assert max(abs(a - b) for a, b in zip(logprobs["token_logprobs"][1:], reference)) < 1e-4
+    for text, top in zip(logprobs["tokens"][len(ids):], logprobs["top_logprobs"][len(ids):]):
+        assert len(top) <= 2 and max(top, key=top.get) == text  # greedy: the most likely token
+    assert logprobs["text_offset"][len(ids)] == len(PROMPT)
+
+    status, chat = post_json(clean_stack.gateway_url + "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0,
+                              "logprobs": True, "top_logprobs": 1, "transfer_mode": mode})
+    assert status == 200, chat
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(chat["smartgen"]["token_ids"])
+    assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in content)
+
+
+def test_a_list_of_prompts_answers_one_choice_each(clean_stack, tiny_model_path):
+    """completions with prompt as a list of texts (or of token-id lists): one choice per prompt, in order, each
+    the tokens its prompt gets alone; usage summed."""
+    url = clean_stack.gateway_url + "/v1/completions"
+    prompts = [PROMPT, "Once upon a time", PROMPT + " and"]
+    alone = [post_json(url, {"prompt": p, "max_tokens": 5, "temperature": 0})[1] for p in prompts]
+    status, body = post_json(url, {"prompt": prompts, "max_tokens": 5, "temperature": 0})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    status, by_ids = post_json(url, {"prompt": [prompt_ids(tiny_model_path, p) for p in prompts], "max_tokens": 5,
+                                     "temperature": 0})
+    assert status == 200, by_ids
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in body["choices"]]
 
 
 def test_openai_client_works(clean_stack):

@@ -16,7 +16,7 @@ from schemas import FAILURE_POLICIES, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway import requests as gateway_requests
 from services.gateway.api import _error
 from services.gateway.openapi import openapi_document
-from services.gateway.requests import KV_BITS, SELECTORS, ApiError, parse_job
+from services.gateway.requests import KV_BITS, SELECTORS, ApiError, parse_job, parse_jobs
 
 MODEL, MAX_POSITIONS, VOCAB = "tiny", 64, 300
 DOCUMENT = openapi_document(MODEL, MAX_POSITIONS, VOCAB)
@@ -25,7 +25,8 @@ BODIES = {"completion": "CompletionRequest", "chat": "ChatCompletionRequest"}
 EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundred per second)
 # Constraints between fields that the schema states in words only: a valid body may still get a 400 for these.
 CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
-                      "ablate", "stream_options"}  # stream_options goes with stream: true
+                      "ablate", "stream_options",  # stream_options goes with stream: true
+                      "top_logprobs", "echo"}  # top_logprobs needs logprobs: true; echo is not for stream: true
 
 
 class FakeTokenizer:
@@ -53,7 +54,8 @@ def is_integral_float(value: object) -> bool:
 
 
 def parse(body: object, kind: str):
-    return parse_job(body, kind, FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16)
+    jobs = parse_jobs(body, kind, FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16)
+    return jobs[0] if len(jobs) == 1 else jobs
 
 
 def test_enums_come_from_the_validation_constants():
@@ -154,7 +156,6 @@ def test_chat_content_may_be_a_list_of_text_parts():
 
 @pytest.mark.parametrize("name, off, on", [("top_p", 1.0, 0.9), ("top_k", -1, 40), ("presence_penalty", 0, 0.5),
                                            ("frequency_penalty", 0.0, 1), ("repetition_penalty", 1, 1.2),
-                                           ("logprobs", 0, 5), ("logprobs", False, True), ("echo", False, True),
                                            ("best_of", 1, 2), ("logit_bias", {}, {"5": 10})])
 def test_unsupported_options_are_refused_unless_off(name, off, on):
     """Never silently ignored: the value that means "off" is accepted, any other is a 400 naming the option."""
@@ -162,6 +163,42 @@ def test_unsupported_options_are_refused_unless_off(name, off, on):
     with pytest.raises(ApiError) as refused:
         parse({"prompt": "x", name: on}, "completion")
     assert refused.value.param == name and name in refused.value.message
+
+
+def test_a_list_of_prompts_is_one_job_each():
+    """completions: a list of texts, or of token-id lists, is one job per prompt (ids <id>-<i>); a list of one is
+    that prompt; a list of token ids is one prompt; several prompts cannot stream."""
+    jobs = parse_jobs({"prompt": ["ab", "cde"]}, "completion", FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16,
+                      request_id="batch")
+    assert [(j.request_id, len(j.prompt_ids)) for j in jobs] == [("batch-0", 2), ("batch-1", 3)]
+    assert [j.prompt_ids for j in parse({"prompt": [[1, 2], [3]]}, "completion")] == [[1, 2], [3]]
+    assert parse({"prompt": [[1, 2]]}, "completion").prompt_ids == [1, 2]
+    assert parse({"prompt": [1, 2, 3]}, "completion").prompt_ids == [1, 2, 3]
+    for body in ({"prompt": ["a", "b"], "stream": True}, {"prompt": ["a", [1]]}, {"prompt": ["a"] * 33}):
+        with pytest.raises(ApiError) as refused:
+            parse(body, "completion")
+        assert refused.value.param == "prompt", body
+
+
+def test_logprobs_and_echo_per_route():
+    """completions: logprobs is the number of alternatives (0–20), echo a boolean (not with stream); chat:
+    logprobs a boolean, top_logprobs the alternatives (only with logprobs), no echo."""
+    assert (parse({"prompt": "x"}, "completion").logprobs, parse({"prompt": "x", "logprobs": 0}, "completion").logprobs) == (-1, 0)
+    job = parse({"prompt": "x", "logprobs": 5, "echo": True}, "completion")
+    assert (job.logprobs, job.echo) == (5, True)
+    assert parse({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3}, "chat").logprobs == 3
+    assert parse({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "chat").logprobs == 0
+    assert parse({"messages": [{"role": "user", "content": "x"}], "logprobs": False}, "chat").logprobs == -1
+    for body, kind, param in [({"prompt": "x", "logprobs": 21}, "completion", "logprobs"),
+                              ({"prompt": "x", "logprobs": True}, "completion", "logprobs"),
+                              ({"prompt": "x", "echo": True, "stream": True}, "completion", "echo"),
+                              ({"prompt": "x", "top_logprobs": 2}, "completion", "top_logprobs"),
+                              ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "chat", "top_logprobs"),
+                              ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "chat", "logprobs"),
+                              ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "chat", "echo")]:
+        with pytest.raises(ApiError) as refused:
+            parse(body, kind)
+        assert refused.value.param == param, body
 
 
 def test_stream_options_and_request_ids():
