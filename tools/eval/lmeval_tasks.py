@@ -41,7 +41,7 @@ dataset_kwargs:
     test: {data}
 test_split: test
 output_type: generate_until
-doc_to_text: "Q: What is the capital of {{{{country}}}}?\\nA:"
+doc_to_text: "Q: What is the capital of Chile?\\nA: Santiago\\nQ: What is the capital of {{{{country}}}}?\\nA:"
 doc_to_target: "{{{{capital}}}}"
 generation_kwargs:
   until: ["\\n", "."]
