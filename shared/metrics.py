@@ -1,144 +1,105 @@
-"""Prometheus text exposition without a dependency: counters, gauges and histograms with labels.
+"""Every service's /metrics: prometheus_client metrics in a registry of the service's own (with the process
+collector: CPU, memory, open files), behind a small API the services share.
 
 Names shared by every service that records them (the contract with dashboards and tests):
-    smartgen_time_to_first_token_seconds      histogram, t1 - t0
-    smartgen_time_to_second_token_seconds     histogram, t2 - t1 (the stall SmartGen attacks)
-    smartgen_inter_token_latency_seconds      histogram, gaps between tokens from the second on
-    smartgen_kv_transfer_bytes_total{path}    counter
-    smartgen_requests_total{status}           counter
+    smartgen_time_to_first_token_seconds{transfer_mode,model_name}    histogram, t1 - t0
+    smartgen_time_to_second_token_seconds{transfer_mode,model_name}   histogram, t2 - t1 (the stall SmartGen attacks)
+    smartgen_inter_token_latency_seconds{transfer_mode,model_name}    histogram, gaps between tokens from the second on
+    smartgen_e2e_request_latency_seconds{transfer_mode,model_name}    histogram, arrival to the last token
+    smartgen_kv_transfer_bytes_total{path}                            counter
+    smartgen_requests_total{status}                                   counter (gateway: stop, length, error,
+                                                                      client_gone, …; workers: their finish reason)
+The gateway adds its queue (smartgen_queue_seconds, smartgen_requests_running, smartgen_requests_waiting), token
+counters (smartgen_prompt_tokens_total, smartgen_generation_tokens_total) and the decode workers' KV usage
+(smartgen_kv_cache_usage_ratio), the names vLLM exports under its own prefix.
 """
 from __future__ import annotations
 
-import bisect
-import threading
 from collections.abc import Callable, Sequence
 
+import prometheus_client as prom
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
 
 
-def _labels_text(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{v}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()):
-        self.name, self.help, self.label_names = name, help_text, tuple(labels)
-        self._lock = threading.Lock()  # NOTE: metrics are touched from the torch thread too
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()):
-        super().__init__(name, help_text, labels)
-        self._values: dict[tuple[str, ...], float] = {}
+class Counter:
+    def __init__(self, registry: CollectorRegistry, name: str, help_text: str, labels: Sequence[str] = ()):
+        self.label_names = tuple(labels)
+        self._metric = prom.Counter(name, help_text, self.label_names, registry=registry)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(str(labels[n]) for n in self.label_names)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        (self._metric.labels(**{n: str(labels[n]) for n in self.label_names}) if self.label_names else self._metric).inc(amount)
+
+    def _samples(self) -> dict[tuple[str, ...], float]:
+        return {tuple(s.labels[n] for n in self.label_names): s.value
+                for family in self._metric.collect() for s in family.samples if s.name.endswith("_total")}
 
     def by_first_label(self) -> dict[str, float]:
         """{first label value: count}, e.g. {"full": 1024.0} for kv_bytes by path (for /stats)."""
-        with self._lock:
-            return {key[0]: v for key, v in self._values.items()}
+        return {key[0]: value for key, value in self._samples().items()}
 
     def value(self, **labels: str) -> float:
-        return self._values.get(tuple(str(labels[n]) for n in self.label_names), 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels_text(self.label_names, k)} {v:g}" for k, v in items]
+        return self._samples().get(tuple(str(labels[n]) for n in self.label_names), 0.0)
 
 
-class Gauge(_Metric):
-    """A value read when scraped (e.g. pages in use)."""
+class Histogram:
+    def __init__(self, registry: CollectorRegistry, name: str, help_text: str, labels: Sequence[str] = (),
+                 buckets: Sequence[float] = LATENCY_BUCKETS):
+        self.label_names = tuple(labels)
+        self._metric = prom.Histogram(name, help_text, self.label_names, buckets=tuple(buckets), registry=registry)
 
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, read: Callable[[], float]):
-        super().__init__(name, help_text)
-        self._read = read
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {self._read():g}"]
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS):
-        super().__init__(name, help_text)
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)  # last slot: above the largest bucket
-        self._sum = 0.0
-        self._count = 0
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sum += value
-            self._count += 1
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, n = list(self._counts), self._sum, self._count
-        lines, cumulative = self.header(), 0
-        for bound, c in zip(self.buckets, counts):
-            cumulative += c
-            lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {cumulative}')
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {n}', f"{self.name}_sum {total:g}", f"{self.name}_count {n}"]
-        return lines
+    def observe(self, value: float, **labels: str) -> None:
+        (self._metric.labels(**{n: str(labels[n]) for n in self.label_names}) if self.label_names else self._metric).observe(value)
 
 
 class Registry:
-    def __init__(self) -> None:
-        self._metrics: list[_Metric] = []
+    """One service's metrics."""
 
-    def add(self, metric: _Metric) -> _Metric:
-        self._metrics.append(metric)
-        return metric
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
 
     def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
-        return self.add(Counter(name, help_text, labels))  # type: ignore[return-value]
+        return Counter(self.registry, name, help_text, labels)
 
-    def histogram(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        return self.add(Histogram(name, help_text, buckets))  # type: ignore[return-value]
+    def histogram(self, name: str, help_text: str, labels: Sequence[str] = (),
+                  buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(self.registry, name, help_text, labels, buckets)
 
-    def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> Gauge:
-        return self.add(Gauge(name, help_text, read))  # type: ignore[return-value]
+    def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A value read when scraped (e.g. pages in use)."""
+        prom.Gauge(name, help_text, registry=self.registry).set_function(read)
 
     def render(self) -> str:
-        return "\n".join(line for m in self._metrics for line in m.render()) + "\n"
+        return generate_latest(self.registry).decode()
 
 
 class LatencyMetrics:
     """The per-request latency histograms and counters every request-serving service exposes."""
 
+    LABELS = ("transfer_mode", "model_name")
+
     def __init__(self, registry: Registry):
-        self.ttft = registry.histogram("smartgen_time_to_first_token_seconds", "Time from arrival to the first token")
-        self.ttst = registry.histogram("smartgen_time_to_second_token_seconds", "Time from the first to the second token")
-        self.itl = registry.histogram("smartgen_inter_token_latency_seconds", "Gap between consecutive tokens, from the second token on")
+        self.ttft = registry.histogram("smartgen_time_to_first_token_seconds", "Time from arrival to the first token",
+                                       self.LABELS)
+        self.ttst = registry.histogram("smartgen_time_to_second_token_seconds", "Time from the first to the second token",
+                                       self.LABELS)
+        self.itl = registry.histogram("smartgen_inter_token_latency_seconds",
+                                      "Gap between consecutive tokens, from the second token on", self.LABELS)
+        self.e2e = registry.histogram("smartgen_e2e_request_latency_seconds", "Time from arrival to the last token",
+                                      self.LABELS)
         self.kv_bytes = registry.counter("smartgen_kv_transfer_bytes_total", "KV bytes moved over the data plane", ["path"])
         self.requests = registry.counter("smartgen_requests_total", "Requests by final status", ["status"])
 
-    def observe_timeline(self, token_times_s: Sequence[float]) -> None:
+    def observe_timeline(self, token_times_s: Sequence[float], transfer_mode: str, model_name: str) -> None:
+        """token_times_s[i]: token i's time since the request's arrival."""
+        labels = {"transfer_mode": transfer_mode, "model_name": model_name}
         if token_times_s:
-            self.ttft.observe(token_times_s[0])
+            self.ttft.observe(token_times_s[0], **labels)
+            self.e2e.observe(token_times_s[-1], **labels)
         if len(token_times_s) > 1:
-            self.ttst.observe(token_times_s[1] - token_times_s[0])
+            self.ttst.observe(token_times_s[1] - token_times_s[0], **labels)
         for a, b in zip(token_times_s[1:], token_times_s[2:]):
-            self.itl.observe(b - a)
+            self.itl.observe(b - a, **labels)

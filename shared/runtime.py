@@ -30,7 +30,7 @@ from shared import __version__
 from shared.admin_auth import require_admin_token
 from shared.config import ServiceConfig
 from shared.logging import setup_logging
-from shared.metrics import Registry
+from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
 from shared.natsconn import connect_options, redacted_url
 from shared.rpc import subscriber
 
@@ -139,7 +139,7 @@ def build_admin_app(service: Service) -> web.Application:
         return web.json_response({"live": True, "role": service.role, "worker_id": service.worker_id})
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=service.metrics.render(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=service.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"role": service.role, "worker_id": service.worker_id, **service.stats()})

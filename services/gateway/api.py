@@ -126,12 +126,14 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
                 return streamed
             except ConnectionResetError:  # the client left mid-stream; `close()` below aborts the workers
                 log.info("client_gone", tokens=len(run.token_ids))
+                run.client_gone = True
                 return web.Response(status=499)  # aiohttp ignores the write to the closed connection
         response = await _respond(gw, run)
         response.headers[REQUEST_ID_HEADER] = job.request_id
         return response
     except asyncio.CancelledError:  # the client disconnected (handler cancellation): `close()` aborts the workers
         log.info("client_gone", tokens=len(run.token_ids))
+        run.client_gone = True
         raise
     finally:
         await run.close()

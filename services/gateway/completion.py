@@ -72,6 +72,7 @@ class CompletionRun:
     decode_layers: int = 0  # from the KvHandle, to report the plan's block count
     recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
     queue_s: float = 0.0  # time spent in the gateway's admission queue before it started
+    client_gone: bool = False  # the client disconnected before the end (counted apart from failures)
     migrated_from: list[str] = field(default_factory=list)  # decode workers that died while streaming this request
     token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token, when the job asks (logprobs ≥ 0)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1…N-1 (echo with logprobs)

@@ -32,6 +32,10 @@ class GatewayService(Service):
         super().__init__(config)
         self.registry = WorkerRegistry(config.worker_ttl_s)
         self.latency = LatencyMetrics(self.metrics)
+        self.prompt_tokens = self.metrics.counter("smartgen_prompt_tokens_total", "Prompt tokens of finished requests")
+        self.generation_tokens = self.metrics.counter("smartgen_generation_tokens_total", "Tokens generated")
+        self.metrics.gauge("smartgen_kv_cache_usage_ratio", "Share of the live decode workers' KV pages in use",
+                           self._kv_usage)
         self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -65,10 +69,18 @@ class GatewayService(Service):
         """Requests that may run at once: `max_running`, else what the live decode workers say they take."""
         return self.config.max_running or sum(w.max_requests for w in self.registry.alive("decode"))
 
+    def _kv_usage(self) -> float:
+        decode = self.registry.alive("decode")
+        total = sum(w.kv_pages_total for w in decode)
+        return 1 - sum(w.kv_pages_free for w in decode) / total if total else 0.0
+
     def record(self, run: CompletionRun) -> None:
         """Count a finished request in /metrics."""
-        self.latency.observe_timeline(run.token_times_s)
-        self.latency.requests.inc(status=run.finish_reason or "failed")
+        self.latency.observe_timeline(run.token_times_s, run.mode or run.job.transfer_mode, self.model_id)
+        # NOTE: a client that left is not a failure (stop_string: the gateway ended it on a stop string)
+        self.latency.requests.inc(status=run.finish_reason or ("client_gone" if run.client_gone else "error"))
+        self.prompt_tokens.inc(len(run.job.prompt_ids))
+        self.generation_tokens.inc(len(run.token_ids))
         for path, n in run.kv_bytes.items():
             self.latency.kv_bytes.inc(n, path=path)
 

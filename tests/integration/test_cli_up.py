@@ -178,7 +178,7 @@ def test_up_restarts_a_dead_worker_while_the_rest_keep_serving(tiny_model_path, 
         status, body = post_json(url + "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
         assert status == 200, body
         with urllib.request.urlopen(restarted[0]["admin_url"] + "/metrics") as r:
-            assert "smartgen_service_restarts 1" in r.read().decode()
+            assert "smartgen_service_restarts 1.0" in r.read().decode()
         interrupt_and_check_clean_exit(proc, log)
     finally:
         if proc.poll() is None:

@@ -204,8 +204,8 @@ def test_health_models_workers(clean_stack, tiny_model_path):
 
 def test_metrics_count_requests(clean_stack):
     """Gateway /metrics exposes the latency histograms and counts a finished request."""
-    def count(text: str, name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    def count(text: str, name: str) -> float:  # summed over the label sets
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
 
     import urllib.request
 
@@ -218,6 +218,10 @@ def test_metrics_count_requests(clean_stack):
         assert f"# TYPE {name} histogram" in after
     assert count(after, "smartgen_time_to_second_token_seconds_count") == count(before, "smartgen_time_to_second_token_seconds_count") + 1
     assert 'smartgen_kv_transfer_bytes_total{path="full"}' in after
+    assert 'smartgen_time_to_first_token_seconds_count{model_name="' in after and 'transfer_mode="full"' in after
+    assert count(after, "smartgen_generation_tokens_total") == count(before, "smartgen_generation_tokens_total") + 3
+    assert count(after, "smartgen_requests_total") == count(before, "smartgen_requests_total") + 1
+    assert "process_resident_memory_bytes" in after  # prometheus_client's process collector
 
 
 async def test_every_service_answers_nats_micro(clean_stack):

@@ -32,6 +32,24 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
     assert list(tmp_path.glob("ctl_256_prefill_R2.png")) and list(tmp_path.glob("bytes_256.png"))
 
 
+def test_bench_serve_at_several_concurrencies(clean_stack, tmp_path, monkeypatch):
+    """--concurrency 1,3: a whole run at each (c1/, c3/), then the batch-size table and figure; requests in flight
+    together share decode steps, so 3 at once give more tokens per second than 1."""
+    monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)
+    cfg = BenchConfig(modes=["full"], pressures=[2.0], regimes=["prefill"], prompt_tokens=[128], requests=3,
+                      max_tokens=32, tasks=["lcc_stdlib"], url=clean_stack.gateway_url, concurrency=[1, 3],
+                      model=str(clean_stack.spec.model), out=str(tmp_path), progress=False)
+    result = bench_serve(cfg)
+    by_level = {c: {(r["mode"], r["pressure"]): r for r in runs} for c, runs in result["concurrency"].items()}
+    assert set(by_level) == {"1", "3"} and (tmp_path / "c1" / "runs.json").exists() and (tmp_path / "c3" / "report.md").exists()
+    table = (tmp_path / "concurrency.md").read_text()
+    assert "| full | 128 | unpaced |" in table or "| full | 128 |" in table
+    assert (tmp_path / "batch_size.png").exists()
+    one, three = by_level["1"][("full", 2.0)], by_level["3"][("full", 2.0)]
+    assert one["concurrency"] == 1 and three["concurrency"] == 3
+    assert three["output_tokens_per_s"] > one["output_tokens_per_s"], (one["output_tokens_per_s"], three["output_tokens_per_s"])
+
+
 def test_eval_accuracy_small_run(clean_stack, tmp_path):
     """Dense, full and smartgen answers are scored per task (the QA task through the chat route, the needle
     through completions), and smartgen decodes the same tokens as the same selector with all KV local."""

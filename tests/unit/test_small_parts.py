@@ -33,9 +33,20 @@ def test_histogram_renders_cumulative_buckets():
     c = reg.counter("y_total", "help", ["path"])
     c.inc(3, path="full")
     text = reg.render()
-    assert 'x_seconds_bucket{le="0.1"} 1' in text and 'x_seconds_bucket{le="1"} 2' in text
-    assert 'x_seconds_bucket{le="+Inf"} 3' in text and "x_seconds_count 3" in text
-    assert 'y_total{path="full"} 3' in text
+    assert 'x_seconds_bucket{le="0.1"} 1.0' in text and 'x_seconds_bucket{le="1.0"} 2.0' in text
+    assert 'x_seconds_bucket{le="+Inf"} 3.0' in text and "x_seconds_count 3.0" in text
+    assert 'y_total{path="full"} 3.0' in text
+    assert c.value(path="full") == 3 and c.by_first_label() == {"full": 3.0}
+
+
+def test_metric_labels_are_escaped_and_process_metrics_exported():
+    """A label value with quotes, a backslash or a newline stays one valid line; the process collector's
+    metrics are there (on Linux)."""
+    reg = Registry()
+    reg.histogram("lat_seconds", "help", ["model_name"]).observe(0.2, model_name='my "model"\\n\nx')
+    text = reg.render()
+    assert 'model_name="my \\"model\\"\\\\n\\nx"' in text
+    assert "process_cpu_seconds_total" in text
 
 
 def test_config_flags_beat_env_beat_defaults():

@@ -190,3 +190,49 @@ def write(report: dict, out: Path) -> str:
     (out / "report.md").write_text(text)
     plots(report, out)
     return text
+
+
+def write_concurrency(reports: dict[int, dict], out: Path) -> str:
+    """The batch-size table and figure of a run at several concurrencies (`bench serve --concurrency 1,2,4,8`):
+    per mode and setting, output tokens/s, TTST and TBT p50 at each concurrency, and their ratios to the lowest.
+    Writes concurrency.md and batch_size.png into `out`; returns the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(reports)
+    settings: dict[tuple, dict[int, dict]] = {}
+    for level in levels:
+        for r in reports[level]["runs"]:
+            settings.setdefault((r["mode"], r["prompt_tokens_asked"], r.get("regime"), r["pressure"]), {})[level] = r
+    lines = [f"Concurrency {', '.join(map(str, levels))}: each a whole run (c<C>/report.md); ratios against "
+             f"concurrency {levels[0]} in the same stack.", "",
+             "| mode | prompt | regime | R | concurrency | n | output tok/s | ÷ lowest | TTST p50 s | TBT p50 s | ÷ lowest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (mode, length, regime, pressure), by_level in sorted(settings.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        base = by_level.get(levels[0])
+        for level in levels:
+            r = by_level.get(level)
+            if r is None:
+                continue
+            tput, tbt = r.get("output_tokens_per_s"), r.get("tbt_p50_s")
+            lines.append(f"| {mode} | {length} | {regime} | {_f(pressure, 2)} | {level} | {r['n']} | {_f(tput, 1)} | "
+                         f"{_f(tput / base['output_tokens_per_s'], 2) if base and tput and base.get('output_tokens_per_s') else '—'} | "
+                         f"{_f(r.get('ttst_p50_s'))} | {_f(tbt)} | "
+                         f"{_f(tbt / base['tbt_p50_s'], 2) if base and tbt and base.get('tbt_p50_s') else '—'} |")
+        label = f"{mode} {length} R={_f(pressure, 2)}" + (f" ({regime})" if pressure else "")
+        xs = [lv for lv in levels if lv in by_level]
+        axes[0].plot(xs, [by_level[lv].get("output_tokens_per_s") or 0 for lv in xs], marker="o", label=label)
+        axes[1].plot(xs, [by_level[lv].get("tbt_p50_s") or 0 for lv in xs], marker="o", label=label)
+    for ax, title in zip(axes, ("output tokens/s", "TBT p50 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(lv) for lv in levels])
+        ax.set_xlabel("requests in flight")
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    _save(fig, out / "batch_size.png")
+    text = "\n".join(lines) + "\n"
+    (out / "concurrency.md").write_text(text)
+    return text

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="prefill-matched and/or step-matched pacing for each R (default both)")
     serve.add_argument("--prompt-tokens", type=csv_of(int), default=[2048, 4096], metavar="L[,L…]")
     serve.add_argument("--requests", type=int, default=5, help="requests per mode and setting (default 5)")
-    serve.add_argument("--concurrency", type=int, default=1)
+    serve.add_argument("--concurrency", type=csv_of(int), default=[1], metavar="C[,C…]",
+                       help="requests in flight at once; several values: the whole run at each (out/c<C>/), then "
+                            "the batch-size table and figure (out/concurrency.md, batch_size.png)")
     serve.add_argument("--selector", default=DEFAULT_SELECTOR)
     serve.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
     serve.add_argument("--max-tokens", type=int, default=64)
@@ -131,7 +133,7 @@ class BenchConfig:
     requests: int = 5
     regimes: list[str] = field(default_factory=lambda: list(REGIMES))
     online_profile: bool = False  # also a smartgen row that learns its profile online while it is measured
-    concurrency: int = 1
+    concurrency: list[int] = field(default_factory=lambda: [1])  # requests in flight; each value is a whole run
     selector: str = DEFAULT_SELECTOR
     kv_budget: float = DEFAULT_KV_BUDGET
     max_tokens: int = 64
@@ -182,17 +184,37 @@ def run(cfg: BenchConfig) -> dict:
         raise SystemExit(f"--regime takes {', '.join(REGIMES)}, not {cfg.regimes}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    reports = {}
     with gateway_for(cfg.url, cfg.model, out, cfg.stack_env) as (gateway, stack):
         try:
-            records, calibration, profiles = _measure(cfg, gateway, tokenizer)
+            for i, concurrency in enumerate(cfg.concurrency):
+                # NOTE: profiles are built once (kvprofile keeps them); each concurrency is a whole run of its own
+                one = replace(cfg, concurrency=[concurrency], profile_prompts=cfg.profile_prompts if i == 0 else 0,
+                              out=str(out / f"c{concurrency}") if len(cfg.concurrency) > 1 else cfg.out,
+                              json_path=cfg.json_path if len(cfg.concurrency) == 1 else "")
+                reports[concurrency] = _report(one, path.name, *_measure(one, gateway, tokenizer))
         finally:
             if stack is None:
                 gateway.pace(0)  # a stack we did not start goes back to unpaced
-    report = {"machine": machine_info(path.name), "config": {k: v for k, v in vars(cfg).items() if k != "stack_env"},
-              "calibration": calibration, "profiles": profiles, "cluster_assumptions": cluster.ASSUMPTIONS,
-              "runs": summarize(records), "requests": records}
+    if len(reports) == 1:
+        return next(iter(reports.values()))
     from tools.bench import report as report_writer
 
+    table = report_writer.write_concurrency(reports, out)
+    print(table)
+    return {"concurrency": {str(c): r["runs"] for c, r in reports.items()}}
+
+
+def _report(cfg: BenchConfig, model_name: str, records: list[dict], calibration: dict, profiles: dict) -> dict:
+    """Write runs.json, report.md and the plots of one run into cfg.out; print the report; return runs.json's."""
+    from tools.bench import report as report_writer
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info(model_name),
+              "config": {k: v for k, v in vars(cfg).items() if k != "stack_env"},
+              "calibration": calibration, "profiles": profiles, "cluster_assumptions": cluster.ASSUMPTIONS,
+              "runs": summarize(records), "requests": records}
     markdown = report_writer.write(report, out)  # adds the ratios to the runs
     json_path = Path(cfg.json_path) if cfg.json_path else out / "runs.json"
     json_path.write_text(json.dumps(report, indent=1))
@@ -232,13 +254,16 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict],
                 body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
                         **mode_body(mode, cfg.selector, cfg.kv_budget)}
                 gateway.learn_online(mode == ONLINE_MODE)
+                started = time.monotonic()
                 try:
-                    results = _serve(gateway, body, samples, cfg.concurrency, bar)
+                    results = _serve(gateway, body, samples, cfg.concurrency[0], bar)
                 finally:
                     gateway.learn_online(False)
+                wall_s = time.monotonic() - started
                 for sample, res in zip(samples, results):
                     records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
-                                    "link_gbps": gbps, "task": sample.task, **res})
+                                    "link_gbps": gbps, "task": sample.task, "concurrency": cfg.concurrency[0],
+                                    "served_in_s": wall_s, **res})
     bar.close()
     return records, calibration, profiles
 
@@ -358,5 +383,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "step1_local_share": _mean([x["step_local_share"][0] for x in rs if x.get("step_local_share")]),
             "on_demand_wait_s": _mean([x["on_demand_wait_s"] for x in rs]),
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
+            "concurrency": rs[0].get("concurrency", 1),
+            # all of the setting's requests were served together, `concurrency` at a time: their tokens ÷ that time
+            "output_tokens_per_s": (sum(len(x["token_times_s"]) for x in rs) / rs[0]["served_in_s"]
+                                    if rs[0].get("served_in_s") else None),
         })
     return runs
