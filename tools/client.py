@@ -228,6 +228,8 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     retry_after_s: float | None = None  # a refusal's Retry-After header
+    token_ids: list[int] = field(default_factory=list)  # the completion's tokens (`smartgen.token_ids`)
+    resumed: bool = False  # the gateway moved it to another decode worker mid-stream (failure_policy recompute)
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> Outcome:
@@ -285,7 +287,8 @@ def _finished(outcome, last: dict | None) -> Outcome:
     times = sg.get("token_times_s", [])
     gaps = [b - a for a, b in zip(times[1:], times[2:])]  # token 2 → 3, 3 → 4, …
     return outcome(OK, ttft_s=sg.get("ttft_s"), ttst_s=sg.get("ttst_s"), tbt_gaps_s=gaps,
-                   prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0))
+                   prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
+                   token_ids=list(sg.get("token_ids", [])), resumed=bool(sg.get("resumed_from")))
 
 
 def _error_kind(error: object) -> str:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from schemas import SERVABLE_TRANSFER_MODES
+from schemas import DEFAULT_SELECTOR, SERVABLE_TRANSFER_MODES, mode_of
 from shared.workloads import stdlib_files
 from tools import loadtest_report
 from tools.args import add_json, add_model
@@ -67,6 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length")
     load.add_argument("--transfer-mode", nargs="+", default=[], choices=SERVABLE_TRANSFER_MODES, help="used in turn")
     load.add_argument("--grace", type=float, default=10, help="seconds in-flight requests get after the deadline")
+    load.add_argument("--failure-policy", choices=["fail", "recompute"], default="", help="sent with every request")
+    load.add_argument("--kill-decode-every", type=float, default=0, metavar="S",
+                      help="chaos: SIGKILL one live decode worker every S seconds (run it against `smartgen up`, "
+                           "which restarts it); reports how long each took to come back")
+    load.add_argument("--check-tokens", type=int, default=0, metavar="N",
+                      help="draw prompts from a pool of N, first answered alone in colocated mode (with the load's "
+                           "selector for selective modes): every completion must have exactly those tokens")
     add_json(load, "also write the full result here")
     load.set_defaults(run=command)
 
@@ -84,6 +91,9 @@ class LoadConfig:
     transfer_modes: list[str] = field(default_factory=list)  # used in turn; [] = the gateway's default
     grace_s: float = 10.0  # after the deadline, before in-flight requests are cancelled
     request_timeout_s: float = 120.0  # one request, whole
+    failure_policy: str = ""  # sent with every request ("" = the gateway's default, fail)
+    kill_decode_every_s: float = 0.0  # chaos: SIGKILL a live decode worker this often (0 = never)
+    check_tokens: int = 0  # > 0: prompts from a pool of this many, each request's tokens held against a reference
     sample_every_s: float = 2.0  # RSS sampling period
     leak_timeout_s: float = 10.0
     json_path: str = ""
@@ -116,28 +126,86 @@ class Prompts:
         return f"# request {self.num_made}\n{text[start:start + self.num_chars]}"
 
 
+WRONG_TOKENS = "wrong tokens"  # an outcome kind: completed, but not with the reference's tokens
+
+
 class Load:
     """The clients of one run and what they have seen so far."""
 
     def __init__(self, cfg: LoadConfig, url: str):
         self.cfg, self.url = cfg, url.rstrip("/")
         self.prompts = Prompts(cfg.prompt_tokens)
+        self.pool = [self.prompts.next() for _ in range(cfg.check_tokens)]  # --check-tokens: the prompts
+        self.references: dict[tuple[int, bool], list[int]] = {}  # (pool index, selective) → the tokens alone
         self.outcomes: list[Outcome] = []
         self.num_in_flight = 0
+        self.kills: list[dict] = []  # chaos: {"at_s", "worker_id", "back_after_s"}
 
-    def next_body(self) -> dict:
-        body = {"prompt": self.prompts.next(), "max_tokens": self.cfg.max_tokens, "temperature": 0, "ignore_eos": True}
+    def next_body(self) -> tuple[dict, int]:
+        """The next request's body, and its prompt's index in the pool (-1: not from the pool)."""
+        index = self.prompts.num_made % len(self.pool) if self.pool else -1
+        prompt = self.pool[index] if self.pool else self.prompts.next()
+        if self.pool:
+            self.prompts.num_made += 1
+        body = {"prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0, "ignore_eos": True}
         modes = self.cfg.transfer_modes
         if modes:
             body["transfer_mode"] = modes[self.prompts.num_made % len(modes)]
-        return body
+        if self.cfg.failure_policy:
+            body["failure_policy"] = self.cfg.failure_policy
+        return body, index
+
+    async def reference(self, session: aiohttp.ClientSession, index: int, selective: bool) -> list[int]:
+        """The pool prompt's tokens alone in colocated mode (with the selector the selective modes default to)."""
+        key = (index, selective)
+        if key not in self.references:
+            body = {"prompt": self.pool[index], "max_tokens": self.cfg.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "transfer_mode": "colocated", **({"selector": DEFAULT_SELECTOR} if selective else {})}
+            async with session.post(self.url + "/v1/completions", json=body) as response:
+                reply = await response.json()
+                if response.status != 200:
+                    raise SystemExit(f"smartgen loadtest: the reference for prompt {index} failed: {reply}")
+            self.references[key] = reply["smartgen"]["token_ids"]
+        return self.references[key]
+
+    def checked(self, outcome: Outcome, body: dict, index: int) -> Outcome:
+        """`outcome`, or WRONG_TOKENS if its tokens are not its prompt's reference."""
+        if index < 0 or outcome.kind != OK:
+            return outcome
+        selective = mode_of(body.get("transfer_mode", "full")).needs_selector
+        if outcome.token_ids != self.references[(index, selective)]:
+            outcome.kind = WRONG_TOKENS
+        return outcome
+
+    async def chaos(self, started: float, deadline: float) -> None:
+        """Every `kill_decode_every_s`: SIGKILL one live decode worker (loopback pids from /workers), then time
+        until as many decode workers are registered again as before the kill."""
+        import signal
+
+        while time.monotonic() + self.cfg.kill_decode_every_s < deadline:
+            await asyncio.sleep(self.cfg.kill_decode_every_s)
+            decode = [w for w in get_json(self.url + "/workers")["workers"] if w["role"] == "decode"]
+            if not decode:
+                continue
+            victim, killed_at = decode[0], time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            kill = {"at_s": round(killed_at - started, 1), "worker_id": victim["id"], "back_after_s": None}
+            self.kills.append(kill)
+            print(f"\nloadtest: killed {victim['id']} (pid {victim['pid']}) at {kill['at_s']} s", file=sys.stderr)
+            while time.monotonic() < deadline + self.cfg.grace_s:
+                await asyncio.sleep(0.5)
+                now = [w for w in get_json(self.url + "/workers")["workers"] if w["role"] == "decode"]
+                if len(now) >= len(decode) and victim["id"] not in {w["id"] for w in now}:
+                    kill["back_after_s"] = round(time.monotonic() - killed_at, 1)
+                    break
 
     async def client(self, session: aiohttp.ClientSession, deadline: float) -> None:
         while time.monotonic() < deadline:
-            body, started = self.next_body(), time.monotonic()
+            (body, index), started = self.next_body(), time.monotonic()
             self.num_in_flight += 1
             try:
-                outcome = await stream_completion(session, self.url, body, self.cfg.request_timeout_s)
+                outcome = self.checked(await stream_completion(session, self.url, body, self.cfg.request_timeout_s),
+                                       body, index)
             except asyncio.CancelledError:  # the hard stop: leaving the `async with` closes the connection
                 self.outcomes.append(Outcome(ABORTED, body.get("transfer_mode", ""), time.monotonic() - started))
                 raise
@@ -173,8 +241,12 @@ class Load:
         bar = tqdm(total=round(cfg.duration_s), desc="loadtest", unit="s", disable=not cfg.progress,
                    bar_format="{desc} {bar} {n}/{total} s{postfix}")
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.concurrency)) as session:
+            for index in range(len(self.pool)):  # --check-tokens: each prompt alone first, in each kind of mode
+                for selective in {mode_of(m).needs_selector for m in cfg.transfer_modes or ["full"]}:
+                    await self.reference(session, index, selective)
             started = time.monotonic()
             watcher = asyncio.create_task(self.watch(memory, started, bar))
+            chaos = asyncio.create_task(self.chaos(started, started + cfg.duration_s)) if cfg.kill_decode_every_s else None
             clients = [asyncio.create_task(self.client(session, started + cfg.duration_s)) for _ in range(cfg.concurrency)]
             _, late = await asyncio.wait(clients, timeout=cfg.duration_s + cfg.grace_s)
             for task in late:
@@ -182,12 +254,17 @@ class Load:
             await asyncio.gather(*clients, return_exceptions=True)
             elapsed = time.monotonic() - started
             watcher.cancel()
+            if chaos is not None:
+                chaos.cancel()
+                await asyncio.gather(chaos, return_exceptions=True)
         bar.close()
         return elapsed
 
 
 def run(cfg: LoadConfig) -> dict:
     """The whole load test; prints the report and returns the result (see loadtest_report.summarize)."""
+    if cfg.check_tokens and "auto" in cfg.transfer_modes:
+        raise SystemExit("smartgen loadtest: --check-tokens cannot hold auto to one reference (it may run dense or selective)")
     if cfg.url and not is_loopback(cfg.url):
         raise SystemExit(f"smartgen loadtest: {cfg.url} is not a loopback address; it only drives a stack on this machine")
     with _own_stack(cfg) if not cfg.url else nullcontext() as stack:
@@ -212,6 +289,8 @@ def run(cfg: LoadConfig) -> dict:
               "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
                           for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
               "memory": memory.as_dict(), "memory_timeline": memory.timeline, "leaks": leaks,
+              "kills": load.kills, "num_resumed": sum(o.resumed for o in load.outcomes),
+              "num_checked": sum(o.kind in (OK, WRONG_TOKENS) for o in load.outcomes) if cfg.check_tokens else 0,
               "requests": [asdict(o) for o in load.outcomes]}
     print(loadtest_report.markdown(result))
     if cfg.json_path:
@@ -241,6 +320,7 @@ def command(args: argparse.Namespace) -> int:
     cfg = LoadConfig(url=args.url, model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                      concurrency=args.concurrency, duration_s=args.duration, max_tokens=args.max_tokens,
                      prompt_tokens=args.prompt_tokens, transfer_modes=args.transfer_mode, grace_s=args.grace,
-                     json_path=args.json or "")
+                     failure_policy=args.failure_policy, kill_decode_every_s=args.kill_decode_every,
+                     check_tokens=args.check_tokens, json_path=args.json or "")
     result = run(cfg)
     return 1 if result["num_errors"] or result["leaks"] else 0

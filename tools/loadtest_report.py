@@ -88,6 +88,16 @@ def markdown(result: dict) -> str:
         lines += ["", f"Total RSS after the warm-up: +{growth[0]:.1f} MiB in the first half of the rest of the run, "
                       f"+{growth[1]:.1f} MiB in the second (a leak grows alike in both; warm-up and allocator "
                       "settling shrink)."]
+    if result.get("kills"):
+        backs = [k["back_after_s"] for k in result["kills"]]
+        lines += ["", f"Chaos: {len(backs)} decode workers killed (SIGKILL) at "
+                      f"{', '.join(str(k['at_s']) for k in result['kills'])} s; back (a new one registered) after "
+                      f"{', '.join('never' if b is None else f'{b} s' for b in backs)}; "
+                      f"{result.get('num_resumed', 0)} requests resumed on another decode worker."]
+    if result.get("num_checked"):
+        wrong = sum(1 for r in result["requests"] if r["kind"] == "wrong tokens")
+        lines += ["", f"Tokens: {result['num_checked'] - wrong} of {result['num_checked']} completed requests had "
+                      "exactly their prompt's reference tokens (colocated, alone)" + (f"; **{wrong} did not**" if wrong else "") + "."]
     leaks = result["leaks"]
     lines += ["", "Leak check: " + ("clean (no requests, KV pages, leases, tickets or transfer plans held)" if not leaks
                                     else f"**workers still hold request state**: {leaks}")]

@@ -21,3 +21,26 @@ def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean
             (name, rss)
     assert result["memory_timeline"] and result["memory_timeline"][-1][1] > 0
     assert result["leaks"] == {}
+
+
+def test_loadtest_holds_every_completion_to_its_reference(clean_stack, monkeypatch):
+    """--check-tokens: prompts from a pool, each answered alone in colocated mode first; under 4 streams of full
+    and smartgen (steps batched together), every completion has exactly its reference's tokens. The check can
+    fail: with the references scrambled, every completion is counted wrong."""
+    from tools import loadtest
+
+    cfg = LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=6, max_tokens=12, prompt_tokens=64,
+                     transfer_modes=["full", "smartgen"], grace_s=5, progress=False, check_tokens=3)
+    result = run(cfg)
+    assert result["num_checked"] >= 4 and result["num_errors"] == 0, result["errors"]
+
+    original = loadtest.Load.reference
+
+    async def scrambled(self, session, index, selective):
+        tokens = await original(self, session, index, selective)
+        self.references[(index, selective)] = [t + 1 for t in tokens]
+        return self.references[(index, selective)]
+
+    monkeypatch.setattr(loadtest.Load, "reference", scrambled)
+    bad = run(cfg)
+    assert bad["num_checked"] > 0 and bad["errors"].get(loadtest.WRONG_TOKENS) == bad["num_checked"], bad["errors"]
