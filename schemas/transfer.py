@@ -29,6 +29,9 @@ DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the re
 DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4)  # quantized transfer's code widths
 DEFAULT_KV_BITS = 2
+# A model worker refusing a request because all its request slots (max_active_requests) are taken starts its
+# `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
+AT_CAPACITY = "at capacity"
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
 # the three paths, and `query`, the query-aware part of the proactive push; a request may `ablate` any
 SMARTGEN_PATHS = ("proactive", "parallel", "background", "query")
@@ -260,7 +263,7 @@ def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout
     return (aux_bytes if mode.aux is not Aux.NONE else 0) + rows * layer_token_bytes + query_entries * entry_bytes
 
 
-__all__ = ["DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
+__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
            "bitmap_bytes", "budget_tokens",

@@ -53,6 +53,11 @@ class Histogram:
     def observe(self, value: float, **labels: str) -> None:
         (self._metric.labels(**{n: str(labels[n]) for n in self.label_names}) if self.label_names else self._metric).observe(value)
 
+    @property
+    def count(self) -> int:
+        """Observations so far, over every label set."""
+        return int(sum(s.value for family in self._metric.collect() for s in family.samples if s.name.endswith("_count")))
+
 
 class Registry:
     """One service's metrics."""

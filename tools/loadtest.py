@@ -140,6 +140,7 @@ class Load:
         self.outcomes: list[Outcome] = []
         self.num_in_flight = 0
         self.kills: list[dict] = []  # chaos: {"at_s", "worker_id", "back_after_s"}
+        self.mismatches: list[dict] = []  # --check-tokens: each completion that differed from its reference
 
     def next_body(self) -> tuple[dict, int]:
         """The next request's body, and its prompt's index in the pool (-1: not from the pool)."""
@@ -173,8 +174,14 @@ class Load:
         if index < 0 or outcome.kind != OK:
             return outcome
         selective = mode_of(body.get("transfer_mode", "full")).needs_selector
-        if outcome.token_ids != self.references[(index, selective)]:
+        expected = self.references[(index, selective)]
+        if outcome.token_ids != expected:
             outcome.kind = WRONG_TOKENS
+            first = next((i for i, (a, b) in enumerate(zip(outcome.token_ids, expected)) if a != b),
+                         min(len(outcome.token_ids), len(expected)))
+            self.mismatches.append({"prompt_index": index, "mode": body.get("transfer_mode", ""),
+                                    "first_difference": first, "expected": expected, "got": outcome.token_ids,
+                                    "resumed": outcome.resumed})
         return outcome
 
     async def chaos(self, started: float, deadline: float) -> None:
@@ -289,7 +296,7 @@ def run(cfg: LoadConfig) -> dict:
               "by_mode": {m: loadtest_report.summarize([o for o in load.outcomes if o.mode == m], elapsed)
                           for m in cfg.transfer_modes} if len(cfg.transfer_modes) > 1 else {},
               "memory": memory.as_dict(), "memory_timeline": memory.timeline, "leaks": leaks,
-              "kills": load.kills, "num_resumed": sum(o.resumed for o in load.outcomes),
+              "kills": load.kills, "mismatches": load.mismatches, "num_resumed": sum(o.resumed for o in load.outcomes),
               "num_checked": sum(o.kind in (OK, WRONG_TOKENS) for o in load.outcomes) if cfg.check_tokens else 0,
               "requests": [asdict(o) for o in load.outcomes]}
     print(loadtest_report.markdown(result))

@@ -35,7 +35,7 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+from schemas import (AT_CAPACITY, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
                      subjects)
 from schemas.transfer import Aux
@@ -155,7 +155,8 @@ class DecodeService(ModelWorkerService):
             # not cancel this handler: nats runs an endpoint's handlers in one long-lived task).
             state.advance(Phase.PREPARING)
             try:
-                await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
+                if not self.engine.has_selector(req.selector):
+                    await self.in_torch(self.engine.selector, req.selector)  # loads offline preparation once
                 Budget(req.kv_budget)
             except (ValueError, PreparationMissing) as exc:
                 await self._release(state)
@@ -413,8 +414,10 @@ class DecodeService(ModelWorkerService):
         if mode.aux is Aux.METADATA and not req.selector:
             raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
         try:
-            return await self.in_torch(self.engine.aux_bytes, mode.aux, req.num_tokens, req.selector, req.kv_bits,
-                                       mode.pushes_by_query)
+            args = (mode.aux, req.num_tokens, req.selector, req.kv_bits, mode.pushes_by_query)
+            if self.engine.has_selector(req.selector):  # sizes only: no need to queue behind the model's steps
+                return self.engine.aux_bytes(*args)
+            return await self.in_torch(self.engine.aux_bytes, *args)  # loads the selector's preparation once
         except (ValueError, PreparationMissing) as exc:
             raise RequestRefused("bad_request", str(exc)) from None
 
@@ -483,7 +486,7 @@ class DecodeService(ModelWorkerService):
         if request_id in self.active:
             raise RequestRefused("bad_request", f"request {request_id} is already here")
         if len(self.active) >= self.config.max_active_requests:
-            raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
+            raise RequestRefused("overloaded", f"{AT_CAPACITY}: {len(self.active)} requests in progress")
 
     async def _expire(self, request_id: str) -> None:
         state = self.active.get(request_id)

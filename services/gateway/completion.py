@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import structlog
 from nats.aio.client import Client
 
-from schemas import (Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
+from schemas import (AT_CAPACITY, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
                      PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
                      TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
 from schemas.transfer import Aux
@@ -45,6 +45,8 @@ T = TypeVar("T")
 CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
 LIVENESS_POLL_S = 0.5  # while waiting on a worker, how often to check that its heartbeats still come
 MAX_MIGRATIONS = 2  # failure_policy recompute: decode workers a request may outlive before it fails
+DECODE_FULL_WAIT_S = 10.0  # every decode worker full after admission: keep trying this long before a 429
+DECODE_FULL_RETRY_S = 0.25
 _background: set[asyncio.Task[None]] = set()  # aborts sent to workers that stopped heartbeating (see _abort)
 
 
@@ -175,18 +177,28 @@ class CompletionRun:
             raise RequestFailed(f"{why}; resuming on decode worker {self.decode.worker_id} failed: {exc}") from None
 
     async def _on_some_decode(self, ask: Callable[[], Awaitable[T]]) -> T:
-        """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages),
-        move on to the next least loaded: a 429 only when every live decode worker is full."""
+        """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages) or
+        does not answer at all (`unavailable`: it died), move on to the next least loaded. When every live one refused with all its request slots taken
+        (AT_CAPACITY), try them all again every DECODE_FULL_RETRY_S for up to DECODE_FULL_WAIT_S: admission
+        counted a slot that is not there (yet), e.g. on a worker that died and still counts until its heartbeats
+        expire. Otherwise (no room for the request's KV pages), a 429 at once."""
         assert self.decode
         refused: dict[str, str] = {}
+        deadline = asyncio.get_running_loop().time() + DECODE_FULL_WAIT_S
         while True:
             try:
                 return await ask()
             except RemoteError as exc:
-                if exc.code != "overloaded":
+                # NOTE: `unavailable`: nobody answers on its subjects, it died (its heartbeats have not expired yet)
+                if exc.code not in ("overloaded", "unavailable"):
                     raise
                 refused[self.decode.worker_id] = exc.message
             following = self.registry.pick("decode", exclude=refused)
+            if following is None and all(m.startswith(AT_CAPACITY) for m in refused.values()) \
+                    and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(DECODE_FULL_RETRY_S)
+                refused.clear()
+                following = self.registry.pick("decode")
             if following is None:
                 why = "; ".join(f"{worker_id}: {message}" for worker_id, message in refused.items())
                 raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
@@ -230,7 +242,8 @@ class CompletionRun:
                              self.selector if sends_metadata else "", job.kv_bits),
                      PrefillDone, self.timeout_s), self.prefill, "the prefill")
         except (RequestFailed, RemoteError) as exc:
-            if job.failure_policy != "recompute" or getattr(exc, "code", "") == "bad_request":
+            # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
+            if job.failure_policy != "recompute" or getattr(exc, "code", "") in ("bad_request", "overloaded"):
                 raise
             self.recompute_reason = f"prefill worker {self.prefill.worker_id} failed before the first token: {exc}"
             log.warning("prefill_failed_recompute", error=str(exc))

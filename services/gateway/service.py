@@ -66,8 +66,14 @@ class GatewayService(Service):
         return self.health()[0]
 
     def capacity(self) -> int:
-        """Requests that may run at once: `max_running`, else what the live decode workers say they take."""
-        return self.config.max_running or sum(w.max_requests for w in self.registry.alive("decode"))
+        """Requests that may run at once: `max_running`, else what the live decode workers say they take, and no
+        more than the live prefill workers take (a disaggregated request holds a slot on each side; partial and
+        smartgen keep theirs on the prefill until every entry is local)."""
+        if self.config.max_running:
+            return self.config.max_running
+        decode = sum(w.max_requests for w in self.registry.alive("decode"))
+        prefill = self.registry.alive("prefill")
+        return min(decode, sum(w.max_requests for w in prefill)) if prefill else decode
 
     def _kv_usage(self) -> float:
         decode = self.registry.alive("decode")

@@ -32,7 +32,7 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
+from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
                      TransferMode, TransferPlan, encode, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
                      subjects, token_runs)
 from schemas.transfer import Aux, Push
@@ -196,7 +196,7 @@ class PrefillService(ModelWorkerService):
         if mode.kv_bits and req.kv_bits not in mode.kv_bits:
             raise RequestRefused("bad_request", f"{mode.name} transfer needs kv_bits {' or '.join(map(str, mode.kv_bits))}")
         if len(self.active) >= self.config.max_active_requests:
-            raise RequestRefused("overloaded", f"{len(self.active)} requests in progress")
+            raise RequestRefused("overloaded", f"{AT_CAPACITY}: {len(self.active)} requests in progress")
         return mode
 
     async def _encoder(self, req: Prefill, transfer: Transfer) -> LayerEncoder | None:

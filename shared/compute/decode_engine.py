@@ -42,6 +42,10 @@ class DecodeEngine:
             self._selectors[name] = make_selector(name, self.geometry, self.prep_dir)
         return self._selectors[name]
 
+    def has_selector(self, name: str) -> bool:
+        """`name` is built (its preparation loaded): `selector(name)` is a lookup, safe off the torch thread."""
+        return not name or name in self._selectors
+
     def aux_bytes(self, aux: Aux, num_tokens: int, selector: str = "", kv_bits: int = 0, query_bitmap: bool = False) -> int:
         """The bytes of the aux area a request of `num_tokens` prompt tokens needs: its selector's metadata (and
         the query-aware push's bitmap), or its KV as `kv_bits`-bit codes (ValueError or PreparationMissing, with

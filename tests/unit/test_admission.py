@@ -87,3 +87,21 @@ async def test_without_decode_workers_nothing_waits_here():
     async with gate.slot() as waited:
         assert waited < 0.01 and gate.running == 1
     assert gate.running == 0
+
+
+def test_capacity_is_what_both_sides_take():
+    """Σ decode max_requests, but no more than Σ prefill max_requests (a disaggregated request holds a slot on
+    each side); max_running overrides; without a prefill worker, decode alone."""
+    from types import SimpleNamespace
+
+    from services.gateway.service import GatewayService
+
+    def capacity(decode: list[int], prefill: list[int], max_running: int = 0) -> int:
+        workers = {"decode": [SimpleNamespace(max_requests=n) for n in decode],
+                   "prefill": [SimpleNamespace(max_requests=n) for n in prefill]}
+        gateway = SimpleNamespace(config=SimpleNamespace(max_running=max_running),
+                                  registry=SimpleNamespace(alive=lambda role: workers[role]))
+        return GatewayService.capacity(gateway)
+
+    assert capacity([8, 8], [8]) == 8 and capacity([8], [8, 8]) == 8 and capacity([4, 4], [16]) == 8
+    assert capacity([8, 8], []) == 16 and capacity([8, 8], [8], max_running=3) == 3
