@@ -115,8 +115,7 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
 
 async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: float) -> web.StreamResponse:
     """One admitted request, answered as a JSON body or a stream."""
-    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
-    run.queue_s = queue_s
+    run = _new_run(gw, job, queue_s)
     try:
         if job.stream:
             try:
@@ -138,6 +137,13 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
     finally:
         await run.close()
         gw.record(run)
+
+
+def _new_run(gw: Gateway, job: CompletionJob, queue_s: float) -> CompletionRun:
+    """An admitted job's run (after `queue_s` seconds in the admission queue)."""
+    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
+    run.queue_s = queue_s
+    return run
 
 
 async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:
@@ -172,9 +178,7 @@ async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str 
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                      transfer_mode=job.transfer_mode, stream=False, batch=len(jobs))
             async with gw.admission.slot() as queue_s:
-                run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids,
-                                    gw.config.request_timeout_s)
-                run.queue_s = queue_s
+                run = _new_run(gw, job, queue_s)
                 try:
                     return await _complete(gw, run)
                 finally:

@@ -49,25 +49,23 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
     return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
-
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """`token`'s log-probability under `logits` (vocab,) (the raw distribution: no temperature) and the `top`
     most likely tokens with theirs."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    best = logp.topk(top) if top > 0 else None
-    return TokenLogprobs(float(logp[token]), best.indices.tolist() if best is not None else [],
-                         best.values.tolist() if best is not None else [])
+    return _logprobs(logits[None], [token], top)[0]
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
     """logits (n, vocab) at positions 0…n-1 of a prompt: each next prompt token's log-probability (tokens
     1…n, n = len(token_ids) - 1) and the `top` most likely tokens there."""
+    return _logprobs(logits, token_ids[1: logits.shape[0] + 1], top)
+
+
+def _logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprobs]:
+    """logits (n, vocab); chosen[i]: the token scored at row i. Each one's log-probability and the row's top."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    nxt = torch.tensor(token_ids[1: logits.shape[0] + 1], device=logits.device)
-    chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
+    values = logp.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0].tolist()
     best = logp.topk(top, dim=-1) if top > 0 else None
-    ids = best.indices.tolist() if best is not None else [[] for _ in chosen]
-    values = best.values.tolist() if best is not None else [[] for _ in chosen]
-    return [TokenLogprobs(lp, i, v) for lp, i, v in zip(chosen, ids, values)]
+    ids = best.indices.tolist() if best is not None else [[] for _ in values]
+    tops = best.values.tolist() if best is not None else [[] for _ in values]
+    return [TokenLogprobs(v, i, t) for v, i, t in zip(values, ids, tops)]
