@@ -95,7 +95,9 @@ def test_every_entry_ends_local_or_released(paced):
     the broker's plan went through its states in order and nothing is left open."""
     sg = complete(paced, transfer_mode="smartgen", max_tokens=160)
     assert sg["all_local_step"] is not None and sg["all_local_step"] < 160
-    assert sg["step_local_share"][-1] == 1.0
+    # a share is recorded for each step (tokens 1..all_local_step) while entries may be remote, and none after;
+    # the last may be < 1: the step whose reads brought the last missing entries is the one that ends it
+    assert len(sg["step_local_share"]) == sg["all_local_step"], (len(sg["step_local_share"]), sg["all_local_step"])
     broker = next(w for w in get_json(paced.gateway_url + "/workers")["workers"] if w["role"] == "broker")
     recent = {p["request_id"]: p for p in get_json(broker["admin_url"] + "/transfers")["recent"]}
     states = [t["state"] for t in recent[sg["id"]]["transitions"]]
