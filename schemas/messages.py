@@ -108,7 +108,7 @@ class OpenKv:
     max_tokens: int  # completion tokens to leave room for
     transfer_mode: str
     selector: str = ""  # partial, smartgen, auto: the selector whose metadata must land (sizes the aux area)
-    kv_bits: int = 0  # quantized: 2 or 4
+    kv_bits: int = 0  # quantized: 2 or 4; smartgen: 0, or the proactive push's code width (4 or 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,7 @@ class Prefill:
     handle: KvHandle
     plan: TransferPlan | None = None  # every mode but colocated
     selector: str = ""  # partial, smartgen: the prefill computes this selector's metadata for every token
-    kv_bits: int = 0  # quantized
+    kv_bits: int = 0  # quantized; smartgen's low-bit proactive push
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +211,7 @@ class Generate:
     kv_budget: float = 0.0  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1
     plan: TransferPlan | None = None
     source: KvSource | None = None  # partial, smartgen
-    kv_bits: int = 0  # quantized
+    kv_bits: int = 0  # quantized; smartgen's low-bit proactive push
     prefill_worker_id: str = ""  # who prefilled (every mode but colocated)
     prefill_dataplane_addr: str = ""  # where its pushes come from: if that link drops, waiting for them stops
     failure_policy: str = FAILURE_POLICIES[0]  # one of FAILURE_POLICIES
@@ -326,6 +326,7 @@ class OpenPlan:
     ablate: list[str] = field(default_factory=list)  # SMARTGEN_PATHS switched off
     kv_budget: float = 0.0  # the request's (0 = DEFAULT_KV_BUDGET): sizes smartgen's query-aware push
     floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's (KvHandle.floor), likewise
+    kv_bits: int = 0  # smartgen: the low-bit proactive push (PUSH_KV_BITS) sizes its budget in code bytes
 
 
 @dataclass(frozen=True, slots=True)

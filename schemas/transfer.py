@@ -29,6 +29,7 @@ DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the re
 DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4)  # quantized transfer's code widths
 DEFAULT_KV_BITS = 2
+PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
 # A model worker refusing a request because all its request slots (max_active_requests) are taken starts its
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
 AT_CAPACITY = "at capacity"
@@ -73,7 +74,9 @@ class TransferMode:
     keeps_source: bool  # the prefill keeps the KV readable under a lease (on-demand and background reads)
     allows_selector: bool  # a request may name a selector (selective attention once the KV is local)
     needs_selector: bool  # a request that names none gets DEFAULT_SELECTOR
-    kv_bits: tuple[int, ...] = ()  # the kv_bits a request may ask for; () = none
+    kv_bits: tuple[int, ...] = ()  # the kv_bits a request must ask for (one of them); () = none
+    # the kv_bits a request may ask its proactive push to travel in (shared/compute/entry_codes.py); 0 = exact
+    push_bits: tuple[int, ...] = ()
     orders_by_profile: bool = False  # PLAN_BLOCKS: the most important blocks by the KV profile (else memory order)
     # the prefill also pushes, per layer, the entries its own last-position query selects; the metadata then
     # carries a bitmap of them (TransferPlan.query_tokens sizes it)
@@ -96,6 +99,16 @@ class TransferMode:
         """The KV path its aux bytes count under."""
         return "quantized" if self.aux is Aux.CODES else "metadata"
 
+    def kv_bits_problem(self, kv_bits: int) -> str:
+        """Why a request of this mode cannot run with `kv_bits` (0 = none asked for); "" when it can."""
+        if self.kv_bits and kv_bits not in self.kv_bits:
+            return f"{self.name} transfer needs kv_bits {' or '.join(map(str, self.kv_bits))}"
+        if not self.kv_bits and kv_bits and kv_bits not in self.push_bits:
+            if not self.push_bits:
+                return f"{self.name} transfer takes no kv_bits"
+            return f"{self.name} transfer pushes its proactive KV in kv_bits {' or '.join(map(str, self.push_bits))}"
+        return ""
+
     def may_run_as(self, resolved: str) -> bool:
         """Whether KV reserved for this mode may serve a request that runs as `resolved` (auto: its choices)."""
         return resolved == self.name or resolved in self.resolves_to
@@ -117,7 +130,7 @@ MODES: dict[str, TransferMode] = {m.name: m for m in (
     TransferMode("smartgen", "the three paths: profile push, parallel on-demand reads, background transfer",
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
                  keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True,
-                 pushes_by_query=True),
+                 pushes_by_query=True, push_bits=PUSH_KV_BITS),
     # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux), since the broker may choose it
     TransferMode("auto", "the broker chooses full or smartgen from the measured link and prompt length",
                  is_disaggregated=True, pushes=Push.NOTHING, aux=Aux.METADATA, is_selective=False, keeps_source=False,
@@ -252,18 +265,35 @@ def pushed_runs(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout,
     return [[] for _ in range(layout.num_layers)]
 
 
+# --- smartgen's low-bit proactive push (shared/compute/entry_codes.py) -------------------------------------
+def entry_record_bytes(head_dim: int, bits: int) -> int:
+    """One (layer, KV head, token) entry as codes: its K and V, `bits` per value, each with an fp16 scale and
+    minimum."""
+    return 2 * (head_dim * bits // 8) + 2 * 2 * 2
+
+
+def entry_region_bytes(layout: KvLayout, num_tokens: int, bits: int) -> int:
+    """The aux bytes a request reserves for its pushed entries' codes: room for every entry of every layer."""
+    return layout.num_layers * layout.num_kv_heads * num_tokens * entry_record_bytes(layout.head_dim, bits) if bits else 0
+
+
 def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout, num_tokens: int,
-                 aux_bytes: int, query_entries: int = 0) -> int:
+                 aux_bytes: int, query_entries: int = 0, push_bits: int = 0) -> int:
     """Every byte the prefill pushes in `mode` (resolved): its aux area, if the mode fills one, its rows, and
-    the `query_entries` (layer, KV head, token) entries its query-aware push picked (K and V each).
-    The decode worker starts decoding once exactly this many bytes have landed."""
+    the `query_entries` (layer, KV head, token) entries its query-aware push picked (K and V each). With
+    `push_bits` (smartgen's low-bit push) the rows and entries travel as codes instead, and only the metadata
+    part of the aux area moves whole. The decode worker starts decoding once exactly this many bytes have landed."""
     layer_token_bytes = layout.token_bytes // layout.num_layers  # one token's K and V in one layer
     rows = sum(stop - start for runs in pushed_runs(mode, plan, layout, num_tokens) for start, stop in runs)
     entry_bytes = layer_token_bytes // layout.num_kv_heads  # one token's K and V in one KV head
-    return (aux_bytes if mode.aux is not Aux.NONE else 0) + rows * layer_token_bytes + query_entries * entry_bytes
+    aux = aux_bytes if mode.aux is not Aux.NONE else 0
+    if push_bits:
+        entries = rows * layout.num_kv_heads + query_entries
+        return aux - entry_region_bytes(layout, num_tokens, push_bits) + entries * entry_record_bytes(layout.head_dim, push_bits)
+    return aux + rows * layer_token_bytes + query_entries * entry_bytes
 
 
-__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
+__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
            "bitmap_bytes", "budget_tokens",

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits
+from schemas import (DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, entry_record_bytes, entry_region_bytes,
+                     mode_of, num_pages as pages_of, pack_bits)
 from schemas.transfer import Push
 from shared.profiles import page_importance
 
@@ -74,9 +75,11 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])
 
-    block_bytes = lay.page_tokens * lay.token_bytes / lay.num_layers  # one layer's K and V of one page
+    bits = req.kv_bits if spec.push_bits else 0  # smartgen's low-bit push: entries travel as codes
+    block_bytes = lay.page_tokens * lay.num_kv_heads * entry_bytes(req, bits)  # one layer's K and V of one page
     t_prefill = req.num_tokens / link.prefill_tokens_per_s
-    fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - req.aux_bytes)
+    metadata_bytes = req.aux_bytes - entry_region_bytes(lay, req.num_tokens, bits)  # the codes region is room only
+    fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - metadata_bytes)
     budget = min(num_blocks, int(fits // block_bytes))
     if not spec.orders_by_profile:  # partial, the baseline: the prompt's first pages (every layer), in memory order
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
@@ -93,10 +96,11 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
             why = "smartgen without the proactive path: metadata only"
         else:
             left = max(0.0, fits - dense * block_bytes)
-            query_tokens = 0 if "query" in req.ablate else query_push_tokens(req, left)
-            left -= query_tokens * query_entry_bytes(req)
+            query_tokens = 0 if "query" in req.ablate else query_push_tokens(req, left, bits)
+            left -= query_tokens * query_entry_bytes(req, bits)
             pushed = order[:max(dense + int(left // block_bytes), dense)]
-            why = (f"smartgen: metadata, layers 0–1, {query_tokens} tokens per KV head by the prompt's last query, "
+            why = (f"smartgen{f' ({bits}-bit push)' if bits else ''}: metadata, layers 0–1, {query_tokens} tokens "
+                   f"per KV head by the prompt's last query, "
                    f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
                    f"the prefill")
         use_background = "background" not in req.ablate
@@ -111,13 +115,19 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     return PlannedTransfer(plan, queue)
 
 
-def query_entry_bytes(req: OpenPlan) -> int:
+def entry_bytes(req: OpenPlan, bits: int = 0) -> int:
+    """Bytes one (layer, KV head, token) entry's K and V cost on the wire: exact, or as `bits`-bit codes."""
+    lay = req.layout
+    return entry_record_bytes(lay.head_dim, bits) if bits else lay.token_bytes // (lay.num_layers * lay.num_kv_heads)
+
+
+def query_entry_bytes(req: OpenPlan, bits: int = 0) -> int:
     """Bytes one token per KV head costs in the query-aware push: its K and V in every layer ≥ DENSE_LAYERS."""
     lay = req.layout
-    return (lay.num_layers - DENSE_LAYERS) * (lay.token_bytes // lay.num_layers)
+    return (lay.num_layers - DENSE_LAYERS) * lay.num_kv_heads * entry_bytes(req, bits)
 
 
-def query_push_tokens(req: OpenPlan, budget_bytes: float) -> int:
+def query_push_tokens(req: OpenPlan, budget_bytes: float, bits: int = 0) -> int:
     """Tokens per KV head the prefill should select with its last-position query and push: QUERY_PUSH_FACTOR ×
     what step 1 will attend to (the request's budget under the decode worker's floor, at N + 1 cached tokens),
     as far as `budget_bytes` allows; 0 where step 1 attends densely (nothing to choose)."""
@@ -126,7 +136,7 @@ def query_push_tokens(req: OpenPlan, budget_bytes: float) -> int:
     if k >= n:
         return 0
     wanted = min(req.num_tokens, QUERY_PUSH_FACTOR * k)
-    return max(0, min(wanted, int(budget_bytes // query_entry_bytes(req))))
+    return max(0, min(wanted, int(budget_bytes // query_entry_bytes(req, bits))))
 
 
 def smartgen_order(importance: np.ndarray | None, num_tokens: int, page_tokens: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
+from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, entry_region_bytes, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
                      Progress, TransferPlan, WorkerInfo, WorkerList)
 from shared.registry import WorkerRegistry
 from shared.rpc import RequestRefused, endpoint, subscriber
@@ -118,6 +118,10 @@ class BrokerService(Service):
             raise RequestRefused("bad_request", f"a plan of {num_blocks} blocks exceeds the limit of {MAX_PLAN_BLOCKS}")
         if mode_of(req.mode).needs_selector and not req.selector:
             raise RequestRefused("bad_request", f"transfer_mode {req.mode!r} needs a selector")
+        if problem := mode_of(req.mode).kv_bits_problem(req.kv_bits):
+            raise RequestRefused("bad_request", problem)
+        if mode_of(req.mode).push_bits and req.aux_bytes < entry_region_bytes(req.layout, req.num_tokens, req.kv_bits):
+            raise RequestRefused("bad_request", "the aux area has no room for the low-bit push's codes")
         if not set(req.ablate) <= set(SMARTGEN_PATHS):
             raise RequestRefused("bad_request", f"ablate names paths from {', '.join(SMARTGEN_PATHS)} only")
         if self.book.get(req.request_id) is not None:

@@ -272,7 +272,8 @@ class DecodeService(ModelWorkerService):
             state.advance(Phase.FINISHING)
             try:
                 selection = self.engine.selections.get(rid)
-                final = final_event(state, req, selection, len(tokens), reason, error, kv_wait_s)
+                final = final_event(state, req, selection, len(tokens), reason, error, kv_wait_s,
+                                    self.store.layout)
                 self.latency.requests.inc(status=reason)
                 for path, n in final.kv_bytes.items():
                     self.latency.kv_bytes.inc(n, path=path)
@@ -365,17 +366,20 @@ class DecodeService(ModelWorkerService):
         """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
         assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
         rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
+        pushed = pushed_pages(req.plan, self.store.layout.num_layers) if mode.keeps_source and req.plan else None
+        by_query = await self.in_torch(self.engine.pushed_by_query, state.slab, req.selector, n) \
+            if mode.pushes_by_query else None
         if mode.aux is Aux.CODES:
             await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
         else:
+            if req.kv_bits and pushed is not None:  # smartgen's low-bit push: its codes into the slab's rows first
+                await self.in_torch(self.engine.load_pushed_codes, state.slab, req.selector, n, req.kv_bits, pushed,
+                                    by_query)
             await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
         if not mode.keeps_source:
             self.remote_kv.plan_event(state, "all_local")
             return
-        assert req.plan is not None and req.source is not None
-        pushed = pushed_pages(req.plan, self.store.layout.num_layers)
-        by_query = await self.in_torch(self.engine.pushed_by_query, state.slab, req.selector, n) \
-            if mode.pushes_by_query else None
+        assert pushed is not None and req.plan is not None and req.source is not None
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                                 self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query)
@@ -424,8 +428,9 @@ class DecodeService(ModelWorkerService):
     def _pushed_bytes(self, state: DecodeRequest, req: Generate) -> int:
         """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
         assert self.store and state.slab is not None
-        return pushed_bytes(mode_of(req.transfer_mode), req.plan, self.store.layout, state.num_tokens,
-                            state.slab.aux_bytes, req.query_entries)
+        mode = mode_of(req.transfer_mode)
+        return pushed_bytes(mode, req.plan, self.store.layout, state.num_tokens, state.slab.aux_bytes,
+                            req.query_entries, req.kv_bits if mode.push_bits else 0)
 
     def _problem(self, state: DecodeRequest, req: Generate) -> str:
         """Why `generate` cannot run this request as asked ("" if it can)."""
@@ -461,9 +466,7 @@ class DecodeService(ModelWorkerService):
             lay = self.store.layout  # type: ignore[union-attr]
             if problem := plan_problem(req.plan, lay.num_layers, state.num_tokens, lay.page_tokens):
                 return problem
-        if mode.kv_bits and req.kv_bits not in mode.kv_bits:
-            return f"{mode.name} transfer needs kv_bits {' or '.join(map(str, mode.kv_bits))}"
-        return ""
+        return mode.kv_bits_problem(req.kv_bits)
 
     # --- cleanup ----------------------------------------------------------------------------
     def _check_fits(self, num_tokens: int, max_tokens: int, aux_bytes: int) -> None:

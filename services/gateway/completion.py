@@ -223,7 +223,8 @@ class CompletionRun:
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
-                                        self.decode.worker_id, job.ablate, job.kv_budget or 0.0, handle.floor),
+                                        self.decode.worker_id, job.ablate, job.kv_budget or 0.0, handle.floor,
+                                        job.kv_bits),
                                TransferPlan,
                                CONTROL_TIMEOUT_S)
         self.mode, self.selector, self.decode_layers = self.plan.mode, self.plan.selector, handle.layout.num_layers

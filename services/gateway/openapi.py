@@ -3,7 +3,7 @@
 It says what the gateway takes and what it answers, for clients and for the API fuzz test
 (tests/integration/test_api_fuzz.py): a body outside these schemas gets a 400 (or the 404 of an unknown
 model). Enums come from the constants the validation itself uses, so the two cannot drift.
-Constraints between fields (kv_bits only for `quantized`, prompt + max_tokens within the context, …) are
+Constraints between fields (kv_bits only for `quantized` and `smartgen`, prompt + max_tokens within the context, …) are
 in the descriptions, not the schemas: a body that breaks one is still answered with a 400. So is 5.0 where
 an integer is due: JSON Schema counts it as an integer; the gateway wants a JSON integer.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import FAILURE_POLICIES, KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
+from schemas import FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway.requests import MAX_LOGPROBS, MAX_PROMPTS, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
@@ -167,7 +167,9 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "kv_budget": {"description": "with a selector: a fraction of the cached tokens, or a token count",
                       "anyOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                 {"type": "integer", "minimum": 1, "maximum": max_positions}]},
-        "kv_bits": {"enum": [*KV_BITS, None], "description": "transfer_mode quantized only (default 2)"},
+        "kv_bits": {"enum": [*sorted({*KV_BITS, *PUSH_KV_BITS}), None],
+                    "description": f"transfer_mode quantized: its codes, {KV_BITS} (default 2); smartgen: its "
+                                   f"proactive push as {PUSH_KV_BITS}-bit codes (default: exact)"},
         "ablate": {"type": "array", "items": {"enum": list(SMARTGEN_PATHS)},
                    "description": "smartgen (or auto) paths to switch off"},
         "ignore_eos": {"type": "boolean", "description": "generate max_tokens even past the end-of-sequence token"},

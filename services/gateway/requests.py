@@ -7,8 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, SELECTORS,
-                     SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
+from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
+                     SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
@@ -170,10 +170,12 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     if selector is not None and not spec.allows_selector:
         raise ApiError(400, f"{mode} transfer decodes densely over the dequantized KV; drop the selector", "selector")
     kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else None)
-    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in spec.kv_bits):
-        with_bits = modes_where(kv_bits=KV_BITS)
-        raise ApiError(400, f"kv_bits is for transfer_mode {', '.join(map(repr, with_bits))} and must be one of "
-                            f"{KV_BITS}", "kv_bits")
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
+                                or kv_bits not in spec.kv_bits + spec.push_bits):
+        codes, pushes = modes_where(kv_bits=KV_BITS), modes_where(push_bits=PUSH_KV_BITS)
+        raise ApiError(400, f"kv_bits is one of {KV_BITS} for transfer_mode {' or '.join(map(repr, codes))} (its codes)"
+                            f" or of {PUSH_KV_BITS} for {' or '.join(map(repr, pushes))} (its proactive push; exact "
+                            f"without it)", "kv_bits")
     ablate = body.get("ablate", [])
     if not isinstance(ablate, list) or not all(isinstance(p, str) and p in SMARTGEN_PATHS for p in ablate):
         raise ApiError(400, f"ablate must be a list of paths to switch off, from {', '.join(SMARTGEN_PATHS)}", "ablate")

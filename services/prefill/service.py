@@ -33,7 +33,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
-                     TransferMode, TransferPlan, encode, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
+                     TransferMode, TransferPlan, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
                      subjects, token_runs)
 from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
@@ -193,8 +193,8 @@ class PrefillService(ModelWorkerService):
             lay = self.store.layout
             if problem := plan_problem(req.plan, lay.num_layers, len(req.token_ids), lay.page_tokens):
                 raise RequestRefused("bad_request", problem)
-        if mode.kv_bits and req.kv_bits not in mode.kv_bits:
-            raise RequestRefused("bad_request", f"{mode.name} transfer needs kv_bits {' or '.join(map(str, mode.kv_bits))}")
+        if problem := mode.kv_bits_problem(req.kv_bits):
+            raise RequestRefused("bad_request", problem)
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused("overloaded", f"{AT_CAPACITY}: {len(self.active)} requests in progress")
         return mode
@@ -213,15 +213,16 @@ class PrefillService(ModelWorkerService):
                                                 self.store.layout.page_tokens, req.handle.floor)
             try:
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
-                                                           transfer.query_push)
+                                                           transfer.query_push, req.kv_bits)
             except (ValueError, PreparationMissing) as exc:
                 raise RequestRefused("bad_request", str(exc)) from None
             ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
         else:
             return None
-        if layout.nbytes != req.handle.aux_bytes:
+        needed = layout.nbytes + entry_region_bytes(self.store.layout, n, req.kv_bits if transfer.query_push else 0)
+        if needed != req.handle.aux_bytes:
             raise RequestRefused("bad_request", f"the decode node reserved {req.handle.aux_bytes} aux bytes; this "
-                                                f"request needs {layout.nbytes} (different selector preparation?)")
+                                                f"request needs {needed} (different selector preparation?)")
         transfer.aux_ranges = ranges
         return encode_layer
 
@@ -240,6 +241,14 @@ class PrefillService(ModelWorkerService):
             at, length = transfer.aux_ranges[layer]
             aux = [Segment(self.store.aux_offset(transfer.slab) + at, handle.aux_offset + at, length)]
             pushes.append((transfer.mode.aux_path, aux))
+        codes = transfer.query_push.codes if transfer.query_push is not None else None
+        if codes is not None:  # the low-bit push: this layer's blocks and query entries, as one run of records
+            assert transfer.query_push is not None
+            at, length = codes.layer_range(layer, transfer.query_push.num_records[layer])
+            if length:
+                aux_at = self.store.aux_offset(transfer.slab)
+                pushes.append((transfer.mode.rows_path, [Segment(aux_at + at, handle.aux_offset + at, length)]))
+            return pushes
         rows = []
         if transfer.query_push is not None and layer in transfer.query_push.picked:
             rows += self._entry_segments(transfer, layer, transfer.query_push.picked[layer])

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
+from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling, entry_region_bytes
 from schemas.transfer import Aux
 from shared.compute import selective
+from shared.compute.entry_codes import EntryCodes, pushed_mask
 from shared.compute.slab_cache import SlabCache
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
@@ -53,8 +54,9 @@ class DecodeEngine:
         lay = self.store.layout
         if aux is Aux.CODES:
             return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, kv_bits).nbytes
-        if aux is Aux.METADATA:
-            return MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap).nbytes
+        if aux is Aux.METADATA:  # and, with kv_bits (smartgen's low-bit push), room for the pushed entries' codes
+            metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap)
+            return metadata.nbytes + entry_region_bytes(lay, num_tokens, kv_bits)
         return 0
 
     def pushed_by_query(self, slab: Slab, selector: str, num_tokens: int) -> np.ndarray:
@@ -65,6 +67,19 @@ class DecodeEngine:
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
             present[layer] = layout.read_query_bitmap(self.store.aux(slab), layer)
         return present
+
+    def load_pushed_codes(self, slab: Slab, selector: str, num_tokens: int, bits: int, pushed: np.ndarray,
+                          by_query: np.ndarray | None) -> None:
+        """smartgen's low-bit push has landed: dequantize every pushed entry's codes into `slab`'s rows.
+        `pushed` (num_layers, num_pages) bool: the plan's blocks; `by_query` (num_layers, num_kv_heads, N) bool."""
+        lay = self.store.layout
+        metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits, offset=metadata.nbytes)
+        aux, rows = self.store.aux(slab), self.store.view(slab)
+        for layer in range(lay.num_layers):
+            mask = pushed_mask(pushed[layer], lay.page_tokens, num_tokens, lay.num_kv_heads,
+                               by_query[layer] if by_query is not None else None)
+            codes.decode(aux, layer, mask, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
 
     def detach_remote(self, request_id: str) -> None:
         """Every entry of the request is local now: its attention reads nothing remote any more. Called between

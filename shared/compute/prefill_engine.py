@@ -11,6 +11,7 @@ import torch
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
 from shared.compute import selective
+from shared.compute.entry_codes import EntryCodes, pushed_mask
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.quantization import QuantLayout
@@ -33,6 +34,9 @@ class QueryPush:
     page_tokens: int
     floor: BudgetFloor = DEFAULT_FLOOR
     picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
+    # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
+    codes: EntryCodes | None = None
+    num_records: dict[int, int] = field(default_factory=dict)  # layer → records written (codes)
 
     @property
     def num_entries(self) -> int:
@@ -94,17 +98,29 @@ class PrefillEngine:
                 hook.remove()
             self.last_query.clear()
 
-    def metadata_encoder(self, slab: Slab, selector: str, num_tokens: int,
-                         query_push: QueryPush | None = None) -> tuple[MetadataLayout, LayerEncoder]:
+    def metadata_encoder(self, slab: Slab, selector: str, num_tokens: int, query_push: QueryPush | None = None,
+                         push_bits: int = 0) -> tuple[MetadataLayout, LayerEncoder]:
         """Selective modes: each layer ≥ 2's selector metadata for every prompt token, into the aux area; with
-        `query_push`, also the entries the layer's last-position query selects, and their bitmap."""
+        `query_push`, also the entries the layer's last-position query selects, and their bitmap; with
+        `push_bits` too, every entry the layer pushes (blocks and query entries) as codes, after the metadata."""
         sel = self.selector(selector)
         layout = MetadataLayout(sel, self.runner.num_layers, num_tokens, query_bitmap=query_push is not None)
         aux = self.store.aux(slab)
+        if push_bits:
+            assert query_push is not None, "the low-bit push is smartgen's, which pushes by query"
+            lay = self.store.layout
+            query_push.codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, push_bits,
+                                          offset=layout.nbytes)
 
-        def encode(layer: int, keys: torch.Tensor, _values: torch.Tensor) -> None:
-            if layer < DENSE_LAYERS:
-                return
+        def encode(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            if layer >= DENSE_LAYERS:
+                encode_metadata(layer, keys)
+            if query_push is not None and query_push.codes is not None:
+                mask = pushed_mask(query_push.pushed_pages[layer], query_push.page_tokens, num_tokens, keys.shape[0],
+                                   query_push.picked.get(layer))
+                query_push.num_records[layer] = query_push.codes.encode(aux, layer, keys, values, mask)
+
+        def encode_metadata(layer: int, keys: torch.Tensor) -> None:
             state = sel.new_state(layer)
             sel.extend(layer, state, keys)
             layout.write(aux, layer, sel.export(state))

@@ -60,14 +60,14 @@ class QuantLayout:
         sinks[1].copy_(values[:, :s])
         if not self.num_rest:
             return
-        codes, sm = _quantize(keys[:, s:].float(), self.bits)  # partitions along d
+        codes, sm = quantize_partitions(keys[:, s:].float(), self.bits)  # partitions along d
         k_codes.copy_(codes)
         k_sm.copy_(sm)
         v = values[:, s:].float().transpose(1, 2)  # (h, d, rest)
         pad = self.num_v_parts * self.partition - self.num_rest
         if pad:  # pad with the last token (min and max unchanged); dequantize drops it
             v = torch.cat([v, v[..., -1:].expand(-1, -1, pad)], dim=-1)
-        codes, sm = _quantize(v.reshape(*v.shape[:2], self.num_v_parts, self.partition), self.bits)
+        codes, sm = quantize_partitions(v.reshape(*v.shape[:2], self.num_v_parts, self.partition), self.bits)
         v_codes.copy_(codes)
         v_sm.copy_(sm)
 
@@ -79,12 +79,12 @@ class QuantLayout:
         values_out[:, :s] = sinks[1]
         if not self.num_rest:
             return
-        keys_out[:, s:] = _dequantize(k_codes, k_sm, self.bits)
-        v = _dequantize(v_codes, v_sm, self.bits).flatten(2)[..., : self.num_rest]  # (h, d, rest)
+        keys_out[:, s:] = dequantize_partitions(k_codes, k_sm, self.bits)
+        v = dequantize_partitions(v_codes, v_sm, self.bits).flatten(2)[..., : self.num_rest]  # (h, d, rest)
         values_out[:, s:] = v.transpose(1, 2)
 
 
-def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_partitions(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (…, m) → packed codes (…, m·bits/8) uint8 and (scale, min) (…, 2) fp16, one partition per row."""
     levels = 2 ** bits - 1
     lo = x.amin(dim=-1, keepdim=True).half().float()
@@ -97,8 +97,8 @@ def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.cat([scale, lo], dim=-1).half()
 
 
-def _dequantize(codes: torch.Tensor, scale_min: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of _quantize: (…, m·bits/8) uint8 and (…, 2) fp16 → (…, m) float32."""
+def dequantize_partitions(codes: torch.Tensor, scale_min: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of quantize_partitions: (…, m·bits/8) uint8 and (…, 2) fp16 → (…, m) float32."""
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
     q = ((codes[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2).float()

@@ -90,6 +90,37 @@ def test_smartgen_ttst_beats_full_on_a_paced_link(paced):
     assert_no_leaks(paced)
 
 
+def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
+    """kv_bits on smartgen: what the prefill pushes travels as one record of codes per entry (tiny model: K and V
+    of 16 bf16 channels are 64 bytes, 24 as 4-bit codes), so on a link where the exact push has room for part of
+    what step 1 selects (R ≈ 2), the low-bit push carries all of it; reads stay exact; the bytes are counted as
+    records; a width other than 4 or 8 is refused."""
+    from tests.integration.test_faults import admin_post, worker
+
+    prefill = worker(paced, "prefill")
+    complete(paced, transfer_mode="full")  # so the prefill has measured its rate on this prompt
+    rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
+    kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
+    admin_post(paced, prefill, "/link", {"gbps": kv_bits_per_token * rate / 2 / 1e9})
+    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    try:
+        body = dict(transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
+        exact, low, eight = complete(paced, **body), complete(paced, **body, kv_bits=4), complete(paced, **body, kv_bits=8)
+    finally:
+        admin_post(paced, prefill, "/link", {"gbps": LINK_GBPS})
+        time.sleep(1.5)
+    assert low["kv_bits"] == 4 and "4-bit push" in low["plan"]["reason"] and exact["kv_bits"] is None
+    assert exact["plan"]["query_tokens"] < low["plan"]["query_tokens"], (exact["plan"], low["plan"])
+    assert low["kv_bytes"]["proactive"] % 24 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
+    assert low["kv_bytes"]["metadata"] == exact["kv_bytes"]["metadata"]  # the codes region's room does not move
+    assert low["step_local_share"][0] > exact["step_local_share"][0]
+    assert len(low["token_ids"]) == 16 and len(eight["token_ids"]) == 16
+    status, reply = post_json(paced.gateway_url + "/v1/completions",
+                              {"prompt": "hi", "max_tokens": 2, "transfer_mode": "smartgen", "kv_bits": 2}, timeout=30)
+    assert status == 400 and reply["error"]["param"] == "kv_bits"
+    assert_no_leaks(paced)
+
+
 def test_every_entry_ends_local_or_released(paced):
     """A long enough decode with background transfer ends all local (the prefill's lease released early);
     the broker's plan went through its states in order and nothing is left open."""

@@ -99,3 +99,20 @@ def test_loadtest_memory_growth_splits_the_run_after_warm_up():
     settling = [(t, 100.0 + min(t, 40)) for t in range(0, 101)]
     assert memory_growth(settling, 100) == (30.0, 0.0)
     assert memory_growth(linear[:40], 100) is None
+
+
+def test_answers_are_compared_with_the_same_prompts_all_local():
+    """A selective row against colocated-selective, a dense one against colocated, prompt by prompt."""
+    from tools.bench.serve import token_agreement
+
+    def rec(mode, task, tokens, selector="quest"):
+        return {"mode": mode, "prompt_tokens_asked": 2048, "regime": "prefill", "pressure": 2.0, "link_gbps": 0.1,
+                "task": task, "token_ids": tokens, "selector": selector}
+
+    records = [rec("colocated-selective", "a", [1, 2, 3, 4]), rec("colocated-selective", "b", [5, 6]),
+               rec("colocated", "a", [9, 9], None), rec("smartgen-4bit", "a", [1, 2, 7, 4]),
+               rec("smartgen-4bit", "b", [5, 6]), rec("quantized-4bit", "a", [9, 8], None)]
+    agreement = token_agreement(records)
+    assert agreement[("smartgen-4bit", 2048, "prefill", 2.0, 0.1)] == {"same_tokens": 0.5, "matched_prefix": 0.75}
+    assert agreement[("quantized-4bit", 2048, "prefill", 2.0, 0.1)] == {"same_tokens": 0.0, "matched_prefix": 0.5}
+    assert ("colocated", 2048, "prefill", 2.0, 0.1) not in agreement

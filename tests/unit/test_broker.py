@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from schemas import KvLayout, OpenPlan
+from schemas import KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from schemas import unpack_bits
@@ -15,8 +15,10 @@ LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dt
 N = 2048  # 128 pages per layer, 3,840 blocks of 24,576 bytes; the whole KV is 94,371,840 bytes
 
 
-def request(mode: str, ablate: list[str] | None = None, aux_bytes: int = 0) -> OpenPlan:
-    return OpenPlan("r", mode, "m", "quest", N, LAYOUT, aux_bytes, "prefill-1", "decode-1", ablate or [])
+def request(mode: str, ablate: list[str] | None = None, aux_bytes: int = 0, kv_bits: int = 0) -> OpenPlan:
+    aux_bytes += entry_region_bytes(LAYOUT, N, kv_bits)  # the decode node reserves room for the codes
+    return OpenPlan("r", mode, "m", "quest", N, LAYOUT, aux_bytes, "prefill-1", "decode-1", ablate or [],
+                    kv_bits=kv_bits)
 
 
 def link_for_ratio(r: float, rate: float = 200.0) -> LinkEstimate:
@@ -61,6 +63,20 @@ def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
     assert no_query.plan.query_tokens == 0 and no_query.plan.num_push_blocks > 2 * 128
     partial = plan_transfer(request("partial"), "partial", None, link_for_ratio(4.0), "b")
     assert partial.plan.query_tokens == 0
+
+
+def test_a_low_bit_push_fits_its_codes_where_exact_entries_would_not():
+    """kv_bits 4 on smartgen: on the tight link above, each entry costs its 4-bit record (72 bytes of fp32's
+    512 here), so the query-aware push gets its whole 2× budget and profile blocks follow; the codes region is
+    room the decode node reserves, not bytes that move."""
+    exact = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
+    low = plan_transfer(request("smartgen", kv_bits=4), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
+    assert exact.plan.query_tokens < low.plan.query_tokens == 410
+    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 8
+    record_block = 16 * 3 * entry_record_bytes(64, 4)
+    left = fits - 2 * 128 * record_block - 410 * 28 * 3 * entry_record_bytes(64, 4)
+    assert low.plan.num_push_blocks == 2 * 128 + int(left // record_block) > exact.plan.num_push_blocks
+    assert "4-bit push" in low.plan.reason
 
 
 def test_smartgen_follows_the_profile():

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from schemas import FAILURE_POLICIES, SMARTGEN_PATHS, TRANSFER_MODES
+from schemas import FAILURE_POLICIES, PUSH_KV_BITS, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway import requests as gateway_requests
 from services.gateway.api import _error
 from services.gateway.openapi import openapi_document
@@ -63,7 +63,7 @@ def test_enums_come_from_the_validation_constants():
     fields = SCHEMAS["CompletionRequest"]["properties"]
     assert fields["transfer_mode"]["enum"] == list(TRANSFER_MODES)
     assert fields["selector"]["enum"] == [*SELECTORS, None]
-    assert fields["kv_bits"]["enum"] == [*KV_BITS, None]
+    assert fields["kv_bits"]["enum"] == [*sorted({*KV_BITS, *PUSH_KV_BITS}), None]
     assert fields["ablate"]["items"]["enum"] == list(SMARTGEN_PATHS)
     assert fields["failure_policy"]["enum"] == list(FAILURE_POLICIES)
 

@@ -78,8 +78,8 @@ def markdown(report: dict) -> str:
         rows = [r for r in runs if r["prompt_tokens_asked"] == length
                 and ((r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"])]
         lines += [f"## {length} tokens, R = {pressure:g}, {regime}-matched link", "",
-                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective | same tokens (prefix) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
             paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
@@ -87,12 +87,22 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['mode']} | {r['n']} | {_f(r['ttft_p50_s'], 2)} | {_f(r['ttst_mean_s'])} / {_f(r['ttst_p50_s'])} | "
                          f"{_f(r.get('ttst_bound_p50_s'))} | {_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | "
                          f"{paths or '—'} | {share} | {_f(r.get('ttst_vs_bound'), 2)} | {_f(r['ttst_vs_full'], 2)} | "
-                         f"{_f(r.get('ttst_vs_colocated_selective'), 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} |")
+                         f"{_f(r.get('ttst_vs_colocated_selective'), 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} | "
+                         f"{_agreement(r)} |")
         lines.append("")
     lines.append("Times in seconds on the client's clock. n = requests in the row (p99 is reported from 20). "
                  "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; TTST bound = "
-                 "the all-local step plus the step-1 bytes the prefill could not hide (README, `ttst_bound_s`).")
+                 "the all-local step plus the step-1 bytes the prefill could not hide (README, `ttst_bound_s`). "
+                 "Same tokens: the share of requests whose answer equals the same prompt's all local "
+                 "(colocated-selective for a selective mode, colocated for a dense one, where the run has it), and in "
+                 "brackets the mean share of the answer before the first difference.")
     return "\n".join(lines) + "\n"
+
+
+def _agreement(run: dict) -> str:
+    if run.get("same_tokens") is None:
+        return "—"
+    return f"{run['same_tokens']:.2f} ({run['matched_prefix']:.2f})"
 
 
 def _tables(runs: list[dict]) -> list[tuple[int, str, float]]:

@@ -70,14 +70,16 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
               "full": {"transfer_mode": "full"}, "quantized": {"transfer_mode": "quantized", "kv_bits": 2},
               "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
               "partial": {"transfer_mode": "partial", **sel}, "smartgen": {"transfer_mode": "smartgen", **sel},
+              "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
+              "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
               "auto": {"transfer_mode": "auto", **sel}}
     if name not in bodies:
         raise ValueError(f"unknown mode {name!r}: use {', '.join([*bodies, *ablations])}")
     return bodies[name]
 
 
-ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized", "smartgen", "smartgen-no-proactive",
-             "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
+ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized", "smartgen", "smartgen-4bit",
+             "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -388,4 +390,37 @@ def summarize(records: list[dict]) -> list[dict]:
             "output_tokens_per_s": (sum(len(x["token_times_s"]) for x in rs) / rs[0]["served_in_s"]
                                     if rs[0].get("served_in_s") else None),
         })
+    agreement = token_agreement(records)
+    for run in runs:
+        run.update(agreement.get((run["mode"], run["prompt_tokens_asked"], run["regime"], run["pressure"],
+                                  run["link_gbps"]), {}))
     return runs
+
+
+def token_agreement(records: list[dict]) -> dict[tuple, dict]:
+    """Per setting (as `summarize` groups them): how the answers compare with the same prompts' answers all
+    local — `colocated-selective`'s for a request with a selector, `colocated`'s for a dense one (when the run
+    has that row): `same_tokens` (share of requests whose tokens are equal) and `matched_prefix` (mean share of
+    the reference's tokens before the first difference)."""
+    def key(r: dict, nth: int) -> tuple:
+        return r["prompt_tokens_asked"], r.get("task", ""), nth
+
+    references: dict[str, dict[tuple, list[int]]] = {"colocated-selective": {}, "colocated": {}}
+    seen: dict[tuple, int] = {}
+    for r in records:
+        if r["mode"] in references:
+            nth = seen[(r["mode"], *key(r, 0))] = seen.get((r["mode"], *key(r, 0)), -1) + 1
+            references[r["mode"]].setdefault(key(r, nth), r.get("token_ids", []))
+    groups: dict[tuple, list[tuple[bool, float]]] = {}
+    seen.clear()
+    for r in records:
+        setting = (r["mode"], r["prompt_tokens_asked"], r["regime"], r["pressure"], r["link_gbps"])
+        nth = seen[(setting, r.get("task", ""))] = seen.get((setting, r.get("task", "")), -1) + 1
+        ref = references["colocated-selective" if r.get("selector") else "colocated"].get(key(r, nth))
+        if not ref or r["mode"] in references:
+            continue
+        ours = r.get("token_ids", [])
+        prefix = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+        groups.setdefault(setting, []).append((ours == ref, prefix / max(1, len(ref))))
+    return {s: {"same_tokens": _mean([float(same) for same, _ in v]), "matched_prefix": _mean([m for _, m in v])}
+            for s, v in groups.items()}

@@ -1,0 +1,67 @@
+"""smartgen's low-bit proactive push: each pushed (layer, KV head, token) entry as one record of codes, in
+(head, token) order, with the error of one quantization step; and the bytes every side computes for it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas import KvLayout, TransferPlan, entry_record_bytes, entry_region_bytes, mode_of, pack_bits, pushed_bytes
+from shared.compute.entry_codes import EntryCodes, pushed_mask
+
+H, N, D = 3, 150, 64
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pushed_entries_come_back_within_half_a_step_and_nothing_else_is_touched(bits):
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(H, N, D, generator=gen), torch.randn(H, N, D, generator=gen) * 3
+    mask = pushed_mask(np.array([True] + [False] * 8 + [True, False]), 16, N, H,
+                       np.random.default_rng(0).random((H, N)) < 0.1)
+    codes = EntryCodes(num_layers=2, num_kv_heads=H, head_dim=D, num_tokens=N, bits=bits, offset=100)
+    aux = torch.zeros(100 + codes.nbytes, dtype=torch.uint8)
+    count = codes.encode(aux, 1, keys, values, mask)
+    assert count == mask.sum() and codes.layer_range(1, count) == (100 + codes.layer_bytes, count * codes.record_bytes)
+    assert not aux[:100 + codes.layer_bytes].any()  # layer 0's room and what precedes the region are untouched
+    k_out, v_out = torch.full_like(keys, 7.0), torch.full_like(values, 7.0)
+    codes.decode(aux, 1, mask, k_out, v_out)
+    picked = torch.from_numpy(mask)
+    for x, out in ((keys, k_out), (values, v_out)):
+        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / (2 ** bits - 1)  # per entry
+        assert torch.all(((out - x).abs() <= step / 2 + 2e-2 * step + 1e-3)[picked])
+        assert torch.all(out[~picked] == 7.0)
+
+
+def test_the_mask_is_the_layers_blocks_for_every_head_and_the_query_entries():
+    by_query = np.zeros((H, 40), dtype=bool)
+    by_query[1, 20] = True
+    mask = pushed_mask(np.array([True, False, True]), 16, 40, H, by_query)
+    assert mask[:, :16].all() and mask[:, 32:].all() and mask[1, 20] and mask.sum() == H * 24 + 1
+
+
+LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="bfloat16", token_bytes=23040)
+
+
+def test_records_are_a_fraction_of_the_exact_entries_and_decode_waits_for_exactly_them():
+    """A bf16 entry (K and V, 64 channels) is 256 bytes: 72 as 4-bit codes, 136 as 8-bit. With the low-bit
+    push, decode waits for the metadata and one record per pushed entry, not for the codes region's room."""
+    assert entry_record_bytes(64, 4) == 72 and entry_record_bytes(64, 8) == 136
+    assert entry_region_bytes(LAYOUT, 100, 0) == 0
+    region = entry_region_bytes(LAYOUT, 100, 4)
+    assert region == 30 * 3 * 100 * 72
+    blocks = np.zeros((30, 7), dtype=bool)
+    blocks[:2] = True  # layers 0–1 whole: 2 × 100 tokens × 3 heads entries
+    plan = TransferPlan("r", "smartgen", "b", 7, pack_bits(blocks), int(blocks.sum()))
+    metadata = 5000
+    exact = pushed_bytes(mode_of("smartgen"), plan, LAYOUT, 100, metadata, query_entries=10)
+    assert exact == metadata + (600 + 10) * 256
+    low = pushed_bytes(mode_of("smartgen"), plan, LAYOUT, 100, metadata + region, query_entries=10, push_bits=4)
+    assert low == metadata + (600 + 10) * 72
+
+
+def test_only_smartgen_takes_push_bits_and_quantized_still_needs_its_own():
+    assert mode_of("smartgen").kv_bits_problem(0) == "" and mode_of("smartgen").kv_bits_problem(4) == ""
+    assert "4 or 8" in mode_of("smartgen").kv_bits_problem(2)
+    assert mode_of("partial").kv_bits_problem(4) and mode_of("auto").kv_bits_problem(8)
+    assert mode_of("quantized").kv_bits_problem(0) and mode_of("quantized").kv_bits_problem(8)
+    assert mode_of("quantized").kv_bits_problem(2) == ""
