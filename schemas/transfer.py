@@ -30,6 +30,10 @@ DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it nam
 KV_BITS = (2, 4)  # quantized transfer's code widths
 DEFAULT_KV_BITS = 2
 PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
+# ... whose keys travel in 8 bits whatever kv_bits says: a key quantized per token loses its outlier channels
+# (SmolLM2, 2K prompts, dense: first-step KL 0.017–0.07 with 4-bit keys, 0.004–0.011 with 8-bit keys and
+# 4-bit values; KIVI and KVQuant find the same)
+PUSH_KEY_BITS = 8
 # A model worker refusing a request because all its request slots (max_active_requests) are taken starts its
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
 AT_CAPACITY = "at capacity"
@@ -267,9 +271,9 @@ def pushed_runs(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout,
 
 # --- smartgen's low-bit proactive push (shared/compute/entry_codes.py) -------------------------------------
 def entry_record_bytes(head_dim: int, bits: int) -> int:
-    """One (layer, KV head, token) entry as codes: its K and V, `bits` per value, each with an fp16 scale and
-    minimum."""
-    return 2 * (head_dim * bits // 8) + 2 * 2 * 2
+    """One (layer, KV head, token) entry as codes: its K in PUSH_KEY_BITS and its V in `bits` per channel, each
+    with an fp16 scale and minimum."""
+    return head_dim * PUSH_KEY_BITS // 8 + head_dim * bits // 8 + 2 * 2 * 2
 
 
 def entry_region_bytes(layout: KvLayout, num_tokens: int, bits: int) -> int:
@@ -293,7 +297,7 @@ def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout
     return aux + rows * layer_token_bytes + query_entries * entry_bytes
 
 
-__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
+__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KEY_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
            "bitmap_bytes", "budget_tokens",

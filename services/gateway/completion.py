@@ -115,7 +115,16 @@ class CompletionRun:
                 if done is not None:
                     first, self.prefill_s = done.first_token, done.prefill_s
                     self.prompt_logprobs = done.prompt_logprobs
-                await self._generate(first, done, sampling)
+                try:
+                    await self._generate(first, done, sampling)
+                except (RemoteError, DecodeLost) as exc:
+                    # NOTE: the decode worker that reserved the KV died after `open`: nobody answers `generate`, or
+                    # it stopped its heartbeats. Under recompute the request starts over on another one, colocated,
+                    # from its prompt.
+                    if getattr(exc, "code", "unavailable") != "unavailable" or job.failure_policy != "recompute":
+                        raise
+                    await self._migrate(f"decode worker {self.decode.worker_id} did not answer generate", sampling)
+                    first, done = -1, None
         except RemoteError as exc:
             status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
             raise ApiError(status, f"{exc.message}", code=exc.code) from None
@@ -256,7 +265,9 @@ class CompletionRun:
         job = self.job
         assert self.decode
         prefill = self.prefill if done is not None else None
-        return await call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
+        # NOTE: watched: a decode worker that died after `open` (before NATS dropped its subscriptions) fails
+        # this within the heartbeat TTL (DecodeLost), not after the call's timeout
+        return await self._wait(call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                           Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
                                    self.stop_token_ids, sampling, subjects.stream(job.request_id),
                                    self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
@@ -264,7 +275,7 @@ class CompletionRun:
                                    self.prefill.worker_id if self.prefill else "",
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
                                    done.query_entries if done else 0),
-                          Accepted, CONTROL_TIMEOUT_S)
+                          Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         """The decode worker's token events, in order, each once. Events lost on the way (NATS is at most once: a

@@ -4,14 +4,15 @@ as codes, several times fewer bytes, so more of what step 1 attends to fits behi
 background reads stay exact (a background read later overwrites a pushed entry with its exact value).
 
 An entry is one (layer, KV head, token): its K and its V, each a head_dim vector quantized as one partition
-(asymmetric, x ≈ scale·q + min, fp16 scale and minimum; quantization.py's rule, per token as HACK and KIVI do
-for K). Per-entry partitions let any set of entries travel on its own.
+(asymmetric, x ≈ scale·q + min, fp16 scale and minimum; quantization.py's rule), V in `kv_bits` and K in
+PUSH_KEY_BITS (8): a key quantized per token loses its outlier channels (schemas/transfer.py). Per-entry
+partitions let any set of entries travel on its own.
 
 Where, in the request's aux area (after the selector metadata, whose size it does not change):
     aux    = [metadata blocks (+ query bitmaps)][layer 0 records][layer 1 records]…
     layer  = (num_kv_heads · N, record) uint8: room for every entry; the first `count` records are the layer's
              pushed entries in (head, token) order, so one layer's push is one contiguous segment
-    record = [K codes: d·bits/8][V codes: d·bits/8][K scale, min: fp16 ×2][V scale, min: fp16 ×2]
+    record = [K codes: d·8/8][V codes: d·bits/8][K scale, min: fp16 ×2][V scale, min: fp16 ×2]
 Records carry no index: both sides derive the same entries from the plan's blocks and the query bitmaps
 (`pushed_mask`).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from schemas import entry_record_bytes
+from schemas import PUSH_KEY_BITS, entry_record_bytes
 from shared.compute.quantization import dequantize_partitions, quantize_partitions
 
 
@@ -29,7 +30,9 @@ class EntryCodes:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, bits: int, offset: int):
         self.bits, self.offset = bits, offset
-        self.code_bytes = head_dim * bits // 8  # one K (or V) vector's codes
+        k_bytes, v_bytes = head_dim * PUSH_KEY_BITS // 8, head_dim * bits // 8  # one K, one V vector's codes
+        # (bits, where its codes start, where its fp16 scale and minimum start) in a record, for K and for V
+        self.fields = ((PUSH_KEY_BITS, 0, k_bytes + v_bytes), (bits, k_bytes, k_bytes + v_bytes + 4))
         self.record_bytes = entry_record_bytes(head_dim, bits)
         self.layer_bytes = num_kv_heads * num_tokens * self.record_bytes
         self.nbytes = num_layers * self.layer_bytes
@@ -51,11 +54,9 @@ class EntryCodes:
         if not count:
             return 0
         records = self._records(aux, layer, count)
-        c = self.code_bytes
-        for at, x in ((0, keys), (c, values)):
-            codes, scale_min = quantize_partitions(x[picked].float(), self.bits)  # (count, c), (count, 2) in (head, token) order
-            records[:, at: at + c] = codes.to(aux.device)
-            sm_at = 2 * c + (at // c) * 4
+        for x, (bits, at, sm_at) in zip((keys, values), self.fields):
+            codes, scale_min = quantize_partitions(x[picked].float(), bits)  # (count, ·), (count, 2): (head, token) order
+            records[:, at: at + codes.shape[1]] = codes.to(aux.device)
             records[:, sm_at: sm_at + 4] = scale_min.contiguous().view(torch.uint8).to(aux.device)
         return count
 
@@ -67,11 +68,11 @@ class EntryCodes:
             return
         records = self._records(aux, layer, count).to(keys_out.device)
         picked = torch.from_numpy(mask).to(keys_out.device)
-        c = self.code_bytes
-        for at, out in ((0, keys_out), (c, values_out)):
-            sm_at = 2 * c + (at // c) * 4
+        head_dim = keys_out.shape[-1]
+        for out, (bits, at, sm_at) in zip((keys_out, values_out), self.fields):
             scale_min = records[:, sm_at: sm_at + 4].contiguous().view(torch.float16)
-            out[picked] = dequantize_partitions(records[:, at: at + c], scale_min, self.bits).to(out.dtype)
+            codes = records[:, at: at + head_dim * bits // 8]
+            out[picked] = dequantize_partitions(codes, scale_min, bits).to(out.dtype)
 
 
 def pushed_mask(pages: np.ndarray, page_tokens: int, num_tokens: int, num_kv_heads: int,

@@ -92,7 +92,7 @@ def test_smartgen_ttst_beats_full_on_a_paced_link(paced):
 
 def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     """kv_bits on smartgen: what the prefill pushes travels as one record of codes per entry (tiny model: K and V
-    of 16 bf16 channels are 64 bytes, 24 as 4-bit codes), so on a link where the exact push has room for part of
+    of 16 bf16 channels are 64 bytes, 32 with 4-bit values and 8-bit keys), so on a link where the exact push has room for part of
     what step 1 selects (R ≈ 2), the low-bit push carries all of it; reads stay exact; the bytes are counted as
     records; a width other than 4 or 8 is refused."""
     from tests.integration.test_faults import admin_post, worker
@@ -111,7 +111,8 @@ def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
         time.sleep(1.5)
     assert low["kv_bits"] == 4 and "4-bit push" in low["plan"]["reason"] and exact["kv_bits"] is None
     assert exact["plan"]["query_tokens"] < low["plan"]["query_tokens"], (exact["plan"], low["plan"])
-    assert low["kv_bytes"]["proactive"] % 24 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
+    assert low["kv_bytes"]["proactive"] % 32 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
+    assert low["kv_bytes"]["proactive"] // 32 > exact["kv_bytes"]["proactive"] // 64  # more entries pushed
     assert low["kv_bytes"]["metadata"] == exact["kv_bytes"]["metadata"]  # the codes region's room does not move
     assert low["step_local_share"][0] > exact["step_local_share"][0]
     assert len(low["token_ids"]) == 16 and len(eight["token_ids"]) == 16

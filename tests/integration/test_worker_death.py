@@ -82,3 +82,44 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
         assert final["resumed_from"] == [killed["id"]] and final["recomputed"]
         assert final["decode_worker_id"] != killed["id"]
         assert_no_leaks(stack)
+
+
+def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_replaced(tiny_model_path, tmp_path):
+    """failure_policy `recompute`: the decode worker that reserved the request's KV dies while the prefill runs
+    (the prefill is held with SIGSTOP so the kill lands there), so nobody answers `generate`; the request starts
+    over on the other decode worker, colocated, with colocated's greedy tokens, and nothing is left held."""
+    import threading
+
+    from tests.integration.conftest import assert_no_leaks, post_json
+
+    spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2"})
+    with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
+        url = stack.gateway_url
+        body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0, "transfer_mode": "full", "failure_policy": "recompute"}
+        _, reference = post_json(url + "/v1/completions", body | {"transfer_mode": "colocated"})
+        workers = get_json(url + "/workers")["workers"]
+        prefill = next(w for w in workers if w["role"] == "prefill")
+        decodes = [w for w in workers if w["role"] == "decode"]
+        answer: dict = {}
+        os.kill(prefill["pid"], signal.SIGSTOP)
+        try:
+            asking = threading.Thread(target=lambda: answer.update(
+                zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
+            asking.start()
+            deadline, reserved = time.monotonic() + 10, None
+            while reserved is None and time.monotonic() < deadline:
+                reserved = next((w for w in decodes if get_json(w["admin_url"] + "/stats")["active_requests"]), None)
+                time.sleep(0.05)
+            assert reserved is not None, "no decode worker reserved the request's KV"
+            os.kill(reserved["pid"], signal.SIGKILL)
+        finally:
+            os.kill(prefill["pid"], signal.SIGCONT)
+        asking.join(60)
+        assert answer.get("status") == 200, answer
+        final = answer["body"]["smartgen"]
+        assert final["token_ids"] == reference["smartgen"]["token_ids"]
+        assert final["resumed_from"] == [reserved["id"]] and final["recomputed"]
+        assert final["decode_worker_id"] != reserved["id"]
+        assert_no_leaks(stack)

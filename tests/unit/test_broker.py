@@ -66,7 +66,7 @@ def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
 
 
 def test_a_low_bit_push_fits_its_codes_where_exact_entries_would_not():
-    """kv_bits 4 on smartgen: on the tight link above, each entry costs its 4-bit record (72 bytes of fp32's
+    """kv_bits 4 on smartgen: on the tight link above, each entry costs its record (104 bytes of fp32's
     512 here), so the query-aware push gets its whole 2× budget and profile blocks follow; the codes region is
     room the decode node reserves, not bytes that move."""
     exact = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")

@@ -1,12 +1,12 @@
 """smartgen's low-bit proactive push: each pushed (layer, KV head, token) entry as one record of codes, in
-(head, token) order, with the error of one quantization step; and the bytes every side computes for it."""
+(head, token) order, within half a quantization step (keys in 8 bits, values in kv_bits); and the bytes every side computes for it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from schemas import KvLayout, TransferPlan, entry_record_bytes, entry_region_bytes, mode_of, pack_bits, pushed_bytes
+from schemas import PUSH_KEY_BITS, KvLayout, TransferPlan, entry_record_bytes, entry_region_bytes, mode_of, pack_bits, pushed_bytes
 from shared.compute.entry_codes import EntryCodes, pushed_mask
 
 H, N, D = 3, 150, 64
@@ -26,8 +26,8 @@ def test_pushed_entries_come_back_within_half_a_step_and_nothing_else_is_touched
     k_out, v_out = torch.full_like(keys, 7.0), torch.full_like(values, 7.0)
     codes.decode(aux, 1, mask, k_out, v_out)
     picked = torch.from_numpy(mask)
-    for x, out in ((keys, k_out), (values, v_out)):
-        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / (2 ** bits - 1)  # per entry
+    for x, out, width in ((keys, k_out, PUSH_KEY_BITS), (values, v_out, bits)):
+        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / (2 ** width - 1)  # per entry
         assert torch.all(((out - x).abs() <= step / 2 + 2e-2 * step + 1e-3)[picked])
         assert torch.all(out[~picked] == 7.0)
 
@@ -43,12 +43,13 @@ LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dt
 
 
 def test_records_are_a_fraction_of_the_exact_entries_and_decode_waits_for_exactly_them():
-    """A bf16 entry (K and V, 64 channels) is 256 bytes: 72 as 4-bit codes, 136 as 8-bit. With the low-bit
+    """A bf16 entry (K and V, 64 channels) is 256 bytes: 104 with 4-bit values (keys stay 8-bit), 136 with 8-bit
+    values. With the low-bit
     push, decode waits for the metadata and one record per pushed entry, not for the codes region's room."""
-    assert entry_record_bytes(64, 4) == 72 and entry_record_bytes(64, 8) == 136
+    assert entry_record_bytes(64, 4) == 104 and entry_record_bytes(64, 8) == 136
     assert entry_region_bytes(LAYOUT, 100, 0) == 0
     region = entry_region_bytes(LAYOUT, 100, 4)
-    assert region == 30 * 3 * 100 * 72
+    assert region == 30 * 3 * 100 * 104
     blocks = np.zeros((30, 7), dtype=bool)
     blocks[:2] = True  # layers 0–1 whole: 2 × 100 tokens × 3 heads entries
     plan = TransferPlan("r", "smartgen", "b", 7, pack_bits(blocks), int(blocks.sum()))
@@ -56,7 +57,7 @@ def test_records_are_a_fraction_of_the_exact_entries_and_decode_waits_for_exactl
     exact = pushed_bytes(mode_of("smartgen"), plan, LAYOUT, 100, metadata, query_entries=10)
     assert exact == metadata + (600 + 10) * 256
     low = pushed_bytes(mode_of("smartgen"), plan, LAYOUT, 100, metadata + region, query_entries=10, push_bits=4)
-    assert low == metadata + (600 + 10) * 72
+    assert low == metadata + (600 + 10) * 104
 
 
 def test_only_smartgen_takes_push_bits_and_quantized_still_needs_its_own():
