@@ -230,6 +230,7 @@ class Outcome:
     retry_after_s: float | None = None  # a refusal's Retry-After header
     token_ids: list[int] = field(default_factory=list)  # the completion's tokens (`smartgen.token_ids`)
     resumed: bool = False  # the gateway moved it to another decode worker mid-stream (failure_policy recompute)
+    finished_at_s: float | None = None  # a load test's clock: when it ended, from the run's start
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> Outcome:

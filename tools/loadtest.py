@@ -229,6 +229,7 @@ class Load:
                 raise
             finally:
                 self.num_in_flight -= 1
+            outcome.finished_at_s = round(time.monotonic() - (deadline - self.cfg.duration_s), 2)
             self.outcomes.append(outcome)
             if outcome.kind != OK:
                 pause = ERROR_PAUSE_S if outcome.retry_after_s is None else min(outcome.retry_after_s, MAX_PAUSE_S)

@@ -94,6 +94,7 @@ def markdown(result: dict) -> str:
                       f"{', '.join(str(k['at_s']) for k in result['kills'])} s; back (a new one registered) after "
                       f"{', '.join('never' if b is None else f'{b} s' for b in backs)}; "
                       f"{result.get('num_resumed', 0)} requests resumed on another decode worker."]
+        lines += _errors_after_kills(result)
     if result.get("num_checked"):
         wrong = sum(1 for r in result["requests"] if r["kind"] == "wrong tokens")
         ties = [m for m in result.get("mismatches", []) if m.get("near_tie")]
@@ -107,3 +108,21 @@ def markdown(result: dict) -> str:
     lines += ["", "Leak check: " + ("clean (no requests, KV pages, leases, tickets or transfer plans held)" if not leaks
                                     else f"**workers still hold request state**: {leaks}")]
     return "\n".join(lines)
+
+
+def _errors_after_kills(result: dict) -> list[str]:
+    """How soon after the latest kill each failed request was told (failure_policy fail: within the heartbeat
+    TTL for the requests on the killed worker; others fail for reasons of their own)."""
+    kills = sorted(k["at_s"] for k in result["kills"])
+    delays: dict[str, list[float]] = {}
+    for r in result["requests"]:
+        if r["kind"] in (OK, ABORTED, "wrong tokens") or r.get("finished_at_s") is None:
+            continue
+        before = [k for k in kills if k <= r["finished_at_s"]]
+        delays.setdefault(r["kind"], []).append(r["finished_at_s"] - before[-1] if before else float("inf"))
+    if not delays:
+        return []
+    parts = [f"{kind}: {len(ds)} ({', '.join(f'{d:.1f}' for d in sorted(ds)[:12])}{' …' if len(ds) > 12 else ''} s)"
+             for kind, ds in sorted(delays.items())]
+    return ["", "Failed requests by kind, with the time from the latest kill to each failure, shortest first: "
+                + "; ".join(parts) + " (inf: before the first kill)."]
