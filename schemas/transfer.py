@@ -31,8 +31,8 @@ KV_BITS = (2, 4)  # quantized transfer's code widths
 DEFAULT_KV_BITS = 2
 PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
 # ... whose keys travel in 8 bits whatever kv_bits says: a key quantized per token loses its outlier channels
-# (SmolLM2, 2K prompts, dense: first-step KL 0.017–0.07 with 4-bit keys, 0.004–0.011 with 8-bit keys and
-# 4-bit values; KIVI and KVQuant find the same)
+# (SmolLM2, 2K prompts, dense, tools/bench/push_codes_fidelity.py: first-step KL 0.017–0.07 with 4-bit keys,
+# 0.004–0.011 with 8-bit keys and 4-bit values; KIVI and KVQuant find the same)
 PUSH_KEY_BITS = 8
 # A model worker refusing a request because all its request slots (max_active_requests) are taken starts its
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
