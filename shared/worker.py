@@ -30,7 +30,7 @@ log = structlog.get_logger()
 # NOTE: a switch of the process's environment, not a config field: no deployment should carry it, and
 # without it `POST /fault` does not exist (404).
 FAULT_INJECTION_ENV = "SMARTGEN_FAULT_INJECTION"
-FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "clear")
+FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "slow_prefill", "clear")
 
 
 class ModelWorkerService(Service):
@@ -134,6 +134,7 @@ class ModelWorkerService(Service):
           {"kind": "cut_links"}                       drop every data-plane connection now (later ones redial)
           {"kind": "refuse_tickets", "on": true}      refuse every incoming push and read, as for an unknown ticket
           {"kind": "delay", "delay_s": X}             hold every data frame sent X seconds (0 = off)
+          {"kind": "slow_prefill", "delay_s": X}      a prefill worker holds each prompt X seconds before computing it
           {"kind": "clear"}                           undo the switches above"""
         try:
             body = await request.json()
@@ -152,8 +153,10 @@ class ModelWorkerService(Service):
                 faults.refuse_tickets = bool(body.get("on", True))
             elif kind == "delay":
                 faults.delay_s = max(0.0, float(body["delay_s"]))
+            elif kind == "slow_prefill":
+                faults.prefill_delay_s = max(0.0, float(body["delay_s"]))
             elif kind == "clear":
-                faults.corrupt_frames, faults.refuse_tickets, faults.delay_s = 0, False, 0.0
+                faults.corrupt_frames, faults.refuse_tickets, faults.delay_s, faults.prefill_delay_s = 0, False, 0.0, 0.0
             else:
                 cut = self.dataplane.cut_links()
         except (ValueError, KeyError, TypeError):

@@ -85,9 +85,10 @@ def markdown(result: dict) -> str:
                            for name, m in result["memory"].items()])]
     growth = memory_growth(result.get("memory_timeline") or [], cfg["duration_s"])
     if growth:
-        lines += ["", f"Total RSS after the warm-up: +{growth[0]:.1f} MiB in the first half of the rest of the run, "
-                      f"+{growth[1]:.1f} MiB in the second (a leak grows alike in both; warm-up and allocator "
-                      "settling shrink)."]
+        lines += ["", f"Total RSS after the warm-up: {growth[0]:+.1f} MiB in the first half of the rest of the run, "
+                      f"{growth[1]:+.1f} MiB in the second (a leak grows alike in both; warm-up and allocator "
+                      "settling shrink" + ("; under chaos a killed worker's RSS leaves the total and its "
+                                            "replacement's is not counted)." if result.get("kills") else ").")]
     if result.get("kills"):
         backs = [k["back_after_s"] for k in result["kills"]]
         lines += ["", f"Chaos: {len(backs)} decode workers killed (SIGKILL) at "

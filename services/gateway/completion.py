@@ -245,12 +245,15 @@ class CompletionRun:
         job = self.job
         assert self.prefill
         sends_metadata = mode_of(self.mode).aux is Aux.METADATA
+        # NOTE: under `fail` the decode worker holding the reservation is watched too: if it dies while the prompt
+        # waits or runs, the client is told within the heartbeat TTL, not when `generate` finds it gone
+        watched = [self.decode] if job.failure_policy == "fail" and self.decode else []
         try:
             return await self._wait(
                 call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                      Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
                              self.selector if sends_metadata else "", job.kv_bits),
-                     PrefillDone, self.timeout_s), self.prefill, "the prefill")
+                     PrefillDone, self.timeout_s), self.prefill, "the prefill", watched)
         except (RequestFailed, RemoteError) as exc:
             # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
             if job.failure_policy != "recompute" or getattr(exc, "code", "") in ("bad_request", "overloaded"):

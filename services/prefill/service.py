@@ -123,6 +123,8 @@ class PrefillService(ModelWorkerService):
             first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
             return first, time.perf_counter() - started
 
+        if self.dataplane is not None and self.dataplane.faults.prefill_delay_s:  # fault injection (tests)
+            await asyncio.sleep(self.dataplane.faults.prefill_delay_s)
         try:
             first, prefill_s = await self.in_torch(run)
         except BaseException:

@@ -51,6 +51,7 @@ class Faults:
     corrupt_frames: int = 0  # flip a byte in the payload of the next N data frames this process sends
     refuse_tickets: bool = False  # refuse every incoming push and read as if its ticket were unknown
     delay_s: float = 0.0  # hold every data frame this process sends this long before sending it
+    prefill_delay_s: float = 0.0  # a prefill worker holds each prompt this long before computing it (alive, busy)
 
     def maybe_corrupt(self, payload: list[memoryview]) -> list[memoryview]:
         """`payload`, or a corrupted copy of it if a corruption is due (the region itself is never touched)."""
@@ -62,7 +63,8 @@ class Faults:
         return [memoryview(first), *payload[1:]]
 
     def summary(self) -> dict[str, object]:
-        return {"corrupt_frames": self.corrupt_frames, "refuse_tickets": self.refuse_tickets, "delay_s": self.delay_s}
+        return {"corrupt_frames": self.corrupt_frames, "refuse_tickets": self.refuse_tickets, "delay_s": self.delay_s,
+                "prefill_delay_s": self.prefill_delay_s}
 
 
 def check_within(segments: Sequence["Segment"], region_len: int, side: str) -> None:

@@ -123,3 +123,41 @@ def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_repla
         assert final["resumed_from"] == [reserved["id"]] and final["recomputed"]
         assert final["decode_worker_id"] != reserved["id"]
         assert_no_leaks(stack)
+
+
+def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny_model_path, tmp_path):
+    """failure_policy `fail`: the decode worker holding the reservation dies while the prompt is still being
+    prefilled (held 20 s by fault injection, the prefill alive and heartbeating): the client's error names it
+    within the heartbeat TTL, not after the prefill, and the prefill's KV is freed."""
+    import threading
+
+    from tests.integration.conftest import assert_no_leaks, post_json
+    from tests.integration.test_faults import admin_post
+
+    spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
+                          "SMARTGEN_FAULT_INJECTION": "1"})
+    with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
+        url = stack.gateway_url
+        workers = get_json(url + "/workers")["workers"]
+        prefill = next(w for w in workers if w["role"] == "prefill")
+        decodes = [w for w in workers if w["role"] == "decode"]
+        admin_post(stack, prefill, "/fault", {"kind": "slow_prefill", "delay_s": 20})
+        body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 0, "transfer_mode": "full"}
+        answer: dict = {}
+        asking = threading.Thread(target=lambda: answer.update(
+            zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
+        asking.start()
+        deadline, reserved = time.monotonic() + 10, None
+        while reserved is None and time.monotonic() < deadline:
+            reserved = next((w for w in decodes if get_json(w["admin_url"] + "/stats")["active_requests"]), None)
+            time.sleep(0.05)
+        assert reserved is not None, "no decode worker reserved the request's KV"
+        os.kill(reserved["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        asking.join(30)
+        told_after = time.monotonic() - killed_at
+        assert answer.get("status") == 502 and reserved["id"] in answer["body"]["error"]["message"], answer
+        assert told_after < 6, told_after  # the TTL is 2 s; the prefill still had ~20 s to go
+        admin_post(stack, prefill, "/fault", {"kind": "clear"})
+        assert_no_leaks(stack)
