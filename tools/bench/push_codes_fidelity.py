@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     widths = [tuple(int(b) for b in w.split("/")) for w in args.widths]
-    print(f"| task | prompt tokens | " + " | ".join(f"K{k or '16'}/V{v or '16'}: KL step 1, equal prefix" for k, v in widths) + " |")
+    print("| task | prompt tokens | " + " | ".join(f"K{k or '16'}/V{v or '16'}: KL step 1, equal prefix" for k, v in widths) + " |")
     print("|---|---|" + "---|" * len(widths))
     for task in DEFAULT_TASKS:
         samples = workloads.TASKS[task](tokenizer, 1, args.prompt_tokens)
