@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nats
@@ -44,6 +46,25 @@ def complete(stack: Stack, **body) -> dict:
                               {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, **body}, timeout=120)
     assert status == 200, reply
     return {**reply["smartgen"], "id": reply["id"]}
+
+
+@contextmanager
+def paced_to_ratio(stack: Stack, ratio: float) -> Iterator[None]:
+    """Inside: the prefill's link paced so that the whole KV takes `ratio` × the prefill's own time (measured on
+    PROMPT first), then back to LINK_GBPS."""
+    from tests.integration.test_faults import admin_post, worker
+
+    prefill = worker(stack, "prefill")
+    complete(stack, transfer_mode="full")  # so the prefill has measured its rate on this prompt
+    rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
+    kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
+    admin_post(stack, prefill, "/link", {"gbps": kv_bits_per_token * rate / ratio / 1e9})
+    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    try:
+        yield
+    finally:
+        admin_post(stack, prefill, "/link", {"gbps": LINK_GBPS})
+        time.sleep(1.5)
 
 
 @pytest.mark.parametrize("selector", ["quest", "oracle"])
@@ -95,20 +116,9 @@ def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     of 16 bf16 channels are 64 bytes, 32 with 4-bit values and 8-bit keys), so on a link where the exact push has room for part of
     what step 1 selects (R ≈ 2), the low-bit push carries all of it; reads stay exact; the bytes are counted as
     records; a width other than 4 or 8 is refused."""
-    from tests.integration.test_faults import admin_post, worker
-
-    prefill = worker(paced, "prefill")
-    complete(paced, transfer_mode="full")  # so the prefill has measured its rate on this prompt
-    rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
-    kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
-    admin_post(paced, prefill, "/link", {"gbps": kv_bits_per_token * rate / 2 / 1e9})
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
-    try:
+    with paced_to_ratio(paced, 2.0):
         body = dict(transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
         exact, low, eight = complete(paced, **body), complete(paced, **body, kv_bits=4), complete(paced, **body, kv_bits=8)
-    finally:
-        admin_post(paced, prefill, "/link", {"gbps": LINK_GBPS})
-        time.sleep(1.5)
     assert low["kv_bits"] == 4 and "4-bit push" in low["plan"]["reason"] and exact["kv_bits"] is None
     assert exact["plan"]["query_tokens"] < low["plan"]["query_tokens"], (exact["plan"], low["plan"])
     assert low["kv_bytes"]["proactive"] % 32 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
@@ -236,24 +246,13 @@ def test_the_query_aware_push_is_exact_and_counted(paced):
     entries its own last-position query selects: the plan says how many per KV head, they arrive as proactive
     bytes before step 1 (decode waits for exactly what was pushed), and the tokens stay those of all-local
     selective attention. (Whether step 1 finds them useful depends on real attention: test_real_model.py.)"""
-    from tests.integration.test_faults import admin_post, worker
-
-    prefill = worker(paced, "prefill")
-    complete(paced, transfer_mode="full")  # so the prefill has measured its rate on this prompt
-    rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
-    kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
     # R ≈ 1.2: layers 0–1 (25% of the KV) fit behind the prefill with room for the query-aware push, even if the
     # prefill runs twice as fast or slow as it just did
-    admin_post(paced, prefill, "/link", {"gbps": kv_bits_per_token * rate / 1.2 / 1e9})
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
-    try:
+    with paced_to_ratio(paced, 1.2):
         reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)
         by_query = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
         by_profile = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1,
                               ablate=["background", "query"])
-    finally:
-        admin_post(paced, prefill, "/link", {"gbps": LINK_GBPS})
-        time.sleep(1.5)
     assert by_query["token_ids"] == by_profile["token_ids"] == reference["token_ids"]
     assert by_query["plan"]["query_tokens"] > 0 and by_profile["plan"]["query_tokens"] == 0
     assert by_query["kv_bytes"]["proactive"] > 0 and by_query["step_local_share"][0] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from tools.client import open_stream
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
-from tests.integration.conftest import get_json
+from tests.integration.conftest import get_json, post_json
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
     """failure_policy `recompute`, two decode workers, kill -9 of the one streaming: the client sees one
     continuous stream with every token, the same greedy tokens as colocated decoding, and the response names
     the worker it lost; nothing stays held on the workers left."""
-    from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, post_json
+    from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
@@ -88,9 +89,7 @@ def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_repla
     """failure_policy `recompute`: the decode worker that reserved the request's KV dies while the prefill runs
     (the prefill is held with SIGSTOP so the kill lands there), so nobody answers `generate`; the request starts
     over on the other decode worker, colocated, with colocated's greedy tokens, and nothing is left held."""
-    import threading
-
-    from tests.integration.conftest import assert_no_leaks, post_json
+    from tests.integration.conftest import assert_no_leaks
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2"})
@@ -102,17 +101,10 @@ def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_repla
         workers = get_json(url + "/workers")["workers"]
         prefill = next(w for w in workers if w["role"] == "prefill")
         decodes = [w for w in workers if w["role"] == "decode"]
-        answer: dict = {}
         os.kill(prefill["pid"], signal.SIGSTOP)
         try:
-            asking = threading.Thread(target=lambda: answer.update(
-                zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
-            asking.start()
-            deadline, reserved = time.monotonic() + 10, None
-            while reserved is None and time.monotonic() < deadline:
-                reserved = next((w for w in decodes if get_json(w["admin_url"] + "/stats")["active_requests"]), None)
-                time.sleep(0.05)
-            assert reserved is not None, "no decode worker reserved the request's KV"
+            asking, answer = ask_in_background(url, body)
+            reserved = decode_holding_a_reservation(decodes)
             os.kill(reserved["pid"], signal.SIGKILL)
         finally:
             os.kill(prefill["pid"], signal.SIGCONT)
@@ -129,9 +121,7 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
     """failure_policy `fail`: the decode worker holding the reservation dies while the prompt is still being
     prefilled (held 20 s by fault injection, the prefill alive and heartbeating): the client's error names it
     within the heartbeat TTL, not after the prefill, and the prefill's KV is freed."""
-    import threading
-
-    from tests.integration.conftest import assert_no_leaks, post_json
+    from tests.integration.conftest import assert_no_leaks
     from tests.integration.test_faults import admin_post
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
@@ -144,15 +134,8 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
         decodes = [w for w in workers if w["role"] == "decode"]
         admin_post(stack, prefill, "/fault", {"kind": "slow_prefill", "delay_s": 20})
         body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 0, "transfer_mode": "full"}
-        answer: dict = {}
-        asking = threading.Thread(target=lambda: answer.update(
-            zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
-        asking.start()
-        deadline, reserved = time.monotonic() + 10, None
-        while reserved is None and time.monotonic() < deadline:
-            reserved = next((w for w in decodes if get_json(w["admin_url"] + "/stats")["active_requests"]), None)
-            time.sleep(0.05)
-        assert reserved is not None, "no decode worker reserved the request's KV"
+        asking, answer = ask_in_background(url, body)
+        reserved = decode_holding_a_reservation(decodes)
         os.kill(reserved["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         asking.join(30)
@@ -161,3 +144,24 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
         assert told_after < 6, told_after  # the TTL is 2 s; the prefill still had ~20 s to go
         admin_post(stack, prefill, "/fault", {"kind": "clear"})
         assert_no_leaks(stack)
+
+
+def ask_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """POST a completion from a thread; the dict gets its `status` and `body` when it answers."""
+    answer: dict = {}
+    asking = threading.Thread(target=lambda: answer.update(
+        zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
+    asking.start()
+    return asking, answer
+
+
+def decode_holding_a_reservation(decodes: list[dict], timeout_s: float = 10) -> dict:
+    """The decode worker (of `decodes`, from /workers) that has opened a request, asked of each directly."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for w in decodes:
+            if get_json(w["admin_url"] + "/stats")["active_requests"]:
+                return w
+        time.sleep(0.05)
+    raise AssertionError("no decode worker reserved the request's KV")
+
