@@ -27,8 +27,8 @@ from tools.eval.metrics import task_score
 
 DEFAULT_MODES = ("colocated", "full", "quantized", "quantized-4bit", "colocated-selective", "partial", "smartgen")
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
-SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-no-proactive", "smartgen-no-parallel",
-             "smartgen-no-background", "auto")
+SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-4bit", "smartgen-8bit", "smartgen-no-proactive",
+             "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query", "auto")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
