@@ -113,6 +113,10 @@ class TransferMode:
             return f"{self.name} transfer pushes its proactive KV in kv_bits {' or '.join(map(str, self.push_bits))}"
         return ""
 
+    def push_width(self, kv_bits: int) -> int:
+        """The code width of this mode's low-bit push for a request asking `kv_bits` (0: its push is exact)."""
+        return kv_bits if self.push_bits else 0
+
     def may_run_as(self, resolved: str) -> bool:
         """Whether KV reserved for this mode may serve a request that runs as `resolved` (auto: its choices)."""
         return resolved == self.name or resolved in self.resolves_to
@@ -276,6 +280,17 @@ def entry_record_bytes(head_dim: int, bits: int) -> int:
     return head_dim * PUSH_KEY_BITS // 8 + head_dim * bits // 8 + 2 * 2 * 2
 
 
+def wire_entry_bytes(layout: KvLayout, bits: int = 0) -> int:
+    """One (layer, KV head, token) entry's K and V on the wire: exact, or as a record of `bits`-bit codes."""
+    return entry_record_bytes(layout.head_dim, bits) if bits else layout.token_bytes // (layout.num_layers * layout.num_kv_heads)
+
+
+def pushed_aux_bytes(layout: KvLayout, num_tokens: int, aux_bytes: int, bits: int = 0) -> int:
+    """The part of an aux area of `aux_bytes` the prefill fills whole: all of it but the codes region of the
+    low-bit push (room for every entry; only the pushed records move, and count as proactive)."""
+    return aux_bytes - entry_region_bytes(layout, num_tokens, bits) if aux_bytes else 0
+
+
 def entry_region_bytes(layout: KvLayout, num_tokens: int, bits: int) -> int:
     """The aux bytes a request reserves for its pushed entries' codes: room for every entry of every layer."""
     return layout.num_layers * layout.num_kv_heads * num_tokens * entry_record_bytes(layout.head_dim, bits) if bits else 0
@@ -287,17 +302,14 @@ def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout
     the `query_entries` (layer, KV head, token) entries its query-aware push picked (K and V each). With
     `push_bits` (smartgen's low-bit push) the rows and entries travel as codes instead, and only the metadata
     part of the aux area moves whole. The decode worker starts decoding once exactly this many bytes have landed."""
-    layer_token_bytes = layout.token_bytes // layout.num_layers  # one token's K and V in one layer
     rows = sum(stop - start for runs in pushed_runs(mode, plan, layout, num_tokens) for start, stop in runs)
-    entry_bytes = layer_token_bytes // layout.num_kv_heads  # one token's K and V in one KV head
-    aux = aux_bytes if mode.aux is not Aux.NONE else 0
-    if push_bits:
-        entries = rows * layout.num_kv_heads + query_entries
-        return aux - entry_region_bytes(layout, num_tokens, push_bits) + entries * entry_record_bytes(layout.head_dim, push_bits)
-    return aux + rows * layer_token_bytes + query_entries * entry_bytes
+    aux = pushed_aux_bytes(layout, num_tokens, aux_bytes, push_bits) if mode.aux is not Aux.NONE else 0
+    entries = rows * layout.num_kv_heads + query_entries
+    return aux + entries * wire_entry_bytes(layout, push_bits)
 
 
-__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KEY_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
+__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KEY_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "pushed_aux_bytes",
+           "wire_entry_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",
            "bitmap_bytes", "budget_tokens",

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import (DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, entry_record_bytes, entry_region_bytes,
-                     mode_of, num_pages as pages_of, pack_bits)
+from schemas import (DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits,
+                     pushed_aux_bytes, wire_entry_bytes)
 from schemas.transfer import Push
 from shared.profiles import page_importance
 
@@ -75,10 +75,10 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])
 
-    bits = req.kv_bits if spec.push_bits else 0  # smartgen's low-bit push: entries travel as codes
-    block_bytes = lay.page_tokens * lay.num_kv_heads * entry_bytes(req, bits)  # one layer's K and V of one page
+    bits = spec.push_width(req.kv_bits)  # smartgen's low-bit push: entries travel as codes
+    block_bytes = lay.page_tokens * lay.num_kv_heads * wire_entry_bytes(lay, bits)  # one layer's K and V of one page
     t_prefill = req.num_tokens / link.prefill_tokens_per_s
-    metadata_bytes = req.aux_bytes - entry_region_bytes(lay, req.num_tokens, bits)  # the codes region is room only
+    metadata_bytes = pushed_aux_bytes(lay, req.num_tokens, req.aux_bytes, bits)  # the codes region is room only
     fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - metadata_bytes)
     budget = min(num_blocks, int(fits // block_bytes))
     if not spec.orders_by_profile:  # partial, the baseline: the prompt's first pages (every layer), in memory order
@@ -115,16 +115,10 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     return PlannedTransfer(plan, queue)
 
 
-def entry_bytes(req: OpenPlan, bits: int = 0) -> int:
-    """Bytes one (layer, KV head, token) entry's K and V cost on the wire: exact, or as `bits`-bit codes."""
-    lay = req.layout
-    return entry_record_bytes(lay.head_dim, bits) if bits else lay.token_bytes // (lay.num_layers * lay.num_kv_heads)
-
-
 def query_entry_bytes(req: OpenPlan, bits: int = 0) -> int:
     """Bytes one token per KV head costs in the query-aware push: its K and V in every layer ≥ DENSE_LAYERS."""
     lay = req.layout
-    return (lay.num_layers - DENSE_LAYERS) * lay.num_kv_heads * entry_bytes(req, bits)
+    return (lay.num_layers - DENSE_LAYERS) * lay.num_kv_heads * wire_entry_bytes(lay, bits)
 
 
 def query_push_tokens(req: OpenPlan, budget_bytes: float, bits: int = 0) -> int:

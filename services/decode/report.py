@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas import (DENSE_LAYERS, Generate, KvLayout, SelectionStats, TokenEvent, entry_record_bytes, entry_region_bytes,
-                     mode_of)
+from schemas import (DENSE_LAYERS, Generate, KvLayout, SelectionStats, TokenEvent, mode_of, pushed_aux_bytes,
+                     wire_entry_bytes)
 from schemas.transfer import Aux
 from shared.compute.modeling import ModelRunner
 from shared.compute.selective import Selection
@@ -13,12 +13,10 @@ from shared.profiles import NUM_BLOCKS, tokens_per_block
 from services.decode.request import DecodeRequest
 
 
-def pushed_aux_bytes(state: DecodeRequest, req: Generate, layout: KvLayout) -> int:
-    """The part of the slab's aux area that the prefill fills whole: all of it, but for the codes region of
-    smartgen's low-bit push (room for every entry; only the pushed records move, counted as proactive)."""
-    aux = state.slab.aux_bytes if state.slab else 0
-    bits = req.kv_bits if mode_of(req.transfer_mode).push_bits else 0
-    return aux - entry_region_bytes(layout, len(req.token_ids), bits) if aux else 0
+def _metadata_bytes(state: DecodeRequest, req: Generate, layout: KvLayout) -> int:
+    """What of the slab's aux area the prefill filled whole (transfer.pushed_aux_bytes)."""
+    bits = mode_of(req.transfer_mode).push_width(req.kv_bits)
+    return pushed_aux_bytes(layout, len(req.token_ids), state.slab.aux_bytes if state.slab else 0, bits)
 
 
 def final_event(state: DecodeRequest, req: Generate, selection: Selection | None, index: int, reason: str,
@@ -27,7 +25,7 @@ def final_event(state: DecodeRequest, req: Generate, selection: Selection | None
     landed = state.grant.bytes_landed if state.grant else 0
     mode, remote = mode_of(req.transfer_mode), state.remote
     if mode.keeps_source:
-        aux = pushed_aux_bytes(state, req, layout)
+        aux = _metadata_bytes(state, req, layout)
         kv_bytes = {mode.aux_path: min(aux, landed), mode.rows_path: max(0, landed - aux),
                     "on_demand": remote.bytes_on_demand if remote else 0,
                     "background": remote.bytes_background if remote else 0}
@@ -53,11 +51,9 @@ def step1_kv_bytes(state: DecodeRequest, req: Generate, layout: KvLayout, select
     if not mode.is_disaggregated or state.recompute_reason:
         return 0
     if mode.keeps_source and selection is not None:
-        # K and V of one token in one layer and KV head, on the wire: exact, or a record of smartgen's low-bit push
-        entry_bytes = entry_record_bytes(layout.head_dim, req.kv_bits) if req.kv_bits and mode.push_bits else \
-            layout.token_bytes // (layout.num_layers * layout.num_kv_heads)
+        entry_bytes = wire_entry_bytes(layout, mode.push_width(req.kv_bits))  # exact, or a low-bit push's record
         dense_entries = DENSE_LAYERS * n * layout.num_kv_heads
-        return pushed_aux_bytes(state, req, layout) + (dense_entries + selection.num_selected) * entry_bytes
+        return _metadata_bytes(state, req, layout) + (dense_entries + selection.num_selected) * entry_bytes
     return state.expected_bytes
 
 

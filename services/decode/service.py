@@ -430,7 +430,7 @@ class DecodeService(ModelWorkerService):
         assert self.store and state.slab is not None
         mode = mode_of(req.transfer_mode)
         return pushed_bytes(mode, req.plan, self.store.layout, state.num_tokens, state.slab.aux_bytes,
-                            req.query_entries, req.kv_bits if mode.push_bits else 0)
+                            req.query_entries, mode.push_width(req.kv_bits))
 
     def _problem(self, state: DecodeRequest, req: Generate) -> str:
         """Why `generate` cannot run this request as asked ("" if it can)."""
