@@ -9,6 +9,9 @@ class DecodeConfig(ModelWorkerConfig):
     kv_timeout_s: float = 120.0  # how long `generate` waits for the KV to land before failing the request
     open_timeout_s: float = 60.0  # pages reserved by `open` are freed if `generate` does not follow by then
     max_batch: int = 32  # continuous batching: at most this many running requests step in one forward
+    # a request's tokens do not depend on what else steps with it (each row projected as if alone; costs
+    # throughput at B ≥ 2, README "Batch invariance"); false: faster batches whose rounding depends on the batch
+    batch_invariant: bool = True
     # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below

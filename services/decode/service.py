@@ -90,6 +90,7 @@ class DecodeService(ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
+        self.runner.batch_invariant = self.config.batch_invariant
         self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path),
                                           self.config.floor)
         self.batcher = StepBatcher(self.engine, self.in_torch, self.config.max_batch)
@@ -520,6 +521,7 @@ class DecodeService(ModelWorkerService):
     def stats(self) -> dict[str, Any]:
         batcher = self.batcher
         return {**super().stats(), "batching": {"max_batch": self.config.max_batch,
+                                                "batch_invariant": self.config.batch_invariant,
                                                 "batches": batcher.num_batches if batcher else 0,
                                                 "mean_batch": round(batcher.mean_batch, 2) if batcher else 0.0,
                                                 "last_batch": batcher.last_batch if batcher else 0}}

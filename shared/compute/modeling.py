@@ -47,6 +47,13 @@ class ModelRunner:
         self.max_positions = self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
         _pad_small_batches(self.model.get_output_embeddings())
+        # a decode step's rows are projected one by one (see _one_row_at_a_time); False: one shared matmul, faster
+        # at B ≥ 2 but a row's rounding then depends on its batch
+        self.batch_invariant = True
+        for layer in self.model.get_decoder().layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    _one_row_at_a_time(module, self)
 
     def token_problem(self, token_ids: list[int]) -> str:
         """Why these prompt ids cannot run on this model ("" if they can): empty, too long, or outside the vocabulary."""
@@ -122,6 +129,25 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=unused_mask,
                          cache=BatchCache(self.config, list(caches)), use_cache=True)
         return out.logits[:, -1]
+
+
+def _one_row_at_a_time(linear: torch.nn.Linear, runner: ModelRunner) -> None:
+    """Batch invariance: in a decode step (x of shape (B, 1, in), one position per row) every row is projected as
+    if it were alone. CPU BLAS multiplies 1, 2–3 and ≥ 4 rows with different kernels, which sum in different
+    orders; a row's rounding then depended on how many requests shared its step, and that flipped a Quest
+    selection and a greedy token (docs/results/chaos). A batched matmul of B one-row products gives each row the
+    one-row result, bit for bit, whatever B. Cost: none alone; the weights are read once per row, so a batch
+    steps slower than with one shared matmul (SmolLM2, 512 tokens, one thread: +16% at B = 4, +26% at B = 8;
+    README, "Batch invariance"). Prefill (one row of N positions) keeps the plain matmul. The vocabulary
+    projection stays shared: its rounding reaches no later state, only the last bits of the logits."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not runner.batch_invariant or x.dim() != 3 or x.shape[1] != 1:
+            return torch.nn.functional.linear(x, linear.weight, linear.bias)
+        rows = x.shape[0]
+        out = torch.bmm(x, linear.weight.t().unsqueeze(0).expand(rows, -1, -1))  # (B, 1, in) @ (B, in, out)
+        return out if linear.bias is None else out + linear.bias
+
+    linear.forward = forward
 
 
 def _pad_small_batches(head: torch.nn.Module) -> None:

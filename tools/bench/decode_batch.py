@@ -1,6 +1,8 @@
 """`smartgen bench decode-batch`: what continuous batching buys one decode worker, without prefill or network
 sharing its cores: the step time of B requests stepped together (DecodeEngine.step_batch) and the tokens per
-second that gives, B = 1, 2, 4, 8, dense and with a selector.
+second that gives, B = 1, 2, 4, 8, dense and with a selector; each step timed both batch-invariant (every row
+projected as if alone, the decode worker's default) and with one shared matmul (`batch_invariant: false`),
+alternately, so the two columns are measured side by side.
 
 Each request has its own slab with the same context length (its own copy of one prefilled prompt).
 """
@@ -48,33 +50,41 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
     runner = ModelRunner(path)
     largest = max(batches)
     layout = runner.kv_layout(16, "bfloat16")
-    store = KvStore.with_capacity_mb(layout, (largest + 1) * (context + steps + 16) * layout.token_bytes // 2**20 + 1)
+    store = KvStore.with_capacity_mb(layout, (largest + 1) * (context + 2 * steps * len(batches) + 16) * layout.token_bytes // 2**20 + 1)
     engine = DecodeEngine(runner, store, default_prep_dir(path))
     text = "\n".join(p.read_text(errors="replace") for p in stdlib_files(40_000)[:3])
     ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][:context]
     rows = {}
     for name in ("dense", selector) if selector else ("dense",):
         for b in range(largest):
-            engine.prefill_local(f"r{b}", ids, _greedy(), max_new_tokens=steps * len(batches) + 1)
+            engine.prefill_local(f"r{b}", ids, _greedy(), max_new_tokens=2 * steps * len(batches) + 1)
             if name != "dense":
                 engine.use_selection(f"r{b}", name, DEFAULT_KV_BUDGET)
         for size in batches:
-            times = []
+            times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(steps):
-                started = time.perf_counter()
-                engine.step_batch([(f"r{b}", ids[-1]) for b in range(size)])
-                times.append(time.perf_counter() - started)
-            ms = statistics.median(times[2:]) * 1e3
-            rows[f"{name}@{size}"] = {"selector": name, "batch": size, "step_ms": ms, "tokens_per_s": size / ms * 1e3}
+                for invariant in (True, False):
+                    runner.batch_invariant = invariant
+                    started = time.perf_counter()
+                    engine.step_batch([(f"r{b}", ids[-1]) for b in range(size)])
+                    times[invariant].append(time.perf_counter() - started)
+            invariant_ms, shared_ms = (statistics.median(times[v][2:]) * 1e3 for v in (True, False))
+            rows[f"{name}@{size}"] = {"selector": name, "batch": size, "step_ms": invariant_ms,
+                                      "tokens_per_s": size / invariant_ms * 1e3, "shared_step_ms": shared_ms,
+                                      "shared_tokens_per_s": size / shared_ms * 1e3}
         for b in range(largest):
             engine.end(f"r{b}")
     base = {r["selector"]: r for r in rows.values() if r["batch"] == batches[0]}
     print(f"context {context} tokens, {runner.name}; ratios against batch {batches[0]}")
-    print("| selector | batch | ms/step | tokens/s | tokens/s ratio | step-time ratio |\n|---|---|---|---|---|---|")
+    print("batch-invariant (the default) | shared matmul (batch_invariant: false)")
+    print("| selector | batch | ms/step | tokens/s | tokens/s ratio | step-time ratio | ms/step shared | "
+          "tokens/s shared | tokens/s ratio shared |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows.values():
         b = base[r["selector"]]
         print(f"| {r['selector']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
-              f"{r['tokens_per_s'] / b['tokens_per_s']:.2f} | {r['step_ms'] / b['step_ms']:.2f} |")
+              f"{r['tokens_per_s'] / b['tokens_per_s']:.2f} | {r['step_ms'] / b['step_ms']:.2f} | "
+              f"{r['shared_step_ms']:.1f} | {r['shared_tokens_per_s']:.1f} | "
+              f"{r['shared_tokens_per_s'] / b['shared_tokens_per_s']:.2f} |")
     report = {"context": context, "rows": list(rows.values())}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
