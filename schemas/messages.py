@@ -138,6 +138,7 @@ class TransferPlan:
     # smartgen's query-aware push: per KV head of each layer ≥ 2, how many tokens the prefill selects with that
     # layer's last-position query and pushes (beyond `push_blocks`); 0 = none
     query_tokens: int = 0
+    query_stop_layer: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1 (the last ones' would come too late)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,15 @@
 """What a request's transfer plan says: which mode (for `auto`), which blocks the prefill pushes while it
 computes, and in what order the rest follows. Pure arithmetic over the profile; no I/O.
 
-The budget (path 1, docs/architecture.md "The three transfer paths"): pushes may take as long as the prefill itself, so
-    bytes that fit = link rate × T_prefill,   T_prefill = N / measured prefill rate,
-i.e. n_push ≈ N_blocks · T_prefill / T_full. The selector metadata is pushed first (decode cannot select
-without it), then layers 0–1 in full (they stay dense), then, per layer, the tokens the prompt's own last
-query selects (`query_tokens` per KV head: what step 1 will attend to, as far as the budget allows), then
-profile blocks in importance order with what is left.
+The budget (path 1, docs/architecture.md "The three transfer paths") is a schedule, not a byte count
+(`PushSchedule`): layer l's pushes can leave only once the prefill has stored layer l, and they leave in layer
+order, so the last layers' bytes are what decode would wait for after the prefill. A plan is accepted only if
+the link, at the rate the broker measured, carries all of it by the end of the prefill (plus the last layer's
+metadata, which cannot leave earlier). In that order: the selector metadata (decode cannot select without
+it), layers 0–1 in full (they stay dense), per layer the tokens the prompt's own last query selects
+(`query_tokens` per KV head, up to `query_stop_layer`: what step 1 will attend to), then profile blocks in
+importance order, each where its layer still has room. Roughly n_push ≈ N_blocks · T_prefill / T_full, less
+the last layers'.
 """
 from __future__ import annotations
 
@@ -20,10 +23,9 @@ from schemas.transfer import Push
 from shared.profiles import page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
-# NOTE: the push may fill this share of the link time the prefill takes, not all of it: the last layer's blocks
-# exist only when the prefill ends, and decode waits for every pushed byte before its first step (measured on a
-# paced link: a full budget left 1–3 s of pushes after a 10 s prefill)
-PUSH_MARGIN = 0.8
+# NOTE: the schedule assumes the prefill takes this share of its estimated time, against a prefill faster than
+# the measured rate (decode waits for every pushed byte before its first step, so a late push costs TTST)
+PUSH_MARGIN = 0.9
 # The query-aware push selects this many times step 1's budget: the last prompt position and the first decoded
 # one pick largely, not exactly, the same entries. Measured on SmolLM2 with quest at 10% under the default floor
 # (`python -m tools.bench.query_overlap`), the share of step 1's selection inside the push, 1.1K (2.1K) tokens:
@@ -42,6 +44,30 @@ class LinkEstimate:
 class PlannedTransfer:
     plan: TransferPlan
     queue: list[int]  # the speculative queue: blocks (flat layer·num_pages + page) not pushed, most important first
+
+
+class PushSchedule:
+    """The push as the link carries it: layer l's bytes can leave at avail_l = (l + 1)/L · T_prefill (when the
+    prefill has stored it) and go out in layer order, one after another at `bytes_per_s`. All of it is out by
+    T_prefill + `tail_s` iff for every l the bytes of layers l… fit in bytes_per_s · (T_prefill + tail_s −
+    avail_l) (a single queue: the last byte leaves at max over l of avail_l + (bytes of layers l…) / rate).
+    `room[l]` is what that suffix bound still allows."""
+
+    def __init__(self, num_layers: int, t_prefill: float, bytes_per_s: float, tail_s: float):
+        self.room = [bytes_per_s * (t_prefill * (num_layers - 1 - layer) / num_layers + tail_s)
+                     for layer in range(num_layers)]
+
+    def fits(self, layer: int, num_bytes: float) -> bool:
+        """Can `layer` push `num_bytes` more and still be out in time (every suffix that holds it has room)?"""
+        return min(self.room[: layer + 1]) >= num_bytes
+
+    def per_layer(self, first: int, stop: int) -> float:
+        """The most bytes each of layers first … stop − 1 can add alike."""
+        return max(0.0, min(room / (stop - max(suffix, first)) for suffix, room in enumerate(self.room[:stop])))
+
+    def add(self, layer: int, num_bytes: float) -> None:
+        for suffix in range(layer + 1):
+            self.room[suffix] -= num_bytes
 
 
 def transfer_seconds(num_bytes: float, gbps: float) -> float:
@@ -77,60 +103,80 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
 
     bits = spec.push_width(req.kv_bits)  # smartgen's low-bit push: entries travel as codes
     block_bytes = lay.page_tokens * lay.num_kv_heads * wire_entry_bytes(lay, bits)  # one layer's K and V of one page
-    t_prefill = req.num_tokens / link.prefill_tokens_per_s
+    t_prefill = PUSH_MARGIN * req.num_tokens / link.prefill_tokens_per_s
+    bytes_per_s = link.gbps * 1e9 / 8
     metadata_bytes = pushed_aux_bytes(lay, req.num_tokens, req.aux_bytes, bits)  # the codes region is room only
-    fits = max(0.0, PUSH_MARGIN * link.gbps * 1e9 / 8 * t_prefill - metadata_bytes)
-    budget = min(num_blocks, int(fits // block_bytes))
+    layer_metadata = metadata_bytes / (lay.num_layers - DENSE_LAYERS)  # layers ≥ 2 each push their own
+    schedule = PushSchedule(lay.num_layers, t_prefill, bytes_per_s, layer_metadata / bytes_per_s)
+    for layer in range(DENSE_LAYERS, lay.num_layers):
+        schedule.add(layer, layer_metadata)
+    query_tokens, query_stop = 0, DENSE_LAYERS
     if not spec.orders_by_profile:  # partial, the baseline: the prompt's first pages (every layer), in memory order
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
-        pushed = order[:budget]
-        why = f"partial: the first {budget} of {num_blocks} blocks in memory order fit behind the prefill"
+        pushed = _fill(schedule, order, num_pages, block_bytes)
+        why = f"partial: the first {len(pushed)} of {num_blocks} blocks in memory order fit behind the prefill"
         queue: list[int] = []
         use_background = False
     else:
-        query_tokens = 0
         order = smartgen_order(importance, req.num_tokens, lay.page_tokens)
-        dense = DENSE_LAYERS * num_pages  # layers 0–1 lead the order
+        dense = DENSE_LAYERS * num_pages  # layers 0–1 lead the order, pushed whatever the link
+        for block in order[:dense]:
+            schedule.add(int(block) // num_pages, block_bytes)
         if "proactive" in req.ablate:
-            pushed = order[:0]
+            pushed = order[:dense][:0]
             why = "smartgen without the proactive path: metadata only"
         else:
-            left = max(0.0, fits - dense * block_bytes)
-            query_tokens = 0 if "query" in req.ablate else query_push_tokens(req, left, bits)
-            left -= query_tokens * query_entry_bytes(req, bits)
-            pushed = order[:max(dense + int(left // block_bytes), dense)]
-            why = (f"smartgen{f' ({bits}-bit push)' if bits else ''}: metadata, layers 0–1, {query_tokens} tokens "
-                   f"per KV head by the prompt's last query, "
+            if "query" not in req.ablate:
+                query_tokens = query_push_tokens(req, schedule.per_layer(DENSE_LAYERS, lay.num_layers - 1), bits)
+                layer_query = query_tokens * lay.num_kv_heads * wire_entry_bytes(lay, bits)
+                while query_tokens and query_stop < lay.num_layers and schedule.fits(query_stop, layer_query):
+                    schedule.add(query_stop, layer_query)
+                    query_stop += 1
+                if query_stop == DENSE_LAYERS:
+                    query_tokens = 0
+            pushed = np.concatenate([order[:dense], _fill(schedule, order[dense:], num_pages, block_bytes)])
+            query_part = (f"{query_tokens} tokens per KV head by the prompt's last query (layers 2–{query_stop - 1}), "
+                          if query_tokens else "")
+            why = (f"smartgen{f' ({bits}-bit push)' if bits else ''}: metadata, layers 0–1, {query_part}"
                    f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
                    f"the prefill")
         use_background = "background" not in req.ablate
-        queue = [int(b) for b in order[len(pushed):]] if use_background else []
+        unpushed = np.ones(num_blocks, dtype=bool)
+        unpushed[pushed] = False
+        queue = [int(b) for b in order if unpushed[b]] if use_background else []
     flags = np.zeros(num_blocks, dtype=bool)
     flags[pushed] = True
     name, version, source = profile
     plan = TransferPlan(**base, push_blocks=pack_bits(flags), num_push_blocks=int(flags.sum()), profile=name,
                         profile_version=version, profile_source=source, background=use_background,
                         reason="; ".join(r for r in (reason, why) if r),
-                        query_tokens=query_tokens if spec.pushes_by_query and "proactive" not in req.ablate else 0)
+                        query_tokens=query_tokens if spec.pushes_by_query else 0,
+                        query_stop_layer=query_stop if spec.pushes_by_query and query_tokens else 0)
     return PlannedTransfer(plan, queue)
 
 
-def query_entry_bytes(req: OpenPlan, bits: int = 0) -> int:
-    """Bytes one token per KV head costs in the query-aware push: its K and V in every layer ≥ DENSE_LAYERS."""
+def _fill(schedule: PushSchedule, blocks: np.ndarray, num_pages: int, block_bytes: float) -> np.ndarray:
+    """The blocks (flat, in the order given) the schedule still takes, each where its layer has room."""
+    taken = []
+    for block in blocks:
+        layer = int(block) // num_pages
+        if schedule.fits(layer, block_bytes):
+            schedule.add(layer, block_bytes)
+            taken.append(block)
+    return np.asarray(taken, dtype=blocks.dtype)
+
+
+def query_push_tokens(req: OpenPlan, layer_bytes: float, bits: int = 0) -> int:
+    """Tokens per KV head the prefill should select with its last-position query and push in each layer:
+    QUERY_PUSH_FACTOR × what step 1 will attend to (the request's budget under the decode worker's floor, at
+    N + 1 cached tokens), as far as `layer_bytes` a layer allows; 0 where step 1 attends densely."""
     lay = req.layout
-    return (lay.num_layers - DENSE_LAYERS) * lay.num_kv_heads * wire_entry_bytes(lay, bits)
-
-
-def query_push_tokens(req: OpenPlan, budget_bytes: float, bits: int = 0) -> int:
-    """Tokens per KV head the prefill should select with its last-position query and push: QUERY_PUSH_FACTOR ×
-    what step 1 will attend to (the request's budget under the decode worker's floor, at N + 1 cached tokens),
-    as far as `budget_bytes` allows; 0 where step 1 attends densely (nothing to choose)."""
     n = req.num_tokens + 1
     k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, n)
     if k >= n:
         return 0
     wanted = min(req.num_tokens, QUERY_PUSH_FACTOR * k)
-    return max(0, min(wanted, int(budget_bytes // query_entry_bytes(req, bits))))
+    return max(0, min(wanted, int(layer_bytes // (lay.num_kv_heads * wire_entry_bytes(lay, bits)))))
 
 
 def smartgen_order(importance: np.ndarray | None, num_tokens: int, page_tokens: int) -> np.ndarray:

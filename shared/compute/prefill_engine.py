@@ -33,6 +33,7 @@ class QueryPush:
     pushed_pages: np.ndarray  # (num_layers, num_pages) bool: the plan's blocks
     page_tokens: int
     floor: BudgetFloor = DEFAULT_FLOOR
+    stop_layer: int = 0  # TransferPlan.query_stop_layer: layers from here on push no entries by query
     picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
     # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
     codes: EntryCodes | None = None
@@ -126,7 +127,7 @@ class PrefillEngine:
             layout.write(aux, layer, sel.export(state))
             if query_push is not None:
                 picked = np.zeros((keys.shape[0], num_tokens), dtype=bool)
-                if query_push.tokens > 0:
+                if query_push.tokens > 0 and layer < query_push.stop_layer:
                     idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], query_push.tokens,
                                                       num_tokens, query_push.floor)
                     np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)

@@ -2,13 +2,15 @@
 the speculative lane policy."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from schemas import KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
-from schemas import unpack_bits
+from schemas import pack_bits, unpack_bits
 from shared.profiles import positional_importance
 
 LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=46080)
@@ -32,63 +34,95 @@ def pushed(plan) -> np.ndarray:
 
 
 BLOCK_BYTES = 16 * LAYOUT.token_bytes / 30  # one layer's K and V of one page
-QUERY_TOKEN_BYTES = 28 * LAYOUT.token_bytes // 30  # one token per KV head in every layer ≥ 2, K and V
+ENTRY_BYTES = 2 * 64 * 4  # one (layer, KV head, token) entry's K and V in fp32
 
 
-def test_smartgen_pushes_what_fits_behind_the_prefill():
-    """At R = T_full/T_prefill = 2.5, 40% of the KV fits (less the push margin): metadata first, then layers
-    0–1, then per layer twice the tokens step 1 will attend to as the prompt's last query picks them (the 10%
-    budget of 2,049 tokens: 205 per KV head, so 410), then profile blocks with what is left."""
-    aux = 1_000_000
-    planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30),
-                            link_for_ratio(2.5), "b")
+def push_finishes_at(planned, aux_bytes: int, link: LinkEstimate, entry_bytes: float = ENTRY_BYTES,
+                     block_bytes: float = BLOCK_BYTES) -> tuple[float, float]:
+    """Carry the plan's push over the link, independently of the planner: layer l's bytes (its metadata, its
+    blocks, its query entries) can leave once the prefill has stored it, at (l + 1)/30 · T, and go out in layer
+    order. Returns when the last byte leaves and the deadline the planner promises: the prefill's end (T at
+    PUSH_MARGIN × the estimated time) plus the last layer's metadata."""
+    plan = planned.plan
+    t_prefill = PUSH_MARGIN * N / link.prefill_tokens_per_s
+    rate = link.gbps * 1e9 / 8
+    metadata = aux_bytes / 28
+    per_layer = pushed(plan).sum(axis=1) * float(block_bytes)
+    per_layer[2:] += metadata
+    per_layer[2:plan.query_stop_layer] += plan.query_tokens * 3 * entry_bytes
+    t = 0.0
+    for layer, num_bytes in enumerate(per_layer):
+        t = max(t, (layer + 1) / 30 * t_prefill) + num_bytes / rate
+    return t, t_prefill + metadata / rate
+
+
+def with_block(planned, block: int):
+    """The plan with one more block pushed."""
+    blocks = pushed(planned.plan).ravel().copy()
+    blocks[block] = True
+    return type(planned)(replace(planned.plan, push_blocks=pack_bits(blocks)), [])
+
+
+def test_smartgen_pushes_what_the_link_carries_by_the_end_of_the_prefill():
+    """At R = T_full/T_prefill = 2.5: metadata, layers 0–1, per layer ≥ 2 twice the tokens step 1 will attend to
+    as the prompt's last query picks them (the 10% budget of 2,049 tokens: 205 per KV head, so 410), then
+    profile blocks. The link carries all of it by the end of the prefill (plus the last layer's metadata), and
+    no block left out would have made it: the push fills the link rather than a fixed share of it. The last
+    layer, which exists only when the prefill ends, pushes its metadata alone."""
+    aux, link = 1_000_000, link_for_ratio(2.5)
+    planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30), link, "b")
     blocks = pushed(planned.plan)
-    assert planned.plan.query_tokens == 410
-    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 2.5 - aux
-    expected = 2 * 128 + int((fits - 2 * 128 * BLOCK_BYTES - 410 * QUERY_TOKEN_BYTES) // BLOCK_BYTES)
-    assert planned.plan.num_push_blocks == blocks.sum() == expected
-    assert blocks[:2].all()  # layers 0–1 whole
-    assert len(planned.queue) == 30 * 128 - expected and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
+    assert planned.plan.query_tokens == 410 and planned.plan.query_stop_layer == 29
+    assert blocks[:2].all() and not blocks[29].any()
+    finish, deadline = push_finishes_at(planned, aux, link)
+    assert finish <= deadline * (1 + 1e-9)
+    assert all(push_finishes_at(with_block(planned, b), aux, link)[0] > deadline for b in planned.queue[:50])
+    moved = aux + blocks.sum() * BLOCK_BYTES + 410 * 3 * ENTRY_BYTES * 27
+    assert moved > 0.95 * link.gbps * 1e9 / 8 * PUSH_MARGIN * N / link.prefill_tokens_per_s  # the link is kept busy
+    assert planned.plan.num_push_blocks == blocks.sum()
+    assert len(planned.queue) == 30 * 128 - blocks.sum() and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
 
 
 def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
-    """A tight link: the query-aware push gets what is left after layers 0–1, fewer than the budget's tokens and
-    no profile block; `ablate: ["query"]` gives that room back to profile blocks; partial never pushes by query."""
-    tight = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
-    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 8
-    assert 0 < tight.plan.query_tokens == int((fits - 2 * 128 * BLOCK_BYTES) // QUERY_TOKEN_BYTES) < 410
-    assert tight.plan.num_push_blocks == 2 * 128
-    no_query = plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30),
-                             link_for_ratio(8.0), "b")
-    assert no_query.plan.query_tokens == 0 and no_query.plan.num_push_blocks > 2 * 128
+    """A tight link (R = 8): layers 0–1 take most of it; the query-aware push gets what each layer has left,
+    fewer than the budget's tokens, still in time; `ablate: ["query"]` gives that room back to profile
+    blocks; partial never pushes by query."""
+    link = link_for_ratio(8.0)
+    tight = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link, "b")
+    assert 0 < tight.plan.query_tokens < 410 and tight.plan.query_stop_layer >= 28
+    assert push_finishes_at(tight, 0, link)[0] <= push_finishes_at(tight, 0, link)[1] * (1 + 1e-9)
+    no_query = plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30), link, "b")
+    assert no_query.plan.query_tokens == 0 and no_query.plan.num_push_blocks > tight.plan.num_push_blocks
     partial = plan_transfer(request("partial"), "partial", None, link_for_ratio(4.0), "b")
     assert partial.plan.query_tokens == 0
 
 
 def test_a_low_bit_push_fits_its_codes_where_exact_entries_would_not():
     """kv_bits 4 on smartgen: on the tight link above, each entry costs its record (104 bytes of fp32's
-    512 here), so the query-aware push gets its whole 2× budget and profile blocks follow; the codes region is
-    room the decode node reserves, not bytes that move."""
-    exact = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
-    low = plan_transfer(request("smartgen", kv_bits=4), "smartgen", positional_importance(30), link_for_ratio(8.0), "b")
+    512 here), so the query-aware push gets its whole 2× budget and more profile blocks follow, still in time;
+    the codes region is room the decode node reserves, not bytes that move."""
+    link = link_for_ratio(8.0)
+    exact = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link, "b")
+    low = plan_transfer(request("smartgen", kv_bits=4), "smartgen", positional_importance(30), link, "b")
     assert exact.plan.query_tokens < low.plan.query_tokens == 410
-    fits = PUSH_MARGIN * N * LAYOUT.token_bytes / 8
-    record_block = 16 * 3 * entry_record_bytes(64, 4)
-    left = fits - 2 * 128 * record_block - 410 * 28 * 3 * entry_record_bytes(64, 4)
-    assert low.plan.num_push_blocks == 2 * 128 + int(left // record_block) > exact.plan.num_push_blocks
+    assert low.plan.num_push_blocks > exact.plan.num_push_blocks
+    record = entry_record_bytes(64, 4)
+    finish, deadline = push_finishes_at(low, 0, link, entry_bytes=record, block_bytes=16 * 3 * record)
+    assert finish <= deadline * (1 + 1e-9)
     assert "4-bit push" in low.plan.reason
 
 
 def test_smartgen_follows_the_profile():
     """Profile blocks are pushed by importance: a profile that favours the middle of the prompt gets the
-    middle pages pushed, and the speculative queue is in decreasing importance."""
+    middle pages pushed (in the layers with room: not the last), and the speculative queue is in decreasing
+    importance."""
     importance = np.zeros((30, 1024), dtype=np.float32)
     importance[:, 500:520] = 1.0
     # NOTE: without the query-aware push, which would take this budget first (the test above)
     planned = plan_transfer(request("smartgen", ["query"]), "smartgen", importance, link_for_ratio(8.0), "b")
     blocks = pushed(planned.plan)
     middle = slice(500 * N // 1024 // 16, 520 * N // 1024 // 16)
-    assert blocks[2:, middle].all() and not blocks[2:, -10:].any()  # the rest of the budget goes by position
+    assert blocks[2:28, middle].all() and not blocks[2:, -10:].any()  # the rest of the budget goes by position
     tight = plan_transfer(request("smartgen"), "smartgen", importance, link_for_ratio(40.0), "b")  # layers 0–1 only
     assert tight.plan.num_push_blocks == 2 * 128
     first_queued = [divmod(b, 128) for b in tight.queue[:28 * 3]]
