@@ -98,6 +98,7 @@ class RemoteKv:
         self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
+        self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its read ahead (`read_ahead`)
 
     # --- torch thread ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -115,6 +116,9 @@ class RemoteKv:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
         self._check_readable()
+        ahead = self._ahead.pop(layer, None)
+        if ahead is not None:  # what was read ahead for this layer lands first; then only what it missed is read
+            Pending(ahead, None, self.read_timeout_s, self).wait()
         present = self.present[layer]
         if idx is None:
             remote = ~present
@@ -143,6 +147,19 @@ class RemoteKv:
         return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
 
     # --- event loop ------------------------------------------------------------------------
+    def read_ahead(self, entries: np.ndarray) -> None:
+        """The speculative part of path 2: start reading these (num_layers, num_kv_heads, num_tokens) entries
+        now, one on-demand read per layer, all at once; a step's `fetch` of such a layer waits for its read ahead
+        and then reads only what the prediction missed. Step 1 uses it for the last layers, whose entries the
+        prompt's last query picked but whose push would have come after the prefill's end."""
+        for layer in np.flatnonzero((entries & ~self.present).any(axis=(1, 2))).tolist():
+            heads = [(h, np.flatnonzero(entries[layer, h] & ~self.present[layer, h])) for h in range(self.num_kv_heads)]
+            with self._pending_lock:
+                self._on_demand_pending += 1
+            self._on_demand_idle.clear()
+            self._ahead[layer] = asyncio.run_coroutine_threadsafe(
+                self._read_on_demand(layer, [(h, tokens) for h, tokens in heads if tokens.size]), self.loop)
+
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
         segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
         try:

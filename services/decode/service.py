@@ -368,8 +368,14 @@ class DecodeService(ModelWorkerService):
         assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
         rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
         pushed = pushed_pages(req.plan, self.store.layout.num_layers) if mode.keeps_source and req.plan else None
-        by_query = await self.in_torch(self.engine.pushed_by_query, state.slab, req.selector, n) \
-            if mode.pushes_by_query else None
+        by_query = predicted = None  # (L, H, N) bool: pushed by the prompt's last query; picked, not pushed
+        if mode.pushes_by_query:
+            assert req.plan is not None
+            picked = await self.in_torch(self.engine.picked_by_query, state.slab, req.selector, n)
+            stop = req.plan.query_stop_layer
+            by_query, predicted = picked.copy(), picked
+            by_query[stop:] = False
+            predicted[:stop] = False
         if mode.aux is Aux.CODES:
             await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
         else:
@@ -391,6 +397,8 @@ class DecodeService(ModelWorkerService):
         if remote is None:
             await self.remote_kv.all_local(state, 0)
             return
+        if predicted is not None:  # ablate "query" switches this off with the query-aware push
+            remote.read_ahead(predicted)
         self.remote_kv.start(state)
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:

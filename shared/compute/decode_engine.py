@@ -59,14 +59,15 @@ class DecodeEngine:
             return metadata.nbytes + entry_region_bytes(lay, num_tokens, kv_bits)
         return 0
 
-    def pushed_by_query(self, slab: Slab, selector: str, num_tokens: int) -> np.ndarray:
-        """(num_layers, num_kv_heads, num_tokens) bool: the entries the prefill's query-aware push sent, from
-        the bitmaps in `slab`'s aux area (layers 0–1: none; they arrive whole)."""
+    def picked_by_query(self, slab: Slab, selector: str, num_tokens: int) -> np.ndarray:
+        """(num_layers, num_kv_heads, num_tokens) bool: the entries the prompt's last query picked per layer (the
+        query-aware push), from the bitmaps in `slab`'s aux area (layers 0–1: none; they arrive whole). Layers
+        below the plan's `query_stop_layer` pushed them; the later ones' are predictions, read as step 1 starts."""
         layout = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
-        present = np.zeros((self.runner.num_layers, self.runner.num_kv_heads, num_tokens), dtype=bool)
+        picked = np.zeros((self.runner.num_layers, self.runner.num_kv_heads, num_tokens), dtype=bool)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
-            present[layer] = layout.read_query_bitmap(self.store.aux(slab), layer)
-        return present
+            picked[layer] = layout.read_query_bitmap(self.store.aux(slab), layer)
+        return picked
 
     def load_pushed_codes(self, slab: Slab, selector: str, num_tokens: int, bits: int, pushed: np.ndarray,
                           by_query: np.ndarray | None) -> None:

@@ -33,7 +33,7 @@ class QueryPush:
     pushed_pages: np.ndarray  # (num_layers, num_pages) bool: the plan's blocks
     page_tokens: int
     floor: BudgetFloor = DEFAULT_FLOOR
-    stop_layer: int = 0  # TransferPlan.query_stop_layer: layers from here on push no entries by query
+    stop_layer: int = 0  # TransferPlan.query_stop_layer: from here on the picks are predictions, not pushed
     picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
     # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
     codes: EntryCodes | None = None
@@ -127,13 +127,15 @@ class PrefillEngine:
             layout.write(aux, layer, sel.export(state))
             if query_push is not None:
                 picked = np.zeros((keys.shape[0], num_tokens), dtype=bool)
-                if query_push.tokens > 0 and layer < query_push.stop_layer:
+                if query_push.tokens > 0:
                     idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], query_push.tokens,
                                                       num_tokens, query_push.floor)
                     np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)
                     in_blocks = np.repeat(query_push.pushed_pages[layer], query_push.page_tokens)[:num_tokens]
                     picked[:, in_blocks] = False  # the plan's blocks bring those already
-                query_push.picked[layer] = picked
+                # NOTE: from stop_layer on the bitmap is a prediction only (decode reads those entries ahead, as
+                # step 1 starts): pushing them would come after the prefill's end
+                query_push.picked[layer] = picked if layer < query_push.stop_layer else np.zeros_like(picked)
                 layout.write_query_bitmap(aux, layer, picked)
 
         return layout, encode

@@ -39,7 +39,7 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 
 
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
-                        parallel: bool, background: bool):
+                        parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane. The decode slab starts as NaN, so any entry used before it
     arrived would poison the output."""
@@ -62,6 +62,13 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     b.register_region(dst.region)
     await a.start()
     await b.start()
+    if read_delay_s:  # a slow link: every read takes this long before it starts
+        read = b.read
+
+        async def slow_read(*args, **kwargs):
+            await asyncio.sleep(read_delay_s)
+            return await read(*args, **kwargs)
+        b.read = slow_read
     ticket = secrets.randbits(63)
     a.grant(Grant(ticket, [(off, off + ln) for layer in range(layout.num_layers) for off, ln in src.rows(src_slab, layer, 0, n)]))
     pages = -(-n // 16)
@@ -74,6 +81,10 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
     engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote)
+    if read_ahead_layers:  # predict "every entry" of the last layers: step 1 finds them landed or in flight
+        ahead = np.zeros((layout.num_layers, layout.num_kv_heads, n), dtype=bool)
+        ahead[-read_ahead_layers:] = True
+        remote.read_ahead(ahead)
     tokens = [first]
     for i in range(1, STEPS):
         tokens.append(await loop.run_in_executor(None, engine.step, "r", tokens[-1], Sampling(), i))  # a torch thread
@@ -102,6 +113,22 @@ async def test_background_makes_everything_local(runner):
     assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
     assert remote.is_all_local and remote.bytes_background > 0
     assert remote.step_local_share[-1] == 1.0 and remote.local_blocks().all()
+
+
+async def test_a_read_ahead_lands_before_its_layer_attends(runner):
+    """The speculative read of step 1 (read_ahead): entries predicted for layers 2–7 are read as the step
+    starts, all at once; when attention reaches such a layer it waits for that read rather than reading again,
+    so step 1 finds everything local, and the tokens are unchanged (the slab starts as NaN, so an entry used
+    before it landed would show). Every read takes 50 ms here, so layer 2's own read would not have landed."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    plain_tokens, plain = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, read_delay_s=0.05)
+    tokens, ahead = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, read_ahead_layers=6,
+                                        read_delay_s=0.05)
+    assert tokens == plain_tokens == colocated_tokens(runner, ids, "quest", 0.1)
+    assert ahead.present[2:].all() and ahead.is_all_local  # read whole, once
+    assert ahead.step_local_share[0] == 1.0 > plain.step_local_share[0]
+    read_ahead_bytes = 6 * 2 * ahead.num_kv_heads * len(ids) * ahead.token_bytes  # 6 layers' K and V, all entries
+    assert ahead.bytes_on_demand == read_ahead_bytes > plain.bytes_on_demand
 
 
 async def test_a_closed_remote_refuses_new_reads(runner):
