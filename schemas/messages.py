@@ -139,6 +139,7 @@ class TransferPlan:
     # layer's last-position query and pushes (beyond `push_blocks`); 0 = none
     query_tokens: int = 0
     query_stop_layer: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1 (the last ones' would come too late)
+    read_ahead: bool = True  # decode reads the later layers' picks as step 1 starts (False: ablate "ahead")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,15 @@ class Sampling:
 
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
+    top_p: float = 1.0  # nucleus: sample among the most likely tokens whose probabilities reach top_p (1 = all)
+    top_k: int = 0  # sample among the top_k most likely tokens (0 = all)
+    presence_penalty: float = 0.0  # OpenAI: subtracted from the logit of every token the completion already has
+    frequency_penalty: float = 0.0  # OpenAI: subtracted × the number of times the completion has the token
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in the prompt or the completion ÷ it (if > 0, else ×)
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
     logprobs: int = -1  # ≥ 0: report each token's log-probability and this many most likely alternatives
     echo: bool = False  # with logprobs ≥ 0: the prefill also reports every prompt token's (OpenAI `echo`)
 

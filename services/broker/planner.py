@@ -96,7 +96,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     num_blocks = lay.num_layers * num_pages
     base = dict(request_id=req.request_id, mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
                 link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
-                parallel="parallel" not in req.ablate, selector=selector)
+                parallel="parallel" not in req.ablate, read_ahead="ahead" not in req.ablate, selector=selector)
     spec = mode_of(mode)
     if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])

@@ -18,7 +18,7 @@ landed yet is not in the batch at all: it joins once its KV is there.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ class _Ask:
     token: int  # the token to feed (completion token index-1)
     sampling: Sampling
     index: int  # the completion index of the token to return
+    prompt: Sequence[int]  # what the penalties look at (Sampling.penalizes), with the completion's first `index`
+    completion: Sequence[int]
     future: asyncio.Future[tuple[int, TokenLogprobs | None]]
 
 
@@ -47,14 +49,17 @@ class StepBatcher:
         self.num_rows = 0  # Σ batch sizes: num_rows / num_batches is the mean batch
         self.last_batch = 0
 
-    async def step(self, request_id: str, token: int, sampling: Sampling, index: int) -> tuple[int, TokenLogprobs | None]:
+    async def step(self, request_id: str, token: int, sampling: Sampling, index: int, prompt: Sequence[int] = (),
+                   completion: Sequence[int] = ()) -> tuple[int, TokenLogprobs | None]:
         """Feed `token` to the request and return its completion token `index` (with its log-probabilities when
-        `sampling` asks for them); raises what failed its row."""
+        `sampling` asks for them); raises what failed its row. `prompt` and `completion` (tokens so far): for the
+        penalties, if `sampling` has any."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-batcher")
         if request_id in self._asks:
             raise RuntimeError(f"request {request_id} already has a step queued")
-        ask = self._asks[request_id] = _Ask(token, sampling, index, asyncio.get_running_loop().create_future())
+        ask = self._asks[request_id] = _Ask(token, sampling, index, prompt, completion,
+                                            asyncio.get_running_loop().create_future())
         self._asked.set()
         try:
             return await ask.future
@@ -91,7 +96,7 @@ class StepBatcher:
             self.num_rows += len(batch)
             self.last_batch = len(batch)
             try:
-                results = await self.in_torch(self._step, [(rid, ask.token, ask.sampling, ask.index) for rid, ask in batch])
+                results = await self.in_torch(self._step, [(rid, ask) for rid, ask in batch])
             except Exception as exc:  # noqa: BLE001 (the whole forward failed: every row learns why)
                 results = [exc] * len(batch)
             for (_, ask), result in zip(batch, results):
@@ -104,15 +109,15 @@ class StepBatcher:
             if self._asks:
                 self._asked.set()
 
-    def _step(self, rows: list[tuple[str, int, Sampling, int]]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
+    def _step(self, rows: list[tuple[str, _Ask]]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
         """Torch thread: one batched step, then each row's token sampled from its logits (and scored)."""
         out: list[tuple[int, TokenLogprobs | None] | Exception] = []
-        for logits, (_, _, sampling, index) in zip(self.engine.step_batch([(rid, token) for rid, token, _, _ in rows]), rows):
+        for logits, (_, ask) in zip(self.engine.step_batch([(rid, ask.token) for rid, ask in rows]), rows):
             if isinstance(logits, Exception):
                 out.append(logits)
             else:
-                token = sample(logits, sampling, index)
-                out.append((token, scored(logits, token, sampling)))
+                token = sample(logits, ask.sampling, ask.index, ask.prompt, ask.completion)
+                out.append((token, scored(logits, token, ask.sampling)))
         return out
 
     async def close(self) -> None:

@@ -322,18 +322,18 @@ class DecodeService(ModelWorkerService):
         try:
             if index == 1:
                 return await self._first_step(state, req, tokens)
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens)
         except RemoteReadError as exc:
             if req.failure_policy != "recompute" or state.recompute_reason:
                 raise
             await self._recompute(state, req, tokens, str(exc))
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens)
 
     async def _first_step(self, state: DecodeRequest, req: Generate, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
         assert self.engine and self.store
         started = asyncio.get_running_loop().time()
-        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1)  # (token, its logprobs)
+        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1, req.token_ids, tokens)  # (token, its logprobs)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
         state.step1_kv_bytes = step1_kv_bytes(state, req, self.store.layout, self.engine.selections.get(req.request_id))
@@ -397,7 +397,7 @@ class DecodeService(ModelWorkerService):
         if remote is None:
             await self.remote_kv.all_local(state, 0)
             return
-        if predicted is not None:  # ablate "query" switches this off with the query-aware push
+        if predicted is not None and req.plan.read_ahead:  # ablate "ahead" (or "query") switches it off
             remote.read_ahead(predicted)
         self.remote_kv.start(state)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import MAX_LOGPROBS, MAX_PROMPTS, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
+from services.gateway.requests import MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -140,7 +140,7 @@ def _ref(name: str) -> Schema:
 
 def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int) -> Schema:
     """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
-    OpenAI's options not implemented yet (top_p, penalties, …) are described at the one value that
+    OpenAI's options not implemented yet (best_of, logit_bias) are described at the one value that
     means "off"; any other value is a 400. Other fields (user, …) are accepted and ignored."""
     room = max_positions - 1
     max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,
@@ -153,6 +153,16 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "description": "0 = greedy"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
         "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
+                  "description": "nucleus sampling: the most likely tokens whose probabilities reach top_p (1 = all)"},
+        "top_k": {"type": ["integer", "null"], "minimum": -1,
+                  "description": "sample among the top_k most likely tokens (0 or -1 = all)"},
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                             "description": "subtracted from the logit of every token the completion already has"},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                              "description": "subtracted per occurrence of the token in the completion so far"},
+        "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
+                               "description": "logits of tokens in the prompt or completion ÷ it (× if negative); 1 = off"},
         "stream": {"type": "boolean", "description": "server-sent events, one chunk per token, ending with `data: [DONE]`"},
         "stream_options": {"anyOf": [{"type": "null"}, _object({"include_usage": {"type": "boolean"}}, [])],
                            "description": "with stream: include_usage adds a last chunk with `choices: []` and the usage"},

@@ -29,7 +29,7 @@ def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=N
         logits, _, prompt = runner.prefill_scored(token_ids, on_layer, sampling.logprobs)
     else:
         (logits, _), prompt = runner.prefill(token_ids, on_layer), []
-    token = sample(logits, sampling, index=0)
+    token = sample(logits, sampling, 0, token_ids)
     return FirstToken(token, scored(logits, token, sampling), prompt)
 
 
@@ -38,15 +38,50 @@ def scored(logits: torch.Tensor, token: int, sampling: Sampling) -> TokenLogprob
     return token_logprobs(logits, token, sampling.logprobs) if sampling.logprobs >= 0 else None
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
-    """logits: (vocab,) for the last position; index: the completion token's index (0 = first token)."""
+def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequence[int] = (),
+           completion: Sequence[int] = ()) -> int:
+    """logits: (vocab,) for the last position; index: the completion token's index (0 = first token); `prompt`
+    and `completion` (its tokens 0…index-1): what the penalties look at."""
+    if sampling.penalizes:
+        logits = penalized(logits, sampling, prompt, completion[:index])
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float().cpu() / sampling.temperature
     if not torch.isfinite(scaled.max()):  # a temperature so small (1e-300) it overflows: its limit, greedy
         return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + index) % 2**63)
-    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
+    return int(torch.multinomial(torch.softmax(truncated(scaled, sampling.top_k, sampling.top_p), dim=-1), 1,
+                                 generator=generator))
+
+
+def penalized(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
+    """logits (vocab,) with the penalties applied, greedy or not: repetition_penalty over every token of the
+    prompt and the completion (positive logits divided by it, negative ones multiplied: vLLM's and HF's rule),
+    then presence_penalty once and frequency_penalty per occurrence over the completion's tokens (OpenAI's)."""
+    out = logits.float().clone()
+    if sampling.repetition_penalty != 1.0 and (prompt or completion):
+        seen = torch.tensor(sorted({*prompt, *completion}), device=out.device)
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
+    if completion and (sampling.presence_penalty or sampling.frequency_penalty):
+        counts = torch.bincount(torch.tensor(list(completion), device=out.device), minlength=out.numel()).float()
+        out -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
+    return out
+
+
+def truncated(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """scaled (vocab,) logits with every token outside the `top_k` most likely (0 = no limit) and outside the
+    nucleus (the most likely tokens whose probabilities, in order, first reach `top_p`) set to -inf. The most
+    likely token always stays; so do tokens tied with the k-th."""
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True)
+        before = probs.cumsum(0) - probs  # the mass of the tokens more likely than each
+        scaled = scaled.clone()
+        scaled[order[before >= top_p]] = float("-inf")
+    return scaled
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

@@ -23,6 +23,7 @@ EXAMPLES = [
     schemas.OpenKv("r1", 20, 16, "full"),
     schemas.Sampling(0.7, 3),
     schemas.Sampling(0.0, 1, logprobs=2, echo=True),
+    schemas.Sampling(0.9, 5, top_p=0.9, top_k=40, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2),
     schemas.TokenLogprobs(-0.25, [5, 9], [-0.25, -2.5]),
     schemas.TokenEvent("r1", 0, 5, logprobs=schemas.TokenLogprobs(-0.25, [5], [-0.25]),
                        prompt_logprobs=[schemas.TokenLogprobs(-1.5), schemas.TokenLogprobs(-0.5)]),

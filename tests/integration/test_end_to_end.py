@@ -81,10 +81,20 @@ def test_stop_string_ends_the_completion(clean_stack, tiny_model_path):
 
 
 def test_seeded_sampling_is_the_same_in_both_modes(clean_stack):
-    """A sampled token depends on (seed, index, logits) only, so colocated and full agree."""
-    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 1234}
-    _, a = post_json(clean_stack.gateway_url + "/v1/completions", body | {"transfer_mode": "full"})
-    _, b = post_json(clean_stack.gateway_url + "/v1/completions", body | {"transfer_mode": "colocated"})
+    """A sampled token depends on (seed, index, logits, top_p, top_k) only, so colocated and full agree (the
+    prefill samples token 0, decode the rest); top_k 1 is greedy at any temperature, in both processes."""
+    url = clean_stack.gateway_url + "/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 1234, "top_p": 0.9, "top_k": 40,
+            "ignore_eos": True}
+    _, a = post_json(url, body | {"transfer_mode": "full"})
+    _, b = post_json(url, body | {"transfer_mode": "colocated"})
+    assert a["smartgen"]["token_ids"] == b["smartgen"]["token_ids"]
+    _, greedy = post_json(url, body | {"temperature": 0, "transfer_mode": "full"})
+    _, top1 = post_json(url, body | {"temperature": 1.5, "top_k": 1, "transfer_mode": "full"})
+    assert top1["smartgen"]["token_ids"] == greedy["smartgen"]["token_ids"]
+    penalized = body | {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+    _, a = post_json(url, penalized | {"transfer_mode": "full"})
+    _, b = post_json(url, penalized | {"transfer_mode": "colocated"})
     assert a["smartgen"]["token_ids"] == b["smartgen"]["token_ids"]
 
 
@@ -304,8 +314,8 @@ def test_what_standard_clients_send(clean_stack):
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert len([c for c in chunks if c.choices and c.choices[0].finish_reason is None]) == 6  # a chunk per token
-    status, refused = post_json(clean_stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "top_p": 0.5})
-    assert status == 400 and refused["error"]["param"] == "top_p"
+    status, refused = post_json(clean_stack.gateway_url + "/v1/completions", {"prompt": PROMPT, "best_of": 2})
+    assert status == 400 and refused["error"]["param"] == "best_of"
 
 
 @pytest.mark.parametrize("method, path, status", [("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)])

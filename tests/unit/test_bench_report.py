@@ -6,7 +6,7 @@ import pytest
 
 from shared.workloads import Sample
 from tools.bench import cluster, report, simulate
-from tools.bench.serve import summarize
+from tools.bench.serve import mode_body, summarize
 from tools.eval import accuracy
 
 
@@ -116,3 +116,14 @@ def test_answers_are_compared_with_the_same_prompts_all_local():
     assert agreement[("smartgen-4bit", 2048, "prefill", 2.0, 0.1)] == {"same_tokens": 0.5, "matched_prefix": 0.75}
     assert agreement[("quantized-4bit", 2048, "prefill", 2.0, 0.1)] == {"same_tokens": 0.0, "matched_prefix": 0.5}
     assert ("colocated", 2048, "prefill", 2.0, 0.1) not in agreement
+
+
+def test_an_ablation_row_is_a_smartgen_mode_without_one_path():
+    """`<smartgen mode>-no-<path>`: the mode's body with that path ablated; anything else is refused."""
+    assert mode_body("smartgen-4bit-no-ahead", "quest", 0.1) == {"transfer_mode": "smartgen", "kv_bits": 4,
+                                                                 "selector": "quest", "kv_budget": 0.1,
+                                                                 "ablate": ["ahead"]}
+    assert mode_body("smartgen-no-query", "quest", 0.1)["ablate"] == ["query"]
+    for bad in ("full-no-query", "smartgen-no-nothing", "smartgen-16bit"):
+        with pytest.raises(ValueError):
+            mode_body(bad, "quest", 0.1)

@@ -154,9 +154,24 @@ def test_chat_content_may_be_a_list_of_text_parts():
         parse({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat")
 
 
-@pytest.mark.parametrize("name, off, on", [("top_p", 1.0, 0.9), ("top_k", -1, 40), ("presence_penalty", 0, 0.5),
-                                           ("frequency_penalty", 0.0, 1), ("repetition_penalty", 1, 1.2),
-                                           ("best_of", 1, 2), ("logit_bias", {}, {"5": 10})])
+def test_sampling_options_are_checked_and_carried():
+    """top_p in (0, 1], top_k ≥ 0 (or -1, vLLM's "no limit", taken as 0), presence and frequency penalties in
+    [-2, 2], repetition_penalty in (0, 10] reach the job; other values are a 400 naming the option."""
+    job = parse({"prompt": "x", "top_p": 0.9, "top_k": 40}, "completion")
+    assert (job.top_p, job.top_k) == (0.9, 40)
+    assert (parse({"prompt": "x", "top_k": -1}, "completion").top_k, parse({"prompt": "x"}, "completion").top_p) == (0, 1.0)
+    job = parse({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+                "completion")
+    assert (job.presence_penalty, job.frequency_penalty, job.repetition_penalty) == (0.5, -1.0, 1.2)
+    for name, bad in [("top_p", 0), ("top_p", 1.5), ("top_p", True), ("top_k", -2), ("top_k", 2.5),
+                      ("presence_penalty", 2.5), ("frequency_penalty", "1"), ("repetition_penalty", 0),
+                      ("repetition_penalty", 11)]:
+        with pytest.raises(ApiError) as refused:
+            parse({"prompt": "x", name: bad}, "completion")
+        assert refused.value.param == name
+
+
+@pytest.mark.parametrize("name, off, on", [("best_of", 1, 2), ("logit_bias", {}, {"5": 10})])
 def test_unsupported_options_are_refused_unless_off(name, off, on):
     """Never silently ignored: the value that means "off" is accepted, any other is a 400 naming the option."""
     parse({"prompt": "x", name: off}, "completion")

@@ -86,6 +86,44 @@ def test_worker_id_must_fit_in_a_subject():
     assert load_config(ModelWorkerConfig, ["--worker-id", "decode-1"], {}).worker_id == "decode-1"
 
 
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    """probabilities 0.4, 0.3, 0.2, 0.1 (at temperature 1): top_k 2 and top_p 0.5 (the nucleus: 0.4 does not reach
+    0.5, 0.4 + 0.3 does) both sample tokens 0 and 1 only, and both of them; top_k 1 or a tiny top_p is greedy."""
+    import torch
+
+    from schemas import Sampling
+    from shared.compute.sampling import sample
+
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    def drawn(**kw) -> set[int]:
+        return {sample(logits, Sampling(1.0, seed=seed, **kw), 0) for seed in range(200)}
+    assert drawn() == {0, 1, 2, 3}
+    assert drawn(top_k=2) == drawn(top_p=0.5) == {0, 1}
+    assert drawn(top_p=0.75) == {0, 1, 2}
+    assert drawn(top_k=1) == drawn(top_p=0.01) == {0}
+    assert drawn(top_k=4) == drawn(top_p=1.0) == drawn(top_k=10) == {0, 1, 2, 3}
+
+
+def test_penalties_follow_openai_and_vllm():
+    """repetition_penalty divides the positive logits and multiplies the negative ones of every token seen in the
+    prompt or completion; presence subtracts once and frequency per occurrence, over the completion only; the
+    greedy choice follows the penalized logits."""
+    import torch
+
+    from schemas import Sampling
+    from shared.compute.sampling import penalized, sample
+
+    logits = torch.tensor([2.0, -1.0, 1.5, 0.5])
+    out = penalized(logits, Sampling(repetition_penalty=2.0), prompt=[1], completion=[0])
+    assert out.tolist() == [1.0, -2.0, 1.5, 0.5]
+    out = penalized(logits, Sampling(presence_penalty=0.5, frequency_penalty=0.25), prompt=[2], completion=[0, 0, 3])
+    assert out.tolist() == [2.0 - 0.5 - 0.5, -1.0, 1.5, 0.5 - 0.5 - 0.25]
+    assert sample(logits, Sampling(), 2, completion=[0, 0]) == 0
+    assert sample(logits, Sampling(frequency_penalty=0.3), 2, completion=[0, 0]) == 2  # 2 − 0.6 < 1.5
+    assert sample(logits, Sampling(frequency_penalty=0.3), 1, completion=[0, 0]) == 0  # tokens 0…index-1 only: 1.7
+    assert sample(logits, Sampling(repetition_penalty=2.0), 0, prompt=[0]) == 2
+
+
 def test_a_vanishing_temperature_samples_greedily():
     """A temperature so small that logits / T overflows (the API fuzz sent 2e-187) is its limit, greedy, not a
     NaN distribution that fails the request."""

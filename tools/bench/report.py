@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tools.bench import cluster
 
-ABLATIONS = ("smartgen", "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
+ABLATIONS = ("smartgen", "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query",
+             "smartgen-no-ahead")
 PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
 
 

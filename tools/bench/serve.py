@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
+from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, SMARTGEN_PATHS
 from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
 from tools.client import Gateway
@@ -60,10 +60,12 @@ ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requ
 def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
     """The request extras of a benchmark mode name."""
     sel = {"selector": selector, "kv_budget": kv_budget}
-    ablations = {"smartgen-no-proactive": "proactive", "smartgen-no-parallel": "parallel",
-                 "smartgen-no-background": "background", "smartgen-no-query": "query"}
-    if name in ablations:
-        return {"transfer_mode": "smartgen", "ablate": [ablations[name]], **sel}
+    base, _, path = name.partition("-no-")  # an ablation: a smartgen mode without one path (smartgen-4bit-no-ahead)
+    if path:
+        if not base.startswith("smartgen") or path not in SMARTGEN_PATHS:
+            raise ValueError(f"unknown mode {name!r}: an ablation is a smartgen mode, -no-, one of "
+                             f"{', '.join(SMARTGEN_PATHS)}")
+        return {**mode_body(base, selector, kv_budget), "ablate": [path]}
     if name == ONLINE_MODE:
         return {"transfer_mode": "smartgen", **sel}
     bodies = {"colocated": {"transfer_mode": "colocated"}, "colocated-selective": {"transfer_mode": "colocated", **sel},
@@ -74,7 +76,7 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
               "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
               "auto": {"transfer_mode": "auto", **sel}}
     if name not in bodies:
-        raise ValueError(f"unknown mode {name!r}: use {', '.join([*bodies, *ablations])}")
+        raise ValueError(f"unknown mode {name!r}: use {', '.join(bodies)}, or an ablation such as smartgen-no-query")
     return bodies[name]
 
 
