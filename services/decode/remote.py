@@ -149,21 +149,23 @@ class RemoteKv:
     # --- event loop ------------------------------------------------------------------------
     def read_ahead(self, entries: np.ndarray) -> None:
         """The speculative part of path 2: start reading these (num_layers, num_kv_heads, num_tokens) entries
-        now, one on-demand read per layer, all at once; a step's `fetch` of such a layer waits for its read ahead
-        and then reads only what the prediction missed. Step 1 uses it for the last layers, whose entries the
-        prompt's last query picked but whose push would have come after the prefill's end."""
+        now, one read per layer, all at once; a step's `fetch` of such a layer waits for its read ahead and then
+        reads only what the prediction missed. Step 1 uses it for the last layers, whose entries the prompt's last
+        query picked but whose push would have come after the prefill's end. NOTE: on the PUSH lane, below
+        on-demand reads: a guess must not hold up the reads the step is waiting on now (measured: on the same
+        lane it did, and step 1 was slower with it than without, docs/results/serve-2k-ahead-ablation)."""
         for layer in np.flatnonzero((entries & ~self.present).any(axis=(1, 2))).tolist():
             heads = [(h, np.flatnonzero(entries[layer, h] & ~self.present[layer, h])) for h in range(self.num_kv_heads)]
             with self._pending_lock:
                 self._on_demand_pending += 1
             self._on_demand_idle.clear()
             self._ahead[layer] = asyncio.run_coroutine_threadsafe(
-                self._read_on_demand(layer, [(h, tokens) for h, tokens in heads if tokens.size]), self.loop)
+                self._read_on_demand(layer, [(h, tokens) for h, tokens in heads if tokens.size], Lane.PUSH), self.loop)
 
-    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
+    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane = Lane.ON_DEMAND) -> None:
         segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
         try:
-            await self._read(segments, Lane.ON_DEMAND)
+            await self._read(segments, lane)
             for h, tokens in heads:
                 self._mark(layer, h, tokens)
             self.bytes_on_demand += sum(s.length for s in segments)

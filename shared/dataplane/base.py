@@ -27,7 +27,7 @@ class Lane(IntEnum):
 
     ON_DEMAND = 1  # what a decode step is waiting on now: on-demand reads
     PUSH = 2  # full, quantized and proactive pushes during prefill: below on-demand, so one request's multi-MB
-    #           push never holds up another's on-demand read by more than one chunk
+    #           push never holds up another's on-demand read by more than one chunk; and step 1's read ahead
     BACKGROUND = 3  # speculative transfer of what remains; preemptible, can be paused
 
 

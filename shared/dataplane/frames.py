@@ -32,7 +32,8 @@ STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
 STATUSES = (STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT)
 FLAG_CHECKSUM = 1
 FLAG_BACKGROUND = 2  # on a READ: answer it on the server's BACKGROUND lane
-KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND
+FLAG_PUSH_LANE = 4  # on a READ: answer it on the server's PUSH lane (a read ahead: below on-demand reads)
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND | FLAG_PUSH_LANE
 
 
 class FrameError(ValueError):

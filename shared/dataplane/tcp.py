@@ -31,6 +31,8 @@ from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, 
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import Pacer, chunk_bytes
 
+# a READ asks the server to answer on the reader's lane
+READ_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: frames.FLAG_PUSH_LANE, Lane.BACKGROUND: frames.FLAG_BACKGROUND}
 log = structlog.get_logger()
 RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these VMs
 CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
@@ -267,7 +269,8 @@ class _Link:
         payload = [self.plane.region[off: off + n] for off, n in table]
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
                        payload_len=sum(n for _, n in table))
-        lane = Lane.BACKGROUND if header.flags & frames.FLAG_BACKGROUND else Lane.ON_DEMAND
+        lane = Lane.BACKGROUND if header.flags & frames.FLAG_BACKGROUND else \
+            Lane.PUSH if header.flags & frames.FLAG_PUSH_LANE else Lane.ON_DEMAND
         self.send(lane, _Frame(reply, [], payload, on_done=grant.end_io))
         self.plane.num_bytes_sent += reply.payload_len
 
@@ -438,7 +441,7 @@ class TcpDataPlane(DataPlane):
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
-        flags = frames.FLAG_BACKGROUND if lane == Lane.BACKGROUND else 0
+        flags = READ_FLAGS[lane]
         waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
                  for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]

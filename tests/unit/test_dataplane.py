@@ -275,6 +275,33 @@ async def test_one_requests_push_delays_anothers_on_demand_read_by_one_chunk_at_
         await b.close()
 
 
+@pytest.mark.parametrize("ahead_lane", [Lane.PUSH, Lane.ON_DEMAND])
+async def test_a_read_ahead_delays_an_on_demand_read_by_one_chunk_at_most(ahead_lane):
+    """Step 1's read ahead (8 MiB here) is under way when the step reads 16 entries on demand. Asked on the
+    PUSH lane, the prefill node answers it there, below on-demand: the read waits about one chunk time plus its
+    own transfer. Asked on the on-demand lane (the first version) it queues behind the rest of the guess."""
+    gbps = 0.2  # 25 MB/s: one 256 KiB chunk ≈ 10.5 ms, the 8 MiB read ≈ 0.34 s
+    a, b, _, _ = await pair("tcp", size=16 << 20, link_gbps=gbps)
+    try:
+        a.grant(Grant(1, [(0, 16 << 20)]))  # the request's KV, readable on the prefill node (a)
+        ahead = asyncio.create_task(b.read(a.address, 1, [Segment(0, 0, 8 << 20)], ahead_lane))
+        await asyncio.sleep(0.05)
+        chunk_s = frames.CHUNK_BYTES * 8 / (gbps * 1e9)
+        own_s = 64 * 1024 * 8 / (gbps * 1e9)
+        started = time.monotonic()
+        await b.read(a.address, 1, [Segment((8 << 20) + i * 8192, (8 << 20) + i * 8192, 4096) for i in range(16)])
+        waited = time.monotonic() - started
+        if ahead_lane is Lane.PUSH:
+            assert not ahead.done(), "the read ahead should still be running"
+            assert waited < chunk_s + own_s + 0.02, waited
+        else:
+            assert waited > 0.1, waited
+        await asyncio.wait_for(ahead, 10)
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_cancelled_push_leaves_the_link_at_once():
     """A push whose caller is cancelled (the request was aborted) sends none of its queued chunks: the next
     push does not wait behind them, and the peer receives only what was in flight."""

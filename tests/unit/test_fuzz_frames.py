@@ -29,7 +29,7 @@ VALID_HEADERS = st.one_of(
     st.builds(Header, st.just(frames.OP_PUSH), st.sampled_from(frames.STATUSES), U64, U64, st.integers(0, MAX_SEGMENTS),
               st.integers(0, CHUNK_BYTES), st.sampled_from([0, frames.FLAG_CHECKSUM]), U32),
     st.builds(Header, st.just(frames.OP_READ), st.sampled_from(frames.STATUSES), U64, U64,
-              st.integers(0, MAX_SEGMENTS), flags=st.sampled_from([0, frames.FLAG_BACKGROUND])),
+              st.integers(0, MAX_SEGMENTS), flags=st.sampled_from([0, frames.FLAG_BACKGROUND, frames.FLAG_PUSH_LANE])),
     st.builds(Header, st.sampled_from([frames.OP_PUSH_ACK, frames.OP_READ_DATA]), st.sampled_from(frames.STATUSES),
               U64, U64),
 )
