@@ -123,7 +123,7 @@ def _errors_after_kills(result: dict) -> list[str]:
         delays.setdefault(r["kind"], []).append(r["finished_at_s"] - before[-1] if before else float("inf"))
     if not delays:
         return []
-    parts = [f"{kind}: {len(ds)} ({', '.join(f'{d:.1f}' for d in sorted(ds)[:12])}{' …' if len(ds) > 12 else ''} s)"
-             for kind, ds in sorted(delays.items())]
+    parts = [f"{kind}: {len(ds)} ({', '.join(f'{d:.1f}' for d in sorted(ds)[:12])}"
+             f"{f' … the longest {max(ds):.1f}' if len(ds) > 12 else ''} s)" for kind, ds in sorted(delays.items())]
     return ["", "Failed requests by kind, with the time from the latest kill to each failure, shortest first: "
                 + "; ".join(parts) + " (inf: before the first kill)."]
