@@ -115,15 +115,14 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
         pushed = _fill(schedule, order, num_pages, block_bytes)
         why = f"partial: the first {len(pushed)} of {num_blocks} blocks in memory order fit behind the prefill"
-        queue: list[int] = []
         use_background = False
     else:
         order = smartgen_order(importance, req.num_tokens, lay.page_tokens)
         dense = DENSE_LAYERS * num_pages  # layers 0–1 lead the order, pushed whatever the link
-        for block in order[:dense]:
-            schedule.add(int(block) // num_pages, block_bytes)
+        for layer in range(DENSE_LAYERS):
+            schedule.add(layer, num_pages * block_bytes)
         if "proactive" in req.ablate:
-            pushed = order[:dense][:0]
+            pushed = order[:0]
             why = "smartgen without the proactive path: metadata only"
         else:
             if "query" not in req.ablate:
@@ -141,11 +140,9 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
                    f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
                    f"the prefill")
         use_background = "background" not in req.ablate
-        unpushed = np.ones(num_blocks, dtype=bool)
-        unpushed[pushed] = False
-        queue = [int(b) for b in order if unpushed[b]] if use_background else []
     flags = np.zeros(num_blocks, dtype=bool)
     flags[pushed] = True
+    queue = [int(b) for b in order if not flags[b]] if use_background else []
     name, version, source = profile
     plan = TransferPlan(**base, push_blocks=pack_bits(flags), num_push_blocks=int(flags.sum()), profile=name,
                         profile_version=version, profile_source=source, background=use_background,

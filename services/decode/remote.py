@@ -154,13 +154,14 @@ class RemoteKv:
         query picked but whose push would have come after the prefill's end. NOTE: on the PUSH lane, below
         on-demand reads: a guess must not hold up the reads the step is waiting on now (measured: on the same
         lane it did, and step 1 was slower with it than without, docs/results/serve-2k-ahead-ablation)."""
-        for layer in np.flatnonzero((entries & ~self.present).any(axis=(1, 2))).tolist():
-            heads = [(h, np.flatnonzero(entries[layer, h] & ~self.present[layer, h])) for h in range(self.num_kv_heads)]
+        missing = entries & ~self.present
+        for layer in np.flatnonzero(missing.any(axis=(1, 2))).tolist():
+            heads = [(h, tokens) for h in range(self.num_kv_heads) if (tokens := np.flatnonzero(missing[layer, h])).size]
             with self._pending_lock:
                 self._on_demand_pending += 1
             self._on_demand_idle.clear()
-            self._ahead[layer] = asyncio.run_coroutine_threadsafe(
-                self._read_on_demand(layer, [(h, tokens) for h, tokens in heads if tokens.size], Lane.PUSH), self.loop)
+            self._ahead[layer] = asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads, Lane.PUSH),
+                                                                  self.loop)
 
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane = Lane.ON_DEMAND) -> None:
         segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]

@@ -129,20 +129,14 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
         seed = uuid.uuid4().int % 2**31
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}", "seed")
-    top_p = body.get("top_p")
-    top_p = 1.0 if top_p is None else top_p
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0 < top_p <= 1:
-        raise ApiError(400, "top_p must be a number above 0 and at most 1", "top_p")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, above=True)
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ApiError(400, "top_k must be an integer ≥ 1 (or 0 or -1: no limit)", "top_k")
-    penalties = {name: _number(body, name, default, low, high) for name, default, low, high in
-                 (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0),
-                  ("repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY))}
-    if penalties["repetition_penalty"] <= 0:
-        raise ApiError(400, f"repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g}",
-                       "repetition_penalty")
+    penalties = {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                 "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                 "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, above=True)}
     n = body.get("n", 1)
     if isinstance(n, bool) or n != 1:
         raise ApiError(400, "only n=1 is supported", "n")
@@ -215,17 +209,20 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          transfer_mode=mode, selector=selector,
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
                          kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
-                         failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=float(top_p), top_k=top_k,
+                         failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
                          **penalties)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    """body[name] as a float in [low, high], `default` if absent or null; else a 400 naming it."""
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, above: bool = False) -> float:
+    """body[name] as a float in [low, high] (`above`: in (low, high]), `default` if absent or null; else a 400
+    naming it."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not low <= value <= high:
-        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not (low < value if above else low <= value) or value > high:
+        raise ApiError(400, f"{name} must be a number {'above' if above else 'from'} {low:g} "
+                            f"{'and at most' if above else 'to'} {high:g}", name)
     return float(value)
 
 
