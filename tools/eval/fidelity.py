@@ -8,7 +8,10 @@ Per selector and budget:
   ppl_ratio         perplexity of the true continuation, selective / dense
   attention_mass    share of the dense attention probability that the selected tokens hold (layers ≥ 2)
   scores            per task: the LongBench metric of free-running greedy answers, dense and selective
-The dense prefill is computed once per document and its cache copied for every configuration.
+Documents: code and ACL paper bodies alternately (shared/workloads.py `evaluation_documents`), none of them
+seen by the selectors' calibration. The KV stays in the compute dtype; selectors run under the decode worker's
+budget floor unless --no-floor. The dense prefill is computed once per document and its cache copied for every
+configuration.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas import DEFAULT_KV_BUDGET, SELECTORS
+from schemas import DEFAULT_FLOOR, DEFAULT_KV_BUDGET, NO_FLOOR, SELECTORS
 from tools.args import add_json, add_model
 from tools.eval.metrics import task_score
 
@@ -39,7 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fid.add_argument("--num-docs", type=int, default=2)
     fid.add_argument("--prompt-tokens", type=int, default=2048)
     fid.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
-    fid.add_argument("--tasks", nargs="+", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"])
+    fid.add_argument("--no-floor", action="store_true",
+                     help="the bare budget: no dense threshold, minimum, sinks or recent window (what the floor buys)")
+    fid.add_argument("--tasks", nargs="*", default=["lcc_stdlib", "needle", "squad_docqa", "aclsum_report"],
+                     help="also score free-running answers on these tasks (none: fidelity only)")
     add_json(fid)
     fid.set_defaults(run=command)
 
@@ -71,7 +77,7 @@ def _generate(engine: DecodeEngine, rid: str, first_logits: torch.Tensor, max_ne
 
 def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[float] = (DEFAULT_KV_BUDGET,),
              num_docs: int = 2, prompt_tokens: int = 2048, tokens: int = 64, tasks: list[str] = ("lcc_stdlib", "needle"),
-             progress=print) -> dict:
+             progress=print, floor: bool = True) -> dict:
     """The fidelity figures (module docstring) of every selector × budget: {"model", "num_docs", "prompt_tokens",
     "tokens", "tasks", "results": one dict per configuration, "seconds"}."""
     import torch
@@ -87,15 +93,19 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
     path = resolve_model(model)
     runner = ModelRunner(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), default_prep_dir(path))
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1), default_prep_dir(path), DEFAULT_FLOOR if floor else NO_FLOOR)
     configs = [(s, b) for s in selectors for b in budgets]
-    acc = {c: {"kl": [], "agree": [], "nll": [], "mass": []} for c in configs}
+    acc = {c: {"kl": [], "agree": [], "nll": [], "mass": [], "doc_kl": []} for c in configs}
     dense_nll: list[float] = []
     started = time.monotonic()
 
-    # 1. teacher-forced fidelity on held-out continuations of long documents (stdlib sources)
-    for d, file in enumerate(workloads.stdlib_files(min_chars=40_000)[:num_docs]):
-        ids = tokenizer(file.read_text(errors="replace"))["input_ids"]
+    # 1. teacher-forced fidelity on continuations of long documents that calibration never saw (code and prose)
+    documents = []
+    for name, text in workloads.evaluation_documents(4 * num_docs, min_chars=4 * (prompt_tokens + tokens)):
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= prompt_tokens + tokens and len(documents) < num_docs:
+            documents.append((name, ids))
+    for d, (name, ids) in enumerate(documents):
         prompt, continuation = ids[:prompt_tokens], ids[prompt_tokens: prompt_tokens + tokens]
         logits, cache = runner.prefill(prompt)
         engine.caches["dense"] = copy.deepcopy(cache)
@@ -112,8 +122,9 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
             a["agree"] += (dense.argmax(-1) == sel.argmax(-1))[1:].tolist()
             a["nll"] += [-float(sel[i, t]) for i, t in enumerate(continuation)]
             a["mass"].append(selection.attention_mass or 0.0)
+            a["doc_kl"].append(float((dense.exp() * (dense - sel)).sum(-1)[1:].mean()))
         engine.end("dense")
-        progress(f"fidelity: document {d + 1}/{num_docs} ({time.monotonic() - started:.0f} s)")
+        progress(f"fidelity: document {d + 1}/{len(documents)} {name} ({time.monotonic() - started:.0f} s)")
 
     # 2. task scores: free-running greedy answers, dense and selective, scored with LongBench's metrics
     samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, num_docs, prompt_tokens)]
@@ -147,10 +158,10 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
             "selector": selector, "budget": budget,
             "kl_mean": mean(a["kl"]), "greedy_agreement": mean([float(x) for x in a["agree"]]),
             "ppl_ratio": math.exp(mean(a["nll"]) - mean(dense_nll)) if a["nll"] else float("nan"),
-            "attention_mass": mean(a["mass"]),
+            "attention_mass": mean(a["mass"]), "kl_per_document": dict(zip([n for n, _ in documents], a["doc_kl"])),
             "scores": {t: {"dense": dense_scores[t], "selective": sel_scores[t]} for t in dense_scores},
         })
-    return {"model": path.name, "num_docs": num_docs, "prompt_tokens": prompt_tokens, "tokens": tokens,
+    return {"model": path.name, "floor": floor, "num_docs": len(documents), "documents": [n for n, _ in documents], "prompt_tokens": prompt_tokens, "tokens": tokens,
             "tasks": [t for t in tasks if any(s.task == t for s in samples)], "results": results,
             "seconds": round(time.monotonic() - started, 1)}
 
@@ -164,11 +175,12 @@ def print_table(report: dict) -> None:
         print(f"{r['selector']:<11}{r['budget']:>7.2f}{r['kl_mean']:>8.3f}{r['greedy_agreement']:>7.2f}"
               f"{r['ppl_ratio']:>7.3f}{r['attention_mass']:>7.2f}{cells}")
     print(f"(task cells: selective/dense; {report['num_docs']} docs × {report['prompt_tokens']} prompt tokens, "
-          f"{report['seconds']} s)")
+          f"{'the budget floor' if report['floor'] else 'no floor'}, {report['seconds']} s)")
 
 
 def run(args) -> dict:
-    report = evaluate(args.model, args.selector, args.budget, args.num_docs, args.prompt_tokens, args.tokens, args.tasks)
+    report = evaluate(args.model, args.selector, args.budget, args.num_docs, args.prompt_tokens, args.tokens, args.tasks,
+                      floor=not args.no_floor)
     print_table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -76,7 +76,11 @@ METRICS: dict[str, Callable[[str, str], float]] = {
     "code_sim": code_sim_score, "string_match": string_match}
 
 
+def sample_score(metric: str, prediction: str, references: Sequence[str]) -> float:
+    """One answer's score, 0–100: the best over its references."""
+    return 100 * max(METRICS[metric](prediction, r) for r in references)
+
+
 def task_score(metric: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    fn = METRICS[metric]
-    per_sample = [max(fn(p, r) for r in refs) for p, refs in zip(predictions, references)]
-    return round(100 * sum(per_sample) / len(per_sample), 2) if per_sample else 0.0
+    per_sample = [sample_score(metric, p, refs) for p, refs in zip(predictions, references)]
+    return round(sum(per_sample) / len(per_sample), 2) if per_sample else 0.0

