@@ -153,6 +153,7 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI: subtracted from the logit of every token the completion already has
     frequency_penalty: float = 0.0  # OpenAI: subtracted × the number of times the completion has the token
     repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in the prompt or the completion ÷ it (if > 0, else ×)
+    logit_bias: dict[str, float] = field(default_factory=dict)  # OpenAI: token id (a string) → added to its logit
     logprobs: int = -1  # ≥ 0: report each token's log-probability and this many most likely alternatives
     echo: bool = False  # with logprobs ≥ 0: the prefill also reports every prompt token's (OpenAI `echo`)
 

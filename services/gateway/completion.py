@@ -106,7 +106,7 @@ class CompletionRun:
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed, top_p=job.top_p, top_k=job.top_k,
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
-                            repetition_penalty=job.repetition_penalty, logprobs=job.logprobs,
+                            repetition_penalty=job.repetition_penalty, logit_bias=job.logit_bias, logprobs=job.logprobs,
                             echo=job.echo and job.logprobs >= 0)
         first, done = -1, None
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
+from services.gateway.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -62,7 +62,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                     "echo": {"type": "boolean", "description": "the prompt comes back before the completion (with "
                                                                "its logprobs, if asked); not with stream"},
                     "top_logprobs": {"type": "null", "description": "chat only (here: logprobs)"},
-                }, ["prompt"], model_id, max_positions),
+                }, ["prompt"], model_id, max_positions, vocab_size),
                 "ChatCompletionRequest": _request({
                     "messages": {"type": "array", "minItems": 1, "items": {
                         "type": "object", "required": ["role", "content"],
@@ -73,7 +73,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                     "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
                                      "description": "with logprobs: this many alternatives per token"},
                     "echo": {"enum": [False, None], "description": "completions only"},
-                }, ["messages"], model_id, max_positions),
+                }, ["messages"], model_id, max_positions, vocab_size),
                 "CompletionResponse": _response("text_completion", {
                     "type": "object", "required": ["index", "text", "finish_reason"],
                     "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
@@ -134,13 +134,27 @@ def _object(properties: dict[str, Schema], required: list[str] | None = None) ->
             "properties": properties}
 
 
+def integers_below(n: int) -> str:
+    """A regex for the decimal integers 0 … n-1 without leading zeros (the JSON Schema of a token id as a map key)."""
+    top = str(n - 1)
+    alternatives = ["0"] + [f"[1-9][0-9]{{{w - 1}}}" for w in range(1, len(top)) if w > 1] + (["[1-9]"] if len(top) > 1 else [])
+    for i, digit in enumerate(top):  # as long as top: top's first i digits, then a smaller digit, then any
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            alternatives.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(?:" + "|".join(dict.fromkeys(alternatives)) + ")$"
+
+
 def _ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int) -> Schema:
+def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int,
+             vocab_size: int) -> Schema:
     """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
-    OpenAI's options not implemented yet (best_of, logit_bias) are described at the one value that
+    OpenAI's options not implemented yet (best_of) are described at the one value that
     means "off"; any other value is a 400. Other fields (user, …) are accepted and ignored."""
     room = max_positions - 1
     max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,
@@ -163,6 +177,11 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                               "description": "subtracted per occurrence of the token in the completion so far"},
         "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
                                "description": "logits of tokens in the prompt or completion ÷ it (× if negative); 1 = off"},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": integers_below(vocab_size)},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "token id → added to its logit before sampling (-100 bans it, 100 forces it); "
+                                      f"ids below {vocab_size}"},
         "stream": {"type": "boolean", "description": "server-sent events, one chunk per token, ending with `data: [DONE]`"},
         "stream_options": {"anyOf": [{"type": "null"}, _object({"include_usage": {"type": "boolean"}}, [])],
                            "description": "with stream: include_usage adds a last chunk with `choices: []` and the usage"},

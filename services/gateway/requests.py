@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generat
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
 # OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
 # the default), refused with a 400 naming the option otherwise: never silently ignored.
-NOT_YET = {"best_of": (1,), "logit_bias": ({},)}
+NOT_YET = {"best_of": (1,)}
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # OpenAI's limit on (top_)logprobs alternatives
 
@@ -61,6 +63,7 @@ class CompletionJob:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id → added to its logit
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -137,6 +140,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     penalties = {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
                  "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                  "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, above=True)}
+    logit_bias = _logit_bias(body.get("logit_bias"), len(tokenizer))
     n = body.get("n", 1)
     if isinstance(n, bool) or n != 1:
         raise ApiError(400, "only n=1 is supported", "n")
@@ -210,7 +214,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
                          kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
                          failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
-                         **penalties)
+                         logit_bias=logit_bias, **penalties)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, above: bool = False) -> float:
@@ -224,6 +228,23 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
         raise ApiError(400, f"{name} must be a number {'above' if above else 'from'} {low:g} "
                             f"{'and at most' if above else 'to'} {high:g}", name)
     return float(value)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[str, float]:
+    """OpenAI's `logit_bias`, checked: {token id (a string, decimal, no leading zero): bias from -100 to 100}, at most
+    MAX_LOGIT_BIAS entries; absent, null or {} means none."""
+    if value is None:
+        return {}
+    problem = (f"logit_bias maps token ids (strings of 0..{vocab_size - 1}) to numbers from -100 to 100, "
+               f"at most {MAX_LOGIT_BIAS} of them")
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(400, problem, "logit_bias")
+    for key, bias in value.items():
+        if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key) and int(key) < vocab_size) \
+                or isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
+                or not -100 <= bias <= 100:
+            raise ApiError(400, problem, "logit_bias")
+    return {key: float(bias) for key, bias in value.items()}
 
 
 def _logprobs_and_echo(body: dict, kind: str) -> tuple[int, bool]:

@@ -44,6 +44,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequenc
     and `completion` (its tokens 0…index-1): what the penalties look at."""
     if sampling.penalizes:
         logits = penalized(logits, sampling, prompt, completion[:index])
+    if sampling.logit_bias:
+        logits = biased(logits, sampling.logit_bias)
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float().cpu() / sampling.temperature
@@ -66,6 +68,14 @@ def penalized(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], c
     if completion and (sampling.presence_penalty or sampling.frequency_penalty):
         counts = torch.bincount(torch.tensor(list(completion), device=out.device), minlength=out.numel()).float()
         out -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
+    return out
+
+
+def biased(logits: torch.Tensor, logit_bias: dict[str, float]) -> torch.Tensor:
+    """logits (vocab,) with OpenAI's `logit_bias` added: token id (a string) → bias (±100 bans or forces it)."""
+    out = logits.float().clone()
+    ids = torch.tensor([int(t) for t in logit_bias], device=out.device)
+    out[ids] += torch.tensor(list(logit_bias.values()), device=out.device)
     return out
 
 

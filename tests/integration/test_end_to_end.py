@@ -96,6 +96,14 @@ def test_seeded_sampling_is_the_same_in_both_modes(clean_stack):
     _, a = post_json(url, penalized | {"transfer_mode": "full"})
     _, b = post_json(url, penalized | {"transfer_mode": "colocated"})
     assert a["smartgen"]["token_ids"] == b["smartgen"]["token_ids"]
+    # logit_bias reaches both processes: greedy's tokens 0 and 1 banned, then forced back by the other map
+    first, second = greedy["smartgen"]["token_ids"][:2]
+    banned = body | {"temperature": 0, "logit_bias": {str(first): -100, str(second): -100}}
+    for mode in ("full", "colocated"):
+        _, out = post_json(url, banned | {"transfer_mode": mode})
+        assert first not in out["smartgen"]["token_ids"] and second not in out["smartgen"]["token_ids"], mode
+    _, forced = post_json(url, body | {"temperature": 1.5, "logit_bias": {str(second): 100}, "transfer_mode": "full"})
+    assert forced["smartgen"]["token_ids"] == [second] * 10
 
 
 def test_concurrent_requests_all_complete(clean_stack):

@@ -171,13 +171,29 @@ def test_sampling_options_are_checked_and_carried():
         assert refused.value.param == name
 
 
-@pytest.mark.parametrize("name, off, on", [("best_of", 1, 2), ("logit_bias", {}, {"5": 10})])
+@pytest.mark.parametrize("name, off, on", [("best_of", 1, 2)])
 def test_unsupported_options_are_refused_unless_off(name, off, on):
     """Never silently ignored: the value that means "off" is accepted, any other is a 400 naming the option."""
     parse({"prompt": "x", name: off}, "completion")
     with pytest.raises(ApiError) as refused:
         parse({"prompt": "x", name: on}, "completion")
     assert refused.value.param == name and name in refused.value.message
+
+
+def test_logit_bias_is_checked():
+    """logit_bias: token ids as strings of digits below the vocabulary, biases from -100 to 100, at most
+    MAX_LOGIT_BIAS entries; null and {} mean none; anything else is a 400 naming it."""
+    from services.gateway.requests import MAX_LOGIT_BIAS
+
+    assert parse({"prompt": "x", "logit_bias": {"5": 10, "7": -100}}, "completion").logit_bias == {"5": 10.0, "7": -100.0}
+    assert parse({"prompt": "x", "logit_bias": None}, "completion").logit_bias == {}
+    assert parse({"prompt": "x", "logit_bias": {}}, "completion").logit_bias == {}
+    too_many = {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}
+    for bad in ([5], {"x": 1}, {"-1": 1}, {"07": 1}, {"²": 1}, {str(VOCAB): 1}, {"5": 101}, {"5": True}, {"5": "1"}, {"5": float("nan")},
+                too_many):
+        with pytest.raises(ApiError) as refused:
+            parse({"prompt": "x", "logit_bias": bad}, "completion")
+        assert refused.value.param == "logit_bias", bad
 
 
 def test_a_list_of_prompts_is_one_job_each():

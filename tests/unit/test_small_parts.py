@@ -124,6 +124,22 @@ def test_penalties_follow_openai_and_vllm():
     assert sample(logits, Sampling(repetition_penalty=2.0), 0, prompt=[0]) == 2
 
 
+def test_logit_bias_is_added_before_sampling():
+    """logit_bias adds to the named tokens' logits, after the penalties: −100 bans the greedy choice, +100 forces a
+    token at any temperature; the raw logits are left as they were (logprobs report the model's own)."""
+    import torch
+
+    from schemas import Sampling
+    from shared.compute.sampling import biased, sample
+
+    logits = torch.tensor([2.0, -1.0, 1.5, 0.5])
+    assert biased(logits, {"0": -100.0, "3": 1.0}).tolist() == [-98.0, -1.0, 1.5, 1.5]
+    assert logits.tolist() == [2.0, -1.0, 1.5, 0.5]
+    assert sample(logits, Sampling(logit_bias={"0": -100.0}), 0) == 2
+    assert {sample(logits, Sampling(temperature=2.0, seed=s, logit_bias={"1": 100.0}), 0) for s in range(20)} == {1}
+    assert sample(logits, Sampling(frequency_penalty=1.0, logit_bias={"0": 0.4}), 1, completion=[0]) == 2  # 2−1+0.4 < 1.5
+
+
 def test_a_vanishing_temperature_samples_greedily():
     """A temperature so small that logits / T overflows (the API fuzz sent 2e-187) is its limit, greedy, not a
     NaN distribution that fails the request."""
