@@ -98,7 +98,7 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
             response.headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         return response
     if len(jobs) > 1:
-        return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER))
+        return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     job = jobs[0]
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
@@ -169,10 +169,11 @@ async def _complete(gw: Gateway, run: CompletionRun) -> dict[str, Any]:
     return _final_body(gw, run, text.emitted)
 
 
-async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str | None) -> web.Response:
-    """A completions body with several prompts: each runs as a request of its own (admitted, queued and counted
-    alone), all at once; the answer has one choice per prompt, in order, each with its own `smartgen` figures
-    (the top-level `smartgen` is the first's), and the summed usage. The first failure answers for all."""
+async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str | None, n: int) -> web.Response:
+    """A body that asks for several choices (several prompts, `n` answers each): each runs as a request of its own
+    (admitted, queued and counted alone), all at once; the answer has the choices in order, each with its own
+    `smartgen` figures (the top-level `smartgen` is the first's), and the usage: every prompt's tokens once, every
+    choice's completion tokens. The first failure answers for all."""
     async def one(job: CompletionJob) -> dict[str, Any]:
         with structlog.contextvars.bound_contextvars(request_id=job.request_id):
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
@@ -192,7 +193,9 @@ async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str 
         if isinstance(outcome, BaseException):
             raise outcome
     choices = [{**body["choices"][0], "index": i, "smartgen": body["smartgen"]} for i, body in enumerate(bodies)]
-    usage = {key: sum(body["usage"][key] for body in bodies) for key in bodies[0]["usage"]}
+    usage = {"prompt_tokens": sum(body["usage"]["prompt_tokens"] for body in bodies[::n]),
+             "completion_tokens": sum(body["usage"]["completion_tokens"] for body in bodies)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     batch_id = client_id or jobs[0].request_id.rsplit("-", 1)[0]  # the jobs' ids are <batch_id>-<i>
     response = web.json_response({**bodies[0], "id": batch_id, "choices": choices, "usage": usage})
     response.headers[REQUEST_ID_HEADER] = batch_id

@@ -166,7 +166,9 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "max_completion_tokens": {**max_tokens, "description": "OpenAI's newer name; max_tokens wins if both"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "description": "0 = greedy"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_PROMPTS,
+              "description": "answers per prompt, each sampled alone (with a seed: answer j uses seed + j); not with "
+                             f"stream; prompts × n ≤ {MAX_PROMPTS}"},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
                   "description": "nucleus sampling: the most likely tokens whose probabilities reach top_p (1 = all)"},
         "top_k": {"type": ["integer", "null"], "minimum": -1,

@@ -13,7 +13,7 @@ from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILU
 from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
-MAX_PROMPTS = 32  # completions: a list of prompts is this many jobs at most
+MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts × n), each a job
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
 # OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
@@ -71,24 +71,39 @@ class CompletionJob:
 def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
                default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR,
                request_id: str | None = None) -> list[CompletionJob]:
-    """A completions body whose `prompt` is a list of several texts or of several token-id lists is several
-    jobs, one per prompt (choice i answers prompt i; request ids `<id>-<i>`); any other body is one job
-    (`parse_job`)."""
-    prompts = body.get("prompt") if isinstance(body, dict) and kind == "completion" else None
-    if not (isinstance(prompts, list) and len(prompts) > 1
-            and (all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts))):
+    """Several jobs when the body asks for several choices: a completions `prompt` that is a list of several texts
+    or of several token-id lists, and/or `n` > 1 (both routes). Choice p·n + j is the j-th answer to prompt p,
+    request id `<id>-<p·n + j>`; with a `seed`, answer j samples with seed + j (answer 0 is what n = 1 gives).
+    Any other body is one job (`parse_job`)."""
+    if not isinstance(body, dict):
         return [parse_job(body, kind, tokenizer, max_positions, model_id, default_mode, default_max_tokens,
                           default_selector, request_id)]
-    if len(prompts) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt may be a list of at most {MAX_PROMPTS} prompts", "prompt")
+    n = 1 if body.get("n") is None else body["n"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROMPTS:
+        raise ApiError(400, f"n must be an integer from 1 to {MAX_PROMPTS}", "n")
+    prompts = body.get("prompt") if kind == "completion" else None
+    several = (isinstance(prompts, list) and len(prompts) > 1
+               and (all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts)))
+    if not several and n == 1:
+        return [parse_job(body, kind, tokenizer, max_positions, model_id, default_mode, default_max_tokens,
+                          default_selector, request_id)]
+    if (len(prompts) if several else 1) * n > MAX_PROMPTS:
+        raise ApiError(400, f"prompts × n may be at most {MAX_PROMPTS} choices", "n" if n > 1 else "prompt")
     if body.get("stream"):
-        raise ApiError(400, "stream: true takes one prompt", "prompt")
+        raise ApiError(400, "stream: true takes one prompt and n = 1", "n" if n > 1 else "prompt")
     base = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
     if len(base) > MAX_REQUEST_ID_CHARS - 3:
-        raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS - 3} characters with several prompts",
+        raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS - 3} characters with several choices",
                        "X-Request-Id")
-    return [parse_job({**body, "prompt": prompt}, kind, tokenizer, max_positions, model_id, default_mode,
-                      default_max_tokens, default_selector, f"{base}-{i}") for i, prompt in enumerate(prompts)]
+    seed = body.get("seed")
+    derive = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED
+    jobs = []
+    for p, prompt in enumerate(prompts if several else [body.get("prompt")]):
+        for j in range(n):
+            one = {**body, "n": 1} | ({"prompt": prompt} if several else {}) | ({"seed": (seed + j) % (MAX_SEED + 1)} if derive else {})
+            jobs.append(parse_job(one, kind, tokenizer, max_positions, model_id, default_mode, default_max_tokens,
+                                  default_selector, f"{base}-{p * n + j}"))
+    return jobs
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
@@ -142,8 +157,8 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                  "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, above=True)}
     logit_bias = _logit_bias(body.get("logit_bias"), len(tokenizer))
     n = body.get("n", 1)
-    if isinstance(n, bool) or n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    if isinstance(n, bool) or n not in (1, None):  # NOTE: parse_jobs turns n > 1 into n jobs of n = 1
+        raise ApiError(400, "n > 1 is several jobs: parse_jobs makes them", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")

@@ -31,7 +31,8 @@ def worker_request_counts(stack) -> dict[str, str]:
     ({**GOOD, "temperature": -1}, "temperature"),
     ({**GOOD, "stop": [1, 2]}, "stop"),
     ({**GOOD, "stream": "yes"}, "stream"),
-    ({**GOOD, "n": 3}, "n"),
+    ({**GOOD, "n": 0}, "n"),
+    ({**GOOD, "n": 2, "stream": True}, "n"),
     ({**GOOD, "transfer_mode": "teleport"}, "transfer_mode"),
     ({**GOOD, "transfer_mode": "quantized", "kv_bits": 3}, "kv_bits"),
     ({**GOOD, "transfer_mode": "full", "kv_bits": 2}, "kv_bits"),  # bits are for quantized only

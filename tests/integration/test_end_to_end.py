@@ -190,6 +190,30 @@ def test_a_list_of_prompts_answers_one_choice_each(clean_stack, tiny_model_path)
     assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in body["choices"]]
 
 
+def test_n_answers_each_prompt_n_times(clean_stack):
+    """n > 1, both routes: n choices per prompt (choice p·n + j), each sampled alone; with a seed, answer 0 is the
+    n = 1 answer and answer j is the n = 1 answer with seed + j; a prompt's tokens count once in the usage."""
+    from openai import OpenAI
+
+    url = clean_stack.gateway_url + "/v1/completions"
+    sampled = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    status, body = post_json(url, {"prompt": [PROMPT, "Once upon a time"], "n": 3, **sampled})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for p, prompt in enumerate([PROMPT, "Once upon a time"]):
+        alone = [post_json(url, {"prompt": prompt, **sampled, "seed": 7 + j})[1] for j in range(3)]
+        assert [c["smartgen"]["token_ids"] for c in body["choices"][3 * p: 3 * p + 3]] == \
+            [a["smartgen"]["token_ids"] for a in alone]
+    assert len({tuple(c["smartgen"]["token_ids"]) for c in body["choices"][:3]}) > 1  # the answers differ
+    assert body["usage"]["prompt_tokens"] == sum(post_json(url, {"prompt": p, "max_tokens": 1})[1]["usage"]["prompt_tokens"]
+                                                 for p in [PROMPT, "Once upon a time"])
+    assert body["usage"]["completion_tokens"] == 36
+    client = OpenAI(base_url=clean_stack.gateway_url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model=client.models.list().data[0].id, n=2, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_openai_client_works(clean_stack):
     """The official openai client talks to the gateway, streaming and not."""
     from openai import OpenAI

@@ -26,7 +26,8 @@ EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundre
 # Constraints between fields that the schema states in words only: a valid body may still get a 400 for these.
 CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
                       "ablate", "stream_options",  # stream_options goes with stream: true
-                      "top_logprobs", "echo"}  # top_logprobs needs logprobs: true; echo is not for stream: true
+                      "top_logprobs", "echo",  # top_logprobs needs logprobs: true; echo is not for stream: true
+                      "n"}  # n > 1 is not for stream: true, and prompts × n has a cap
 
 
 class FakeTokenizer:
