@@ -349,6 +349,7 @@ class Progress:
     step: int
     backlog_blocks: int  # blocks the broker sent earlier that are not local yet
     num_missing: int  # (layer, KV head, token) entries still remote
+    wants_background: bool = True  # False: no background batch now (the rest cannot move before the request ends)
 
 
 @dataclass(frozen=True, slots=True)

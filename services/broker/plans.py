@@ -100,15 +100,16 @@ class PlanBook:
             self.history.append(plan.summary())
         return plan
 
-    def next_batch(self, request_id: str, backlog_blocks: int) -> tuple[list[int], int]:
-        """The blocks to send on the background lane after one decode iteration: (blocks, remaining)."""
+    def next_batch(self, request_id: str, backlog_blocks: int, wanted: bool = True) -> tuple[list[int], int]:
+        """The blocks to send on the background lane after one decode iteration: (blocks, remaining); none when
+        the decode node does not want any now (`wanted` False)."""
         plan = self.live.get(request_id)
         if plan is None:
             return [], 0
         plan.touched = time.monotonic()
         if plan.state == "opening":
             self.advance(request_id, "transferring")
-        if not plan.plan.background:
+        if not plan.plan.background or not wanted:
             return [], len(plan.queue)
         if plan.batch_size == 0:
             plan.batch_size = max(1, math.ceil(self.ratio * len(plan.queue)))

@@ -90,7 +90,7 @@ class BrokerService(Service):
         return planned.plan
 
     async def progress(self, req: Progress) -> BackgroundBatch:
-        blocks, remaining = self.book.next_batch(req.request_id, req.backlog_blocks)
+        blocks, remaining = self.book.next_batch(req.request_id, req.backlog_blocks, req.wants_background)
         return BackgroundBatch(req.request_id, blocks, remaining)
 
     async def event(self, ev: PlanEvent) -> None:

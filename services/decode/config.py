@@ -12,6 +12,10 @@ class DecodeConfig(ModelWorkerConfig):
     # a request's tokens do not depend on what else steps with it (each row projected as if alone; costs
     # throughput at B ≥ 2, README "Batch invariance"); false: faster batches whose rounding depends on the batch
     batch_invariant: bool = True
+    # path 3 reads the rest of a request's KV only while it can all arrive before the completion's last token (its
+    # bytes at the plan's link rate against the steps left at the measured step time); false: whenever planned.
+    # NOTE: off by default until a side-by-side run measures it (docs/results: the background-lane probe)
+    background_if_it_can_finish: bool = False
     # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below

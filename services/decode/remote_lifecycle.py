@@ -28,15 +28,26 @@ RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets th
 CONTROL_TIMEOUT_S = 5.0  # release, progress: bookkeeping calls
 BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
 BACKGROUND_RETRY_S = (0.05, 1.0)  # a failed background batch is read again after this long, doubling up to the cap
+STEP_TIME_WEIGHT = 0.25  # each step's weight in the running step time
+
+
+def background_can_finish(missing_bytes: int, link_gbps: float, steps_left: int, step_s: float) -> bool:
+    """Whether path 3 can make a request all-local before it ends: the KV still remote, at the link's rate, must
+    fit in the steps left at the step time. Otherwise its reads only compete with decoding (for the link and the
+    decode process) for entries the request may never need. Unknown rates (0) do not decline."""
+    if link_gbps <= 0 or step_s <= 0:
+        return True
+    return missing_bytes * 8 / (link_gbps * 1e9) <= steps_left * step_s
 
 
 class RemoteKvLifecycle:
     def __init__(self, nc: Client, worker_id: str, model_name: str, layout: KvLayout,
-                 detach_remote: Callable[[str], None]):
+                 detach_remote: Callable[[str], None], background_if_it_can_finish: bool = False):
         """`detach_remote(request_id)` tells the engine that a request's attention reads no remote KV any more
-        (called between steps)."""
+        (called between steps); `background_if_it_can_finish`: DecodeConfig's setting of that name."""
         self.nc, self.worker_id, self.model_name, self.layout = nc, worker_id, model_name, layout
         self.detach_remote = detach_remote
+        self.background_if_it_can_finish = background_if_it_can_finish
 
     def start(self, state: DecodeRequest) -> None:
         """The request decodes with part of its KV remote: keep the lease, and read the background batches."""
@@ -46,6 +57,11 @@ class RemoteKvLifecycle:
             state.helpers.append(asyncio.create_task(self._read_background(state)))
 
     async def after_step(self, state: DecodeRequest, step: int) -> None:
+        now = asyncio.get_running_loop().time()
+        if state.last_step_at:
+            took = now - state.last_step_at
+            state.step_s = took if not state.step_s else (1 - STEP_TIME_WEIGHT) * state.step_s + STEP_TIME_WEIGHT * took
+        state.last_step_at = now
         remote = state.remote
         if remote is None or state.is_released:
             return
@@ -58,9 +74,10 @@ class RemoteKvLifecycle:
         """Tell the broker a step is done; queue the background batch it answers with."""
         assert state.req and state.req.plan and state.remote
         plan = state.req.plan
+        wants = self._wants_background(state, step)
         try:
             batch = await call(self.nc, subjects.worker("broker", plan.broker_worker_id, "progress"),
-                               Progress(state.request_id, step, state.backlog, state.remote.num_missing),
+                               Progress(state.request_id, step, state.backlog, state.remote.num_missing, wants),
                                BackgroundBatch, CONTROL_TIMEOUT_S)
         except RemoteError as exc:
             log.warning("broker_progress_failed", error=exc.message)
@@ -68,6 +85,23 @@ class RemoteKvLifecycle:
         if batch.blocks and not state.is_released:
             state.backlog += len(batch.blocks)
             state.background.put_nowait(batch.blocks)
+
+    def _wants_background(self, state: DecodeRequest, step: int) -> bool:
+        """Path 3 now, unless the setting is on and the rest of the KV cannot arrive before the request ends (until
+        a step time is measured, after step 1, it waits)."""
+        assert state.req and state.req.plan and state.remote
+        if not state.req.plan.background or not self.background_if_it_can_finish:
+            return True
+        if not state.step_s:
+            return False
+        remote = state.remote
+        can = background_can_finish(remote.num_missing * 2 * remote.token_bytes, state.req.plan.link_gbps,
+                                    state.req.max_tokens - 1 - step, state.step_s)
+        if not can and not state.background_declined:
+            state.background_declined = True
+            log.info("background_declined", step=step, missing_entries=remote.num_missing,
+                     link_gbps=state.req.plan.link_gbps, step_s=round(state.step_s, 4))
+        return can
 
     async def _read_background(self, state: DecodeRequest) -> None:
         """Read the broker's batches one after another. A batch that fails is read again after a backoff (the

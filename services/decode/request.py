@@ -73,6 +73,9 @@ class DecodeRequest:
     # batch while the blocks it already gave (`backlog`) are a batch or more (services/broker/plans.py).
     background: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)
     progress_call: asyncio.Task[None] | None = None
+    last_step_at: float = 0.0  # loop time of the latest finished step (RemoteKvLifecycle times steps with it)
+    step_s: float = 0.0  # the recent decode step time, seconds (an average over the last steps; 0 = unknown)
+    background_declined: bool = False  # path 3 was declined at least once: the rest could not arrive in time
     ending_remote: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
     recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
     step1_kv_bytes: int = 0  # see TokenEvent

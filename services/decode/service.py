@@ -95,7 +95,7 @@ class DecodeService(ModelWorkerService):
                                           self.config.floor)
         self.batcher = StepBatcher(self.engine, self.in_torch, self.config.max_batch)
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
-                                           self.engine.detach_remote)
+                                           self.engine.detach_remote, self.config.background_if_it_can_finish)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort), resend=endpoint(ResendTokens, self.resend))
         await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))

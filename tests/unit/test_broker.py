@@ -205,3 +205,13 @@ def test_no_background_means_no_batches_and_stale_plans_expire():
     plan = make_plan(book, background=False)
     assert book.next_batch("r", 0) == ([], 0)
     assert book.expire(now=plan.touched + 6) == ["r"] and book.num_by_final_state["expired"] == 1
+
+
+def test_a_decode_node_that_wants_no_background_gets_none():
+    """Progress with wants_background False (the rest cannot arrive before the request ends) hands out nothing
+    and keeps the queue for a later step that wants it."""
+    book = PlanBook(ratio=0.1)
+    make_plan(book, queue=95)
+    assert book.next_batch("r", 0, wanted=False) == ([], 95)
+    batch, remaining = book.next_batch("r", 0)
+    assert len(batch) == 10 and remaining == 85

@@ -114,3 +114,16 @@ async def test_an_issued_on_demand_read_goes_before_a_background_read():
     await asyncio.to_thread(pending.wait)
     await background
     assert plane.lanes == [Lane.ON_DEMAND, Lane.BACKGROUND] and not remote.is_on_demand_busy
+
+
+def test_background_runs_only_when_the_rest_can_arrive_in_time():
+    """Path 3's policy: the remote bytes at the link rate against the steps left at the step time; unknown rates
+    never decline."""
+    from services.decode.remote_lifecycle import background_can_finish
+
+    mb = 1 << 20
+    assert background_can_finish(40 * mb, 1.0, steps_left=63, step_s=0.1)  # 0.34 s of link, 6.3 s of decode
+    assert not background_can_finish(40 * mb, 0.01, steps_left=63, step_s=0.1)  # 34 s of link
+    assert not background_can_finish(40 * mb, 1.0, steps_left=3, step_s=0.1)  # too few steps left
+    assert background_can_finish(40 * mb, 0.0, steps_left=1, step_s=0.1)  # unpaced or unknown link
+    assert background_can_finish(0, 0.01, steps_left=0, step_s=0.1)  # nothing left to move
