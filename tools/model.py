@@ -41,7 +41,7 @@ def prepare_selectors(path, force: bool = False) -> None:
 
     prep_dir = prep_dir_of(Path(path))
     def current(file: Path) -> bool:
-        return file.is_file() and preparation.recipe_of(file) == preparation.RECIPE
+        return file.is_file() and preparation.recipe_of(file) == preparation.default_recipe()
 
     missing = [name for name in ("infinigen", "hata") if force or not current(prep_dir / f"{name}.safetensors")]
     if missing:

@@ -158,7 +158,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     logit_bias = _logit_bias(body.get("logit_bias"), len(tokenizer))
     n = body.get("n", 1)
     if isinstance(n, bool) or n not in (1, None):  # NOTE: parse_jobs turns n > 1 into n jobs of n = 1
-        raise ApiError(400, "n > 1 is several jobs: parse_jobs makes them", "n")
+        raise ApiError(400, f"n must be an integer from 1 to {MAX_PROMPTS}", "n")  # parse_jobs splits n > 1 into jobs
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
@@ -238,8 +238,8 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or not (low < value if above else low <= value) or value > high:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (low < value if above else low <= value) or not value <= high:  # NaN fails both comparisons
         raise ApiError(400, f"{name} must be a number {'above' if above else 'from'} {low:g} "
                             f"{'and at most' if above else 'to'} {high:g}", name)
     return float(value)
@@ -255,9 +255,10 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[str, float]:
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
         raise ApiError(400, problem, "logit_bias")
     for key, bias in value.items():
-        if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key) and int(key) < vocab_size) \
-                or isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
-                or not -100 <= bias <= 100:
+        # NOTE: the length first (int() refuses over 4,300 digits), the range before NaN (isnan overflows on 10**400)
+        if not (isinstance(key, str) and len(key) <= len(str(vocab_size)) and re.fullmatch(r"0|[1-9][0-9]*", key)
+                and int(key) < vocab_size) or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:  # NaN fails every comparison
             raise ApiError(400, problem, "logit_bias")
     return {key: float(bias) for key, bias in value.items()}
 

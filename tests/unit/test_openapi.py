@@ -124,6 +124,9 @@ def test_parse_job_judges_generated_bodies_as_the_schema_does(kind, mode):
     ({"prompt": "x\ud800"}, "prompt"),  # the tokenizer's TypeError: a 500
     ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
     ({"prompt": "x", "n": True}, "n"),  # True == 1 slipped through
+    ({"prompt": "x", "top_p": 10**400}, "top_p"),  # math.isnan overflowed: a 500
+    ({"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # int() refuses over 4,300 digits: a 500
     ({"prompt": "x", "stop": 0}, "stop"),  # falsy values slipped through as "no stop"
     ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": "no"}, "max_completion_tokens"),  # max_tokens hid it
 ])

@@ -90,6 +90,8 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
     from shared.compute.selectors import default_prep_dir
     from shared.models import resolve_model
 
+    if workloads.CALIBRATION_TASK in tasks:
+        raise SystemExit(f"{workloads.CALIBRATION_TASK} is what profiles and selectors calibrate on: evaluate other tasks")
     path = resolve_model(model)
     runner = ModelRunner(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

