@@ -262,6 +262,7 @@ class TokenEvent:
     step_local_share: list[float] = field(default_factory=list)  # per decode step (token 2 on)
     step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network
     all_local_step: int = -1  # the step after which every entry was local (-1: never, or no remote KV)
+    background_declined: bool = False  # path 3 was held back: the rest could not arrive before the request ended
     recompute_reason: str = ""  # failure_policy recompute: why this worker recomputed the prefill ("" = it did not)
     # what the first decode step needed from the link, in bytes on the wire: nothing (colocated), everything the
     # mode pushes (full, quantized), or the metadata, the dense layers and step 1's own selection (selective)

@@ -39,7 +39,8 @@ def final_event(state: DecodeRequest, req: Generate, selection: Selection | None
                       on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
                       step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
                       step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
-                      all_local_step=state.all_local_step, recompute_reason=state.recompute_reason,
+                      all_local_step=state.all_local_step, background_declined=state.background_declined,
+                      recompute_reason=state.recompute_reason,
                       step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6))
 
 

@@ -469,6 +469,7 @@ class CompletionRun:
             "step_local_share": final.step_local_share if final else [],
             "step_wait_s": final.step_wait_s if final else [],
             "all_local_step": final.all_local_step if final and final.all_local_step >= 0 else None,
+            "background_declined": bool(final and final.background_declined),
             "plan": {"mode": plan.mode, "reason": plan.reason, "profile": plan.profile or None,
                      "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),

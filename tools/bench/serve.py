@@ -387,6 +387,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "step1_local_share": _mean([x["step_local_share"][0] for x in rs if x.get("step_local_share")]),
             "on_demand_wait_s": _mean([x["on_demand_wait_s"] for x in rs]),
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
+            "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
             # all of the setting's requests were served together, `concurrency` at a time: their tokens ÷ that time
             "output_tokens_per_s": (sum(len(x["token_times_s"]) for x in rs) / rs[0]["served_in_s"]
