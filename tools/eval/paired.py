@@ -2,7 +2,8 @@
 show a 1-point gap, in one process.
 
 Every configuration decodes through the decode worker's own engine (shared/compute/decode_engine.py) from the
-same prefill, so a sample's answers differ only by what the configuration changes:
+same prefill, all of a sample's configurations stepping together in one decode batch (batch-invariant: each row
+computes as it would alone), so a sample's answers differ only by what the configuration changes:
 
     dense                     the prompt's KV as prefill computed it, kept in `kv_dtype` (what colocated and
                               full decode: transfer is lossless)
@@ -66,16 +67,17 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     runner = ModelRunner(path)
-    page_tokens = 16
-    room = -(-(prompt_tokens + 512) // page_tokens)  # one slab at a time: a prompt (± its template) and its answer
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room), default_prep_dir(path))
+    page_tokens, configs = 16, configurations(selectors)
+    room = -(-(prompt_tokens + 512) // page_tokens)  # one slab: a prompt (± its template) and its answer
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room * len(configs)),
+                          default_prep_dir(path))
     for selector in selectors:
         engine.selector(selector)  # a missing preparation fails before the first prefill
     if workloads.CALIBRATION_TASK in tasks:
         raise SystemExit(f"{workloads.CALIBRATION_TASK} is what profiles and selectors calibrate on: evaluate other tasks")
     settings = {"selectors": selectors, "kv_budget": kv_budget, "tasks": tasks, "samples_per_task": samples_per_task,
                 "prompt_tokens": prompt_tokens, "kv_dtype": kv_dtype, "model": path.name,
-                "preparation": _recipes(default_prep_dir(path), selectors), "version": 2}
+                "preparation": _recipes(default_prep_dir(path), selectors), "version": 3}
     per_task = [workloads.TASKS[t](tokenizer, samples_per_task, prompt_tokens) for t in tasks]
     samples = [s for round_ in itertools.zip_longest(*per_task) for s in round_ if s is not None]  # tasks in turn
     if not samples:
@@ -96,17 +98,18 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
             ids = _prompt_ids(tokenizer, sample)
             logits, cache = runner.prefill(ids)
             row = {"settings": settings, "key": key, "task": sample.task, "prompt_tokens": len(ids), "configs": {}}
-            dense_tokens, dense_logprobs = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, "dense", kv_budget)
-            for name in configurations(selectors):
+            answers = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, configs, kv_budget)
+            dense_tokens, dense_logprobs = answers["dense"]
+            diverged = [name for name in configs if answers[name][0] != dense_tokens]
+            forced = _forced(engine, cache, ids, dense_tokens, diverged, kv_budget) if diverged else {}
+            for name in configs:
+                tokens = answers[name][0]
                 if name == "dense":
-                    tokens, kl, agree = dense_tokens, [], []
-                else:
-                    tokens, logprobs = _greedy(engine, cache, ids, logits, sample.max_new_tokens, eos, name, kv_budget)
-                    same = _common_prefix(tokens, dense_tokens)
-                    if same < len(dense_tokens):  # diverged: feed dense's answer to compare every position
-                        logprobs = _forced(engine, cache, ids, dense_tokens, name, kv_budget)
-                    kl = (dense_logprobs.exp() * (dense_logprobs - logprobs[: len(dense_tokens)])).sum(-1)[1:].tolist()
-                    agree = (dense_logprobs.argmax(-1) == logprobs[: len(dense_tokens)].argmax(-1))[1:].tolist()
+                    kl, agree = [], []
+                else:  # along dense's answer: a configuration that gave the same answer was fed it already
+                    logprobs = forced[name] if name in forced else answers[name][1]
+                    kl = (dense_logprobs.exp() * (dense_logprobs - logprobs)).sum(-1)[1:].tolist()
+                    agree = (dense_logprobs.argmax(-1) == logprobs.argmax(-1))[1:].tolist()
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 row["configs"][name] = {"score": sample_score(sample.metric, text, sample.answers), "text": text,
                                         "same_tokens": tokens == dense_tokens, "kl": kl, "agree": [bool(a) for a in agree]}
@@ -210,40 +213,50 @@ def _finish(engine: DecodeEngine, rid: str) -> None:
 
 
 def _greedy(engine: DecodeEngine, cache, ids: list[int], first_logits: torch.Tensor, max_new: int, eos: int | None,
-            name: str, kv_budget: float) -> tuple[list[int], torch.Tensor]:
-    """Configuration `name`'s greedy answer and the log-probabilities (len, vocab) each of its tokens came from."""
+            names: list[str], kv_budget: float) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """Each configuration's greedy answer and the log-probabilities (len, vocab) each of its tokens came from, all
+    configurations stepping together in one decode batch (as a decode worker batches requests; each row computes
+    as it would alone, README "Batch invariance")."""
     import torch
 
-    rid = _load(engine, cache, ids, max_new, name, kv_budget)
+    rids = {name: _load(engine, cache, ids, max_new, name, kv_budget) for name in names}
     try:
-        logprobs = [torch.log_softmax(first_logits.float(), -1)]
-        tokens = [int(first_logits.argmax())]
-        while len(tokens) < max_new and tokens[-1] != eos:
-            logits = engine.step_logits(rid, tokens[-1])
-            logprobs.append(torch.log_softmax(logits.float(), -1))
-            tokens.append(int(logits.argmax()))
-        return tokens, torch.stack(logprobs)
+        first = torch.log_softmax(first_logits.float(), -1)
+        out = {name: ([int(first_logits.argmax())], [first]) for name in names}
+        running = [name for name in names if max_new > 1 and out[name][0][-1] != eos]
+        while running:
+            results = engine.step_batch([(rids[name], out[name][0][-1]) for name in running])
+            for name, logits in zip(running, results):
+                if isinstance(logits, Exception):
+                    raise logits
+                out[name][1].append(torch.log_softmax(logits.float(), -1))
+                out[name][0].append(int(logits.argmax()))
+            running = [name for name in running if len(out[name][0]) < max_new and out[name][0][-1] != eos]
+        return {name: (tokens, torch.stack(rows)) for name, (tokens, rows) in out.items()}
     finally:
-        _finish(engine, rid)
+        for rid in rids.values():
+            _finish(engine, rid)
 
 
-def _forced(engine: DecodeEngine, cache, ids: list[int], tokens: list[int], name: str, kv_budget: float) -> torch.Tensor:
-    """Configuration `name`'s log-probabilities (len(tokens), vocab) at each position of `tokens`, fed them (row 0:
-    a placeholder for the prefill's position, which is the same for every configuration)."""
+def _forced(engine: DecodeEngine, cache, ids: list[int], tokens: list[int], names: list[str],
+            kv_budget: float) -> dict[str, torch.Tensor]:
+    """Each configuration's log-probabilities (len(tokens), vocab) at each position of `tokens`, fed them, in one
+    decode batch (row 0: a placeholder for the prefill's position, the same for every configuration)."""
     import torch
 
-    rid = _load(engine, cache, ids, len(tokens), name, kv_budget)
+    rids = {name: _load(engine, cache, ids, len(tokens), name, kv_budget) for name in names}
     try:
-        rows = [torch.zeros(engine.runner.config.vocab_size)]
+        rows = {name: [torch.zeros(engine.runner.config.vocab_size)] for name in names}
         for token in tokens[:-1]:
-            rows.append(torch.log_softmax(engine.step_logits(rid, token).float(), -1))
-        return torch.stack(rows)
+            results = engine.step_batch([(rids[name], token) for name in names])
+            for name, logits in zip(names, results):
+                if isinstance(logits, Exception):
+                    raise logits
+                rows[name].append(torch.log_softmax(logits.float(), -1))
+        return {name: torch.stack(r) for name, r in rows.items()}
     finally:
-        _finish(engine, rid)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for rid in rids.values():
+            _finish(engine, rid)
 
 
 def summarize(rows: list[dict], configs: list[str], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
