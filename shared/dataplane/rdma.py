@@ -14,7 +14,8 @@ exchanged through `rendezvous` (the services route it over NATS; tests call the 
 - read: RDMA READ, one work request per remote-contiguous run, scattering into the local pieces with several
   SGEs. The owner's CPU is not involved.
 - lanes and pacing: chunks are posted ON_DEMAND first, then PUSH, BACKGROUND when allowed, with at most
-  MAX_POSTED_BYTES outstanding per link, through the same Pacer as TCP.
+  MAX_POSTED_BYTES and SEND_QUEUE_DEPTH work requests outstanding per link (a chunk of scattered runs is cut
+  at MAX_CHUNK_WRS), through the same Pacer as TCP.
 
 What RDMA does differently from TCP (see README.md): integrity relies on the link's ICRC (no crc32c per
 chunk, which would cost CPU on both sides); a READ is authorised per link (the rkey is handed out only in the
@@ -44,6 +45,7 @@ log = logging.getLogger("smartgen.dataplane.rdma")
 CHUNK_BYTES = 256 << 10
 MAX_POSTED_BYTES = 4 * CHUNK_BYTES  # per link: what may sit in the send queue ahead of an urgent chunk
 SEND_QUEUE_DEPTH = 512
+MAX_CHUNK_WRS = SEND_QUEUE_DEPTH // 4  # a chunk of scattered small segments is cut here, so it always fits the queue
 RECV_QUEUE_DEPTH = 256  # receives posted for WRITE WITH IMMEDIATE notifications
 MAX_SGE = 16
 Rendezvous = Callable[[str, dict], Awaitable[dict]]  # (peer address, our offer) → the peer's answer
@@ -85,6 +87,7 @@ class _Link:
         self.queues: dict[Lane, deque[_Chunk]] = {lane: deque() for lane in Lane}
         self.has_work = asyncio.Event()
         self.posted_bytes = 0
+        self.posted_wrs = 0  # NOTE: capped like the bytes: a post beyond the send queue's depth fails the link
         self.pacer = Pacer(plane.link_gbps)
         self.error: DataPlaneError | None = None
         self.pump = asyncio.create_task(self._pump())
@@ -115,6 +118,7 @@ class _Link:
                         f.set_exception(self.error)
                 continue
             self.posted_bytes += chunk.num_bytes
+            self.posted_wrs += len(chunk.wrs)
             stats = self.plane.lane_stats[lane]
             stats["bytes"] += chunk.num_bytes
             stats["chunks"] += 1
@@ -130,13 +134,16 @@ class _Link:
             queue = self.queues[lane]
             if not queue or (lane == Lane.BACKGROUND and self.plane.is_background_paused):
                 continue
-            if self.posted_bytes and self.posted_bytes + queue[0].num_bytes > MAX_POSTED_BYTES:
+            if self.posted_wrs and (self.posted_bytes + queue[0].num_bytes > MAX_POSTED_BYTES
+                                    or self.posted_wrs + len(queue[0].wrs) > SEND_QUEUE_DEPTH):
                 return None  # wait for completions; they wake us
             return lane
         return None
 
     def completed(self, num_bytes: int) -> None:
+        """One work request completed (each is signalled)."""
         self.posted_bytes -= num_bytes
+        self.posted_wrs -= 1
         self.has_work.set()
 
 
@@ -345,17 +352,20 @@ class RdmaDataPlane(DataPlane):
         loop = asyncio.get_running_loop()
         waits: list[asyncio.Future[None]] = []
         for piece in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES)):
-            chunk = _Chunk([], sum(s.length for s in piece))
-            for group in work_requests(piece, "dst" if imm is not None else "src"):
-                done = loop.create_future()
-                wr_id = next(self._wr_ids)
-                nbytes = sum(s.length for s in group)
-                self._pending[wr_id] = (_Pending(done, "write" if imm is not None else "read"), link, nbytes)
-                chunk.wrs.append(self._build_wr(wr_id, link, group, opcode, imm))
-                chunk.done.append(done)
-                chunk.wr_ids.append(wr_id)
-                waits.append(done)
-            link.submit(lane, chunk)
+            groups = work_requests(piece, "dst" if imm is not None else "src")
+            for first in range(0, len(groups), MAX_CHUNK_WRS):  # scattered tokens: many small WRs per chunk
+                chunk = _Chunk([], 0)
+                for group in groups[first: first + MAX_CHUNK_WRS]:
+                    done = loop.create_future()
+                    wr_id = next(self._wr_ids)
+                    nbytes = sum(s.length for s in group)
+                    self._pending[wr_id] = (_Pending(done, "write" if imm is not None else "read"), link, nbytes)
+                    chunk.wrs.append(self._build_wr(wr_id, link, group, opcode, imm))
+                    chunk.num_bytes += nbytes
+                    chunk.done.append(done)
+                    chunk.wr_ids.append(wr_id)
+                    waits.append(done)
+                link.submit(lane, chunk)
         try:
             results = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.op_timeout_s)
         except asyncio.TimeoutError:

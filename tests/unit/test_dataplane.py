@@ -379,3 +379,24 @@ def test_rdma_without_a_device_says_how_to_fix_it():
         pytest.skip("this machine has an RDMA device")
     with pytest.raises(RdmaUnavailable, match="tcp"):
         RdmaDataPlane("rdma:x", rendezvous=None)
+
+
+def test_rdma_never_posts_more_work_requests_than_its_send_queue_holds():
+    """RDMA: scattered token reads make one work request per run. A link holds a chunk back while the posted WRs
+    plus its own would pass the send queue's depth (posting beyond it fails the link), as it does for bytes; the
+    first chunk always goes."""
+    from collections import deque
+
+    from shared.dataplane import rdma
+
+    link = object.__new__(rdma._Link)
+    link.plane = type("Plane", (), {"is_background_paused": False})()
+    link.queues = {lane: deque() for lane in Lane}
+    link.posted_bytes, link.posted_wrs = 0, 0
+    link.has_work = asyncio.Event()
+    link.queues[Lane.ON_DEMAND].append(rdma._Chunk(wrs=[None] * rdma.MAX_CHUNK_WRS, num_bytes=rdma.MAX_CHUNK_WRS * 128))
+    assert link._next_lane() == Lane.ON_DEMAND
+    link.posted_bytes, link.posted_wrs = 4096, rdma.SEND_QUEUE_DEPTH - rdma.MAX_CHUNK_WRS + 1  # few bytes, many WRs
+    assert link._next_lane() is None
+    link.completed(128)
+    assert link.posted_wrs == rdma.SEND_QUEUE_DEPTH - rdma.MAX_CHUNK_WRS and link._next_lane() == Lane.ON_DEMAND

@@ -298,7 +298,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Paired answer quality against dense: {s['model']}", "",
              f"{report['machine']['date']}; samples per task: {', '.join(f'{t} {k}' for t, k in n.items())}; prompts of "
              f"~{s['prompt_tokens']} tokens; greedy; KV kept in {s['kv_dtype']}; selectors at kv_budget {s['kv_budget']} "
-             "under the decode worker's budget floor; one process, one prefill per sample.", "",
+             "under the decode worker's budget floor; one process, one prefill per sample, its configurations in one "
+             "decode batch.", "",
              "| config | " + " | ".join(tasks) + " | mean | Δ vs dense [95% CI] | KL | agreement | same answer |",
              "|---|" + "---|" * len(tasks) + "---|---|---|---|---|"]
     for r in rows:
