@@ -205,7 +205,8 @@ async def run_service(service: Service) -> None:
         heartbeats = asyncio.create_task(_heartbeat_loop(service))
         stack.callback(heartbeats.cancel)
         log.info("service_started", admin_url=service.admin_url, nats_url=redacted_url(config.nats_url),
-                 nats_auth="token" if config.nats_token else "user" if config.nats_user else "none",
+                 nats_auth=("creds" if config.nats_creds else "token" if config.nats_token
+                            else "user" if config.nats_user else "none"),
                  admin_token_set=bool(config.admin_token), pid=os.getpid())
         await stop.wait()
         log.info("service_stopping")
