@@ -260,8 +260,8 @@ def _forced(engine: DecodeEngine, cache, ids: list[int], tokens: list[int], name
 
 
 def summarize(rows: list[dict], configs: list[str], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """Per configuration: task means, the mean over tasks, Δ vs dense with its paired bootstrap 95% interval, mean
-    KL, agreement, and the share of answers equal to dense's."""
+    """Per configuration: task means, the mean over tasks, Δ vs dense with its paired bootstrap 95% interval (over
+    tasks, and per task), mean KL, agreement, and the share of answers equal to dense's."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     by_task = {t: [r for r in rows if r["task"] == t] for t in tasks}
     out = []
@@ -274,6 +274,8 @@ def summarize(rows: list[dict], configs: list[str], resamples: int = 2000, seed:
         out.append({"config": name, "scores": {t: _mean(v) for t, v in scores.items()},
                     "mean": _mean([_mean(v) for v in scores.values()]),
                     "delta_vs_dense": _mean([_mean(v) for v in deltas.values()]), "delta_ci95": [lo, hi],
+                    "delta_by_task": {t: [_mean(d), *(paired_interval({t: d}, resamples, seed) if name != "dense"
+                                                      else (0.0, 0.0))] for t, d in deltas.items()},
                     "kl_mean": _mean(kl) if kl else None, "agreement": _mean([float(a) for a in agree]) if agree else None,
                     "same_answer_as_dense": _mean([float(r["configs"][name]["same_tokens"]) for r in rows])})
     return {"samples": {t: len(rs) for t, rs in by_task.items()}, "rows": out}
@@ -311,5 +313,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['config']} | {cells} | {r['mean']:.1f} | {delta} | {kl} | {agree} | "
                      f"{r['same_answer_as_dense']:.2f} |")
     lines += ["", "Scores: LongBench metrics ×100. Δ: paired per sample, mean over tasks; 95% CI: stratified paired "
-              "bootstrap. KL (nats/token) and agreement: teacher-forced along dense's answer, positions ≥ 1."]
+              "bootstrap. KL (nats/token) and agreement: teacher-forced along dense's answer, positions ≥ 1.", "",
+              "Δ vs dense per task [95% CI]:", "", "| config | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for r in rows[1:]:
+        lines.append(f"| {r['config']} | " + " | ".join(
+            f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" for d, lo, hi in (r["delta_by_task"][t] for t in tasks)) + " |")
     return "\n".join(lines) + "\n"
