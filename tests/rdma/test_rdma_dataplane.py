@@ -64,6 +64,18 @@ async def test_scattered_gather_uses_several_sges(rdma_pair):
         assert ra[s.dst: s.dst + s.length] == rb[s.src: s.src + s.length]
 
 
+async def test_scattered_token_reads_fit_the_send_queue(rdma_pair):
+    """Token-level selections read many small scattered entries: 4,096 entries of 128 bytes, none contiguous with
+    the next on the remote side, are one work request each. They are posted a queue's worth at a time (posting
+    past the send queue's depth failed the link) and all land exactly."""
+    a, b, ra, rb = rdma_pair
+    rb[:1 << 20] = random.Random(7).randbytes(1 << 20)
+    segs = [Segment(i * 256, (1 << 20) + i * 128, 128) for i in range(4096)]  # every other 128 B remotely
+    await a.read(b.address, 1, segs)
+    for s in segs:
+        assert ra[s.dst: s.dst + s.length] == rb[s.src: s.src + s.length]
+
+
 async def test_read_outside_the_peer_region_fails_at_once(rdma_pair):
     """A range outside the peer's registered region is refused before posting; the link stays usable."""
     a, b, _, _ = rdma_pair
