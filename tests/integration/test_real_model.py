@@ -53,6 +53,8 @@ def test_real_model_full_and_colocated_match_generate(real_model_path, tmp_path)
             assert_no_leaks(stack)
             check_smartgen_on_a_slow_link(stack, prompt)
             assert_no_leaks(stack)
+            check_prepared_selectors(stack, prompt)
+            assert_no_leaks(stack)
         except BaseException:
             print(log_file.read_text()[-4000:])
             raise
@@ -79,6 +81,22 @@ def check_concurrent_requests(stack: Stack, model_path, prompt: str, expected: l
           f"{after['batches'] - before['batches']} decode forward passes for {4 * (NUM_TOKENS - 1)} steps")
     assert [status for status, _ in results] == [200] * 4, results
     assert [body["smartgen"]["token_ids"] for _, body in results] == [expected, short_expected] * 2
+
+
+def check_prepared_selectors(stack: Stack, prompt: str) -> None:
+    """`make test` (like `make up`) prepares infinigen and hata for the default model: both work on their first
+    request, and smartgen on the slow link decodes exactly their all-local tokens, token-level selections (many
+    scattered reads per layer) included."""
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "kv_budget": 0.1}
+    for selector in ("infinigen", "hata"):
+        status, local = post_json(stack.gateway_url + "/v1/completions",
+                                  body | {"selector": selector, "transfer_mode": "colocated"}, timeout=300)
+        assert status == 200 and local["smartgen"]["attention"] == "selective", (selector, local)
+        status, smart = post_json(stack.gateway_url + "/v1/completions",
+                                  body | {"selector": selector, "transfer_mode": "smartgen"}, timeout=300)
+        assert status == 200, (selector, smart)
+        assert smart["smartgen"]["token_ids"] == local["smartgen"]["token_ids"], selector
+        assert smart["smartgen"]["kv_bytes"]["on_demand"] > 0, selector
 
 
 def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
