@@ -68,7 +68,7 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     tokenizer = AutoTokenizer.from_pretrained(path)
     runner = ModelRunner(path)
     page_tokens, configs = 16, configurations(selectors)
-    room = -(-(prompt_tokens + 512) // page_tokens)  # one slab: a prompt (± its template) and its answer
+    room = 2 * -(-(prompt_tokens + 512) // page_tokens)  # one slab: a prompt (± its template), its answer, codes
     engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room * len(configs)),
                           default_prep_dir(path))
     for selector in selectors:
@@ -183,25 +183,23 @@ def _resume(log: Path, settings: dict) -> dict[str, dict]:
 
 def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, kv_budget: float) -> str:
     """A fresh copy of the prompt's KV for configuration `name`, ready to decode; returns its request id."""
-    import torch
-
     from shared.compute.quantization import QuantLayout
 
-    rid = f"paired-{name}"
+    rid, n = f"paired-{name}", len(ids)
     store, lay = engine.store, engine.store.layout
-    slab = store.allocate(rid, len(ids) + max_new)
     bits = QUANTIZED.get(name, 0)
-    quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, len(ids), bits) if bits else None
-    aux = torch.empty(quant.nbytes, dtype=torch.uint8) if quant else None
-    rows = store.view(slab)
+    quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, n, bits) if bits else None
+    slab = store.allocate(rid, n + max_new, quant.nbytes if quant else 0)
     for layer in range(lay.num_layers):
         keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # (H_kv, n, d) as prefill left them
         store.write_layer(slab, layer, keys, values)  # rounded to the kv dtype, as the prefill's store does
-        if quant is not None:  # the quantized mode's round trip: prefill quantizes the stored KV, decode dequantizes
-            stored_k, stored_v = store.read_layer(slab, layer, len(ids))
-            quant.quantize(aux, layer, stored_k.to(keys.dtype), stored_v.to(values.dtype))
-            quant.dequantize(aux, layer, rows[layer, 0, :, : len(ids)], rows[layer, 1, :, : len(ids)])
-    engine.load_from_store(rid, slab, len(ids))
+        if quant is not None:  # the quantized mode's prefill: codes of the KV as stored, into the aux area
+            stored_k, stored_v = store.read_layer(slab, layer, n)
+            quant.quantize(store.aux(slab), layer, stored_k.to(keys.dtype), stored_v.to(values.dtype))
+    if quant is not None:
+        engine.load_quantized(rid, slab, n, bits)  # the quantized mode's decode: dequantize into the slab
+    else:
+        engine.load_from_store(rid, slab, n)
     if name not in ("dense", *QUANTIZED):
         engine.use_selection(rid, name, kv_budget)
     return rid
