@@ -14,8 +14,11 @@ class DecodeConfig(ModelWorkerConfig):
     batch_invariant: bool = True
     # path 3 reads the rest of a request's KV only while it can all arrive before the completion's last token (its
     # bytes at the plan's link rate against the steps left at the measured step time); false: whenever planned.
-    # NOTE: off by default until a side-by-side run measures it (docs/results: the background-lane probe)
-    background_if_it_can_finish: bool = False
+    # Measured: docs/results/serve-2k-background-finish (TBT at 2K, R = 2: 1.04× no background, against 1.34×)
+    background_if_it_can_finish: bool = True
+    # on-demand reads of scattered tokens (token-level selectors) as one gather per layer and chunk, not one segment
+    # per run (services/decode/remote.py); false: always segments, as before gathers existed
+    gather_reads: bool = True
     # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below

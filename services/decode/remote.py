@@ -9,6 +9,11 @@ Tokens decoded here are always local. Threads:
   - the event loop runs every read, marks presence once bytes have landed, and runs `read_blocks` and `close`.
 NOTE: presence only turns True after the bytes are in the slab, so a stale False costs a duplicate read,
 never a wrong value.
+
+An on-demand read names its entries one of two ways: as segments, one per run of consecutive tokens (whole
+pages: dense layers, Quest's pages), or as one gather, one index per token (`gather_reads`; token-level
+selectors, whose runs are a token or two long, where building and serving one segment each cost more than the
+step's attention).
 """
 from __future__ import annotations
 
@@ -22,7 +27,16 @@ import numpy as np
 import torch
 
 from schemas import KvLayout, KvSource
-from shared.dataplane import DataPlane, Lane, Segment
+from shared.dataplane import DataPlane, Gather, Lane, Segment
+
+
+GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
+
+
+def _mean_run(heads: list[tuple[int, np.ndarray]]) -> float:
+    """Mean length of the runs of consecutive tokens in a read (tokens sorted per head)."""
+    runs = sum(1 + int(np.count_nonzero(np.diff(tokens) != 1)) for _, tokens in heads)
+    return sum(tokens.size for _, tokens in heads) / runs
 
 
 class RemoteReadError(RuntimeError):
@@ -65,6 +79,7 @@ class RemoteKv:
     background_read_bytes: int = 64 << 10  # one background read; small, so an on-demand read never waits long
     pushed_entries: np.ndarray | None = None  # (num_layers, num_kv_heads, num_tokens) bool: pushed one by one
                                               # (smartgen's query-aware push), already landed
+    gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
     bytes_on_demand: int = 0
     bytes_background: int = 0
     step_local_share: list[float] = field(default_factory=list)
@@ -164,12 +179,18 @@ class RemoteKv:
                                                                   self.loop)
 
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane = Lane.ON_DEMAND) -> None:
-        segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
         try:
-            await self._read(segments, lane)
+            if self.gather_reads and _mean_run(heads) < GATHER_BELOW_RUN:
+                gather = self._gather(layer, heads)
+                await self._read(gather, lane)
+                num_bytes = gather.num_bytes
+            else:
+                segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
+                await self._read(segments, lane)
+                num_bytes = sum(s.length for s in segments)
             for h, tokens in heads:
                 self._mark(layer, h, tokens)
-            self.bytes_on_demand += sum(s.length for s in segments)
+            self.bytes_on_demand += num_bytes
         finally:
             with self._pending_lock:
                 self._on_demand_pending -= 1
@@ -212,15 +233,28 @@ class RemoteKv:
                 self._mark(layer, h, tokens)
             self.bytes_background += size
 
-    async def _read(self, segments: list[Segment], lane: Lane) -> None:
+    async def _read(self, what: list[Segment] | Gather, lane: Lane) -> None:
         self._check_readable()
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            await self.dataplane.read(self.source.dataplane_addr, self.source.ticket, segments, lane)
+            if isinstance(what, Gather):
+                await self.dataplane.read_gather(self.source.dataplane_addr, self.source.ticket, what, lane)
+            else:
+                await self.dataplane.read(self.source.dataplane_addr, self.source.ticket, what, lane)
         finally:
             self._tasks.discard(task)
+
+    def _gather(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> Gather:
+        """One layer's entries as one gather: K rows then V rows, each (kv·H + head)·capacity + token, in units of
+        one token of one head (`token_bytes`)."""
+        head = np.concatenate([np.full(tokens.size, h) for h, tokens in heads])
+        token = np.concatenate([tokens for _, tokens in heads])
+        rows = np.concatenate([head, head + self.num_kv_heads])  # K|V × head, as in src_rows / dst_rows
+        token = np.concatenate([token, token])
+        return Gather(int(self.src_rows[layer, 0, 0]), int(self.dst_rows[layer, 0, 0]), self.token_bytes,
+                      rows * self.source.capacity + token, rows * self.dst_capacity + token)
 
     def _segments(self, layer: int, head: int, tokens: np.ndarray) -> list[Segment]:
         """Runs of consecutive tokens → one K and one V segment each (slab rows are token-contiguous)."""

@@ -389,7 +389,8 @@ class DecodeService(ModelWorkerService):
         assert pushed is not None and req.plan is not None and req.source is not None
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
-                                self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query)
+                                self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
+                                self.config.gather_reads)
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query)

@@ -2,7 +2,8 @@
 
 See README.md in this folder for the design. `make_dataplane(kind)` picks an implementation.
 """
-from shared.dataplane.base import ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused
+from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Gather, Grant, Lane, Segment,
+                                   TicketRefused)
 
 
 def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
@@ -20,5 +21,5 @@ def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_
     raise ValueError(f"unknown transport {kind!r}: use tcp or inproc")
 
 
-__all__ = ["ChecksumMismatch", "DataPlane", "DataPlaneError", "Grant", "Lane", "Segment", "TicketRefused",
+__all__ = ["ChecksumMismatch", "DataPlane", "DataPlaneError", "Gather", "Grant", "Lane", "Segment", "TicketRefused",
            "make_dataplane"]

@@ -5,6 +5,8 @@ Vocabulary:
 - grant: the owner of a region says "ticket T may write (push) or read these byte ranges".
   Anything outside a grant is refused: a ticket is the only key to a request's KV.
 - segment: (src offset, dst offset, length); `push` copies local src → peer dst, `read` copies peer src → local dst.
+- gather: many scattered entries of one size (`Gather`), read with one descriptor instead of one segment each:
+  token-level KV selections name thousands of single-token entries a step.
 - lane: the sending side of every link serves ON_DEMAND strictly before BACKGROUND, one chunk at a time,
   so an urgent transfer never waits behind more than one background chunk.
 - link lost: a connection to a peer failed; every transfer on it has failed, and `on_link_lost` (if set)
@@ -20,6 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+import numpy as np
 
 
 class Lane(IntEnum):
@@ -93,11 +97,13 @@ class Grant:
     bytes_landed: int = 0
     num_busy: int = 0  # frames under this ticket being received or sent right now
     _starts: list[int] = field(default_factory=list)
+    _bounds: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.int64))  # (start|end, range) bytes
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.ranges = _merge(self.ranges)
         self._starts = [s for s, _ in self.ranges]
+        self._bounds = np.array(self.ranges, np.int64).reshape(-1, 2).T
         self._idle.set()
 
     def begin_io(self) -> None:
@@ -117,6 +123,12 @@ class Grant:
     def covers(self, offset: int, length: int) -> bool:
         i = bisect.bisect_right(self._starts, offset) - 1
         return i >= 0 and offset + length <= self.ranges[i][1] and length >= 0
+
+    def covers_entries(self, base: int, unit: int, index: np.ndarray) -> bool:
+        """`covers` for every entry of a gather: `unit` bytes at `base + index[i] * unit` (vectorized)."""
+        starts = base + index.astype(np.int64) * unit
+        at = np.searchsorted(self._bounds[0], starts, side="right") - 1
+        return bool(index.size == 0 or (at.min() >= 0 and (starts + unit <= self._bounds[1][at]).all()))
 
 
 def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -143,6 +155,47 @@ def split_into_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[lis
             chunks[-1].append(Segment(src, dst, n))
             src, dst, left, room = src + n, dst + n, left - n, room - n
     return [c for c in chunks if c]
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """Scattered entries of `unit` bytes each: entry i is at `src_base + src_index[i] * unit` in the peer's region
+    and lands at `dst_base + dst_index[i] * unit` in ours. For the KV slab: unit = one token of one head's K or
+    V, base = a layer's first row, index = row * capacity + token."""
+
+    src_base: int  # bytes
+    dst_base: int  # bytes
+    unit: int  # bytes per entry
+    src_index: np.ndarray  # (n,) int64, ≥ 0, in units from src_base
+    dst_index: np.ndarray  # (n,) int64, ≥ 0, in units from dst_base; no two alike
+
+    @property
+    def num_bytes(self) -> int:
+        return self.unit * self.src_index.size
+
+    def check_within(self, region_len: int) -> None:
+        """DataPlaneError if a destination entry falls outside the local region (checked before anything is sent)."""
+        if self.dst_index.size and (self.dst_index.min() < 0 or self.dst_base < 0 or self.unit <= 0 or
+                                    self.dst_base + (int(self.dst_index.max()) + 1) * self.unit > region_len):
+            raise DataPlaneError(f"a gather's destination entries fall outside the registered region of "
+                                 f"{region_len} bytes")
+
+    def segments(self) -> list[Segment]:
+        """The same bytes as segments: one per run of entries consecutive on both sides (transports without a
+        gather of their own, such as RDMA, whose one-sided READ takes one remote address per work request)."""
+        src, dst, unit = self.src_index, self.dst_index, self.unit
+        if not src.size:
+            return []
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        firsts, ends = np.r_[0, breaks], np.r_[breaks, src.size]
+        return [Segment(self.src_base + int(src[a]) * unit, self.dst_base + int(dst[a]) * unit, (b - a) * unit)
+                for a, b in zip(firsts.tolist(), ends.tolist())]
+
+
+def entries(buffer: memoryview, base: int, unit: int, count: int) -> np.ndarray:
+    """`count` entries of `unit` bytes from byte `base` of `buffer`: a 1-D np.void view (no copy), so one fancy
+    index moves whole entries."""
+    return np.frombuffer(buffer, np.uint8, count * unit, base).view(np.dtype((np.void, unit)))
 
 
 class DataPlane(abc.ABC):
@@ -197,6 +250,14 @@ class DataPlane(abc.ABC):
         """Caller side: copy the peer's `src` ranges into local `dst` ranges; the data comes back on `lane`
         (on-demand fetches, or speculative background transfer). Returns when they have landed and verified;
         raises DataPlaneError otherwise."""
+
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+        """`read` for scattered entries of one size, named by one descriptor (TCP: one frame per chunk, gathered
+        by the owner with one `np.take`). This fallback reads them as segments, one per run."""
+        gather.check_within(len(self.region))
+        segments = gather.segments()
+        if segments:
+            await self.read(peer, ticket, segments, lane)
 
     def link_lost(self, peer: str, error: DataPlaneError) -> None:
         """Implementations call this once per failed link, after failing its transfers."""

@@ -6,6 +6,12 @@
                                                       into the *server's* region for READ
     payload payload_len bytes: the segments' bytes, in table order (≤ CHUNK_BYTES per frame)
 
+A GATHER (a read of scattered entries of one size) has no table: its payload is a descriptor,
+
+    base u64 | unit u32 | count u32 | count × index u32     entry i = `unit` bytes at base + index[i] × unit
+
+and its reply is an ordinary READ_DATA whose payload is the entries in descriptor order (count × unit ≤ CHUNK_BYTES).
+
 Every data frame is one chunk; `crc32c` (Castagnoli, hardware-computed: ~20 GB/s against zlib's ~3 GB/s on
 these VMs) covers its payload when FLAG_CHECKSUM is set.
 """
@@ -16,23 +22,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import crc32c as _crc32c
+import numpy as np
 
 MAGIC = 0x53474B56  # "SGKV"
 HEADER = struct.Struct("!IBBHQQIQI")
 SEGMENT = struct.Struct("!QQ")
+GATHER = struct.Struct("!QII")  # a gather descriptor's head: base, unit, count (its indices follow, u32 each)
+GATHER_INDEX = np.dtype(">u4")
 MAX_SEGMENTS = 1 << 16
 CHUNK_BYTES = 256 << 10  # the most one frame carries: a high-priority frame waits behind at most this much
 MAX_HELLO_BYTES = 512
 MAX_STAGED_TABLE = 4096 * SEGMENT.size  # frames whose segment table is larger go out without staging
 
-OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME = 0, 1, 2, 3, 4, 5, 6
-OPS = (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME)
+OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME, OP_GATHER = 0, 1, 2, 3, 4, 5, 6, 7
+OPS = (OP_HELLO, OP_PUSH, OP_PUSH_ACK, OP_READ, OP_READ_DATA, OP_CHALLENGE, OP_WELCOME, OP_GATHER)
 HANDSHAKE_OPS = (OP_CHALLENGE, OP_HELLO, OP_WELCOME)  # before a link opens (handshake.py); never on an open link
 STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
 STATUSES = (STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT)
 FLAG_CHECKSUM = 1
-FLAG_BACKGROUND = 2  # on a READ: answer it on the server's BACKGROUND lane
-FLAG_PUSH_LANE = 4  # on a READ: answer it on the server's PUSH lane (a read ahead: below on-demand reads)
+FLAG_BACKGROUND = 2  # on a READ or GATHER: answer it on the server's BACKGROUND lane
+FLAG_PUSH_LANE = 4  # on a READ or GATHER: answer it on the server's PUSH lane (a read ahead: below on-demand reads)
 KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND | FLAG_PUSH_LANE
 
 
@@ -92,6 +101,25 @@ def unpack_segments(data: bytes | memoryview, count: int) -> list[tuple[int, int
     if not 0 <= count <= MAX_SEGMENTS or len(data) != count * SEGMENT.size:
         raise FrameError(f"a table of {count} segments is {count * SEGMENT.size} bytes, not {len(data)}")
     return [SEGMENT.unpack_from(data, i * SEGMENT.size) for i in range(count)]
+
+
+def pack_gather(base: int, unit: int, index: np.ndarray) -> bytes:
+    """A GATHER's descriptor; `index` must fit u32 (the caller falls back to segments otherwise)."""
+    return GATHER.pack(base, unit, index.size) + index.astype(GATHER_INDEX).tobytes()
+
+
+def unpack_gather(data: bytes | memoryview) -> tuple[int, int, np.ndarray]:
+    """(base, unit, index as int64) of a descriptor; FrameError unless it is exactly one descriptor whose entries
+    fit one chunk."""
+    if len(data) < GATHER.size:
+        raise FrameError(f"a gather descriptor is at least {GATHER.size} bytes, not {len(data)}")
+    base, unit, count = GATHER.unpack_from(data)
+    if len(data) != GATHER.size + count * GATHER_INDEX.itemsize:
+        raise FrameError(f"a gather of {count} entries is {GATHER.size + count * GATHER_INDEX.itemsize} bytes, "
+                         f"not {len(data)}")
+    if unit == 0 or count * unit > CHUNK_BYTES:
+        raise FrameError(f"a gather of {count} × {unit} bytes is not one chunk (≤ {CHUNK_BYTES} bytes)")
+    return base, unit, np.frombuffer(data, GATHER_INDEX, count, GATHER.size).astype(np.int64)
 
 
 def crc32c(parts: Iterable[memoryview | bytes]) -> int:

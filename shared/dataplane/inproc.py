@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from shared.dataplane.base import DataPlane, DataPlaneError, Lane, Segment, TicketRefused, check_within
+from shared.dataplane.base import (DataPlane, DataPlaneError, Gather, Lane, Segment, TicketRefused, check_within,
+                                   entries)
 
 _REGISTRY: dict[str, "InProcDataPlane"] = {}
 _IDS = itertools.count(1)
@@ -45,3 +46,13 @@ class InProcDataPlane(DataPlane):
         target = self._peer(peer, ticket, [(s.src, s.length) for s in segments])
         for s in segments:
             self.region[s.dst: s.dst + s.length] = target.region[s.src: s.src + s.length]
+
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+        gather.check_within(len(self.region))
+        target = self._peer(peer, ticket, [])
+        if not target.grants[ticket].covers_entries(gather.src_base, gather.unit, gather.src_index):
+            raise TicketRefused(f"{peer} refused ticket {ticket}")
+        if gather.src_index.size:
+            source = entries(target.region, gather.src_base, gather.unit, int(gather.src_index.max()) + 1)
+            landing = entries(self.region, gather.dst_base, gather.unit, int(gather.dst_index.max()) + 1)
+            landing[gather.dst_index] = source[gather.src_index]

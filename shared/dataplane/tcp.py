@@ -7,8 +7,9 @@ they hold the cluster secret (handshake.py). Each end of it (a `_Link`) has:
   - a writer task, the only one that sends: it takes the next frame by strict priority
     (CONTROL acks, then ON_DEMAND, then BACKGROUND unless paused), waits for the link's Pacer, sends;
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
-    straight in the registered region; a READ is answered by queueing its data on ON_DEMAND) and replies
-    to our own requests (matched by `seq`).
+    straight in the registered region; a READ is answered by queueing its data on the lane it names; a GATHER
+    likewise, its scattered entries copied with one `np.take` into the writer's stage just before sending) and
+    replies to our own requests (matched by `seq`; a GATHER's reply is scattered into place with one index).
 Transfers are cut into chunks of ≤ CHUNK_BYTES (less on a paced link: pacing.chunk_bytes), one frame each, checksummed (crc32c) unless turned off.
 Nothing on this path allocates per message beyond small headers: payloads are memoryviews of the region.
 """
@@ -23,11 +24,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from shared.dataplane import frames, handshake
-from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Grant, Lane, Segment, TicketRefused,
-                                   check_within, split_into_chunks)
+from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Gather, Grant, Lane, Segment,
+                                   TicketRefused, check_within, entries, split_into_chunks)
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import Pacer, chunk_bytes
 
@@ -61,6 +63,7 @@ class _Frame:
     table: list[tuple[int, int]] = field(default_factory=list)
     payload: list[memoryview] = field(default_factory=list)
     on_done: Callable[[], None] | None = None  # runs once the frame is sent or dropped (releases a grant)
+    fill: Callable[[memoryview], None] | None = None  # instead of `payload`: writes it into the view the writer gives
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _Waiting:
 
     done: asyncio.Future[None]
     local: list[Segment] = field(default_factory=list)  # READ: where the data lands here
+    scatter: tuple[int, int, np.ndarray] | None = None  # GATHER: (dst base, unit, dst index) where its entries land
     background_bytes: int = 0  # a BACKGROUND push chunk: its size, counted in the link's window until acked
 
 
@@ -97,13 +101,14 @@ class _Link:
 
     # --- our requests ------------------------------------------------------------------------
     def request(self, lane: int, header: Header, table: list[tuple[int, int]], payload: list[memoryview],
-                local: list[Segment]) -> asyncio.Future[None]:
+                local: list[Segment], scatter: tuple[int, int, np.ndarray] | None = None) -> asyncio.Future[None]:
         if self.error:
             raise self.error
         seq = next(self.seq)
         done = asyncio.get_running_loop().create_future()
         size = sum(len(p) for p in payload)
-        self.waiting[seq] = _Waiting(done, local, size if lane == Lane.BACKGROUND else 0)
+        acked_background = size if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH else 0
+        self.waiting[seq] = _Waiting(done, local, scatter, acked_background)
         self.send(lane, _Frame(Header(header.op, seq=seq, ticket=header.ticket, num_segments=len(table),
                                       payload_len=size, flags=header.flags), table, payload))
         return done
@@ -139,16 +144,20 @@ class _Link:
                     continue
                 started = time.monotonic()
                 try:
-                    header = frame.header
-                    if frame.payload and self.plane.use_checksums:
-                        header = _with_crc(header, frames.crc32c(frame.payload))
+                    header, payload = frame.header, frame.payload
+                    if frame.fill is not None:  # a gather's reply: its entries are copied out of the region now
+                        stage = memoryview(self.send_stage)[frames.HEADER.size: frames.HEADER.size + header.payload_len]
+                        frame.fill(stage)
+                        payload = [stage]
+                    if payload and self.plane.use_checksums:
+                        header = _with_crc(header, frames.crc32c(payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
                         if self.plane.faults.delay_s:
                             await asyncio.sleep(self.plane.faults.delay_s)
                     if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked
                         self.background_in_flight += header.payload_len
-                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(frame.payload))
+                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(payload))
                 finally:
                     if frame.on_done:
                         frame.on_done()
@@ -167,7 +176,7 @@ class _Link:
     def _is_abandoned(self, frame: _Frame) -> bool:
         """A chunk of our own push or read whose caller is gone (the request was aborted, or the transfer failed on
         another chunk): it would only take link time from live requests, so it is dropped unsent."""
-        if frame.header.op not in (frames.OP_PUSH, frames.OP_READ):
+        if frame.header.op not in (frames.OP_PUSH, frames.OP_READ, frames.OP_GATHER):
             return False  # a reply or ack to the peer: always owed
         waiting = self.waiting.get(frame.header.seq)
         if waiting is None or not waiting.done.done():
@@ -218,6 +227,8 @@ class _Link:
                     await self._on_push(header, table)
                 elif header.op == frames.OP_READ:
                     self._on_read(header, table)
+                elif header.op == frames.OP_GATHER:
+                    await self._on_gather(header)
                 elif header.op in (frames.OP_PUSH_ACK, frames.OP_READ_DATA):
                     await self._on_reply(header)
                 else:
@@ -269,9 +280,34 @@ class _Link:
         payload = [self.plane.region[off: off + n] for off, n in table]
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
                        payload_len=sum(n for _, n in table))
-        lane = Lane.BACKGROUND if header.flags & frames.FLAG_BACKGROUND else \
-            Lane.PUSH if header.flags & frames.FLAG_PUSH_LANE else Lane.ON_DEMAND
-        self.send(lane, _Frame(reply, [], payload, on_done=grant.end_io))
+        self.send(_reply_lane(header), _Frame(reply, [], payload, on_done=grant.end_io))
+        self.plane.num_bytes_sent += reply.payload_len
+
+    async def _on_gather(self, header: Header) -> None:
+        """A read of scattered entries: check the descriptor and the grant, then queue a reply whose payload the
+        writer gathers from the region right before sending it (one `np.take`, into its stage: nothing allocated)."""
+        descriptor = self.recv_stage[: header.payload_len]
+        await _recv_exactly(self.sock, descriptor)
+        if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([descriptor]) != header.crc:
+            log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_CORRUPT, header.seq, header.ticket)))
+            return
+        base, unit, index = frames.unpack_gather(descriptor)
+        grant = None if self.plane.faults.refuse_tickets else self.plane.grants.get(header.ticket)
+        if grant is None or not grant.covers_entries(base, unit, index):
+            self.plane.num_refused += 1
+            log.warning("dataplane_refused", ticket=header.ticket, known_ticket=grant is not None)
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
+            return
+        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        rows = entries(self.plane.region, base, unit, int(index.max()) + 1) if index.size else None
+
+        def fill(stage: memoryview) -> None:
+            if rows is not None:
+                np.take(rows, index, out=entries(stage, 0, unit, index.size), mode="clip")  # bounds checked above
+
+        reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket, payload_len=unit * index.size)
+        self.send(_reply_lane(header), _Frame(reply, fill=fill, on_done=grant.end_io))
         self.plane.num_bytes_sent += reply.payload_len
 
     async def _on_reply(self, header: Header) -> None:
@@ -286,6 +322,16 @@ class _Link:
             error = TicketRefused(f"{self.peer} refused ticket {header.ticket}: unknown, revoked, or ranges outside its grant")
         elif header.status == frames.STATUS_CORRUPT:
             error = ChecksumMismatch(f"{self.peer} received a corrupted chunk (crc32c mismatch)")
+        elif header.op == frames.OP_READ_DATA and waiting.scatter is not None:
+            base, unit, index = waiting.scatter
+            if header.payload_len != unit * index.size:
+                raise FrameError("gather reply length does not match the request")
+            stage = self.recv_stage[: header.payload_len]
+            await _recv_exactly(self.sock, stage)
+            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
+                error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
+            elif index.size:  # NOTE: only verified bytes reach the region
+                entries(self.plane.region, base, unit, int(index.max()) + 1)[index] = entries(stage, 0, unit, index.size)
         elif header.op == frames.OP_READ_DATA:
             if header.payload_len != sum(s.length for s in waiting.local):
                 raise FrameError("read reply length does not match the request")
@@ -354,6 +400,12 @@ def _peer_name(sock: socket.socket) -> str:
         return "%s:%s" % sock.getpeername()[:2]
     except OSError:
         return "?"
+
+
+def _reply_lane(request: Header) -> Lane:
+    """The lane a READ or GATHER asks its reply to travel on."""
+    return Lane.BACKGROUND if request.flags & frames.FLAG_BACKGROUND else \
+        Lane.PUSH if request.flags & frames.FLAG_PUSH_LANE else Lane.ON_DEMAND
 
 
 def _with_crc(header: Header, crc: int) -> Header:
@@ -447,6 +499,24 @@ class TcpDataPlane(DataPlane):
                  for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
         await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
+
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+        gather.check_within(len(self.region))
+        n = gather.src_index.size
+        if not n:
+            return
+        if gather.unit > CHUNK_BYTES or int(gather.src_index.max()) >> 32:  # does not fit the descriptor
+            await super().read_gather(peer, ticket, gather, lane)
+            return
+        link = await self._link(peer)
+        per_frame = max(1, chunk_bytes(self.link_gbps, CHUNK_BYTES) // gather.unit)
+        header = Header(frames.OP_GATHER, ticket=ticket, flags=READ_FLAGS[lane])
+        waits = [link.request(lane, header, [], [memoryview(frames.pack_gather(gather.src_base, gather.unit,
+                                                                               gather.src_index[at: at + per_frame]))],
+                              [], (gather.dst_base, gather.unit, gather.dst_index[at: at + per_frame]))
+                 for at in range(0, n, per_frame)]
+        await _all_or_first_error(waits)
+        self.num_bytes_received += gather.num_bytes
 
     async def _link(self, peer: str) -> _Link:
         link = self.links.get(peer)

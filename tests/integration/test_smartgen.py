@@ -34,7 +34,10 @@ def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
     log_file = tmp_path_factory.mktemp("logs") / "paced.log"
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=log_file,
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
-                          "SMARTGEN_LINK_GBPS": str(LINK_GBPS)})
+                          "SMARTGEN_LINK_GBPS": str(LINK_GBPS),
+                          # path 3 whenever planned, though 16 tokens cannot wait for the rest on this link (the
+                          # default declines it then: test_background_policy.py)
+                          "SMARTGEN_BACKGROUND_IF_IT_CAN_FINISH": "false"})
     with started_stack(spec, 180) as running:
         running.log_path = log_file  # type: ignore[attr-defined]
         yield running

@@ -39,10 +39,11 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 
 
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
-                        parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0):
+                        parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0,
+                        gather: bool = True, calls: dict[str, int] | None = None):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
-    the rest read over the in-process data plane. The decode slab starts as NaN, so any entry used before it
-    arrived would poison the output."""
+    the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
+    The decode slab starts as NaN, so any entry used before it arrived would poison the output."""
     layout = runner.kv_layout(16)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 7)  # different offsets on the two sides
@@ -69,6 +70,12 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
             await asyncio.sleep(read_delay_s)
             return await read(*args, **kwargs)
         b.read = slow_read
+    if calls is not None:
+        for name in ("read", "read_gather"):
+            def counted(*args, _method=getattr(b, name), _name=name, **kwargs):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _method(*args, **kwargs)
+            setattr(b, name, counted)
     ticket = secrets.randbits(63)
     a.grant(Grant(ticket, [(off, off + ln) for layer in range(layout.num_layers) for off, ln in src.rows(src_slab, layer, 0, n)]))
     pages = -(-n // 16)
@@ -76,7 +83,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     pushed[:pushed_layers] = True
     source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
-                      pushed, parallel)
+                      pushed, parallel, gather_reads=gather)
     engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
@@ -104,6 +111,22 @@ async def test_remote_reads_give_the_all_local_tokens(runner, selector, parallel
     assert tokens == colocated_tokens(runner, ids, selector, 0.1)
     assert remote.bytes_on_demand > 0 and remote.num_missing > 0  # it read some, not all
     assert remote.step_local_share[0] < remote.step_local_share[-1] <= 1.0  # what was read stays local
+
+
+@pytest.mark.parametrize("selector", ["oracle", "hata_untrained"])
+async def test_token_level_reads_go_as_one_gather_per_layer(runner, selector):
+    """Token-level selections (oracle, HATA: runs of a token or two) are read as one gather per layer and step,
+    never as segments. Gathers and segments read the same entries: the same tokens, bytes and presence."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    by_gather, by_segments = {}, {}
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, calls=by_gather)
+    plain_tokens, plain = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, gather=False,
+                                              calls=by_segments)
+    assert tokens == plain_tokens
+    assert remote.bytes_on_demand == plain.bytes_on_demand > 0 and (remote.present == plain.present).all()
+    assert "read_gather" not in by_segments and "read" not in by_gather
+    selective_layers, steps = remote.present.shape[0] - 2, STEPS - 1
+    assert 0 < by_gather["read_gather"] == by_segments["read"] <= selective_layers * steps
 
 
 async def test_background_makes_everything_local(runner):

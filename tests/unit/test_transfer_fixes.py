@@ -96,6 +96,9 @@ class GatedPlane:
         if lane is Lane.ON_DEMAND:
             await self.release.wait()
 
+    async def read_gather(self, _addr: str, _ticket: int, _gather, lane: Lane) -> None:
+        await self.read(_addr, _ticket, [], lane)
+
 
 async def test_an_issued_on_demand_read_goes_before_a_background_read():
     """fetch (here on the loop's own thread, the tightest interleaving) marks the read pending at once: a

@@ -1,7 +1,8 @@
 """`smartgen bench transport`: the data plane measured in one run, side by side with a plain socket.
 
 Two processes on loopback: this one (the caller) and a peer that owns a 64 MiB region. Reported:
-push and read throughput for 64 MiB; scattered-read latency for 1 MiB in 4 KiB pieces; the latency of a
+push and read throughput for 64 MiB; scattered-read latency for 1 MiB in 4 KiB pieces; one layer's token-level
+read (600 scattered 128 B entries: 3 KV heads × 100 tokens × K|V) as segments and as one gather; the latency of a
 small on-demand read (16 × 4 KiB) with the peer's background lane idle and saturated; the same 64 MiB
 moved by a blocking sendall/recv_into pair (the reference); and pacing accuracy at a set rate.
 """
@@ -160,6 +161,7 @@ async def _measure(peer_conn, peer_addr: str) -> dict[str, float]:
 
     lat = await latencies_ms(256, 100)  # 1 MiB in 4 KiB pieces
     out["scattered_read_p50_ms"], out["scattered_read_p99_ms"] = _percentile(lat, 0.5), _percentile(lat, 0.99)
+    out["token_read_segments_p50_ms"], out["token_read_gather_p50_ms"] = await _token_level_read_ms(plane, peer_addr)
     out["ondemand_p99_ms_idle"] = _percentile(await latencies_ms(16, 200), 0.99)
     await tell_peer("background_on", plane.address)
     await asyncio.sleep(0.3)
@@ -177,6 +179,27 @@ async def _measure(peer_conn, peer_addr: str) -> dict[str, float]:
     out["pacing_error"] = measured / set_gbps - 1
     await plane.close()
     return out
+
+
+async def _token_level_read_ms(plane, peer_addr: str, reps: int = 200) -> tuple[float, float]:
+    """p50 of one layer's read of a token-level selection (600 single-token entries of 128 B, as SmolLM2's bf16 KV
+    at 2K with budget 0.1 and half the selection remote), as segments and as one gather, taking turns."""
+    import numpy as np
+
+    from shared.dataplane import Gather
+
+    rng = np.random.default_rng(0)
+    unit, count = 128, 600
+    by_segments, by_gather = [], []
+    for _ in range(reps):
+        gather = Gather(0, 0, unit, rng.choice(SIZE // unit, count, replace=False), rng.permutation(count))
+        segments = gather.segments()
+        for read, lat in ((lambda: plane.read(peer_addr, TICKET, segments), by_segments),
+                          (lambda: plane.read_gather(peer_addr, TICKET, gather), by_gather)):
+            started = time.perf_counter()
+            await read()
+            lat.append((time.perf_counter() - started) * 1e3)
+    return _percentile(by_segments, 0.5), _percentile(by_gather, 0.5)
 
 
 def run(json_path: str | None = None) -> dict:
@@ -211,6 +234,8 @@ def _print(r: dict) -> None:
         ("TCP read, 64 MiB, crc32c on / off", f"{r['tcp_read_gbytes_s']:.2f} / {r['tcp_read_gbytes_s_no_checksum']:.2f} GB/s"),
         ("raw socket (sendall → recv_into)", f"{r['raw_socket_gbytes_s']:.2f} GB/s"),
         ("scattered read 1 MiB / 4 KiB, p50 / p99", f"{r['scattered_read_p50_ms']:.2f} / {r['scattered_read_p99_ms']:.2f} ms"),
+        ("one layer's token read (600 × 128 B), segments / gather, p50",
+         f"{r['token_read_segments_p50_ms']:.2f} / {r['token_read_gather_p50_ms']:.2f} ms"),
         ("on-demand 16×4 KiB p99, idle / busy", f"{r['ondemand_p99_ms_idle']:.2f} / {r['ondemand_p99_ms_busy']:.2f} ms"),
         ("pacing at 2 Gbit/s", f"{r['pacing_measured_gbps']:.3f} Gbit/s (error {r['pacing_error']:+.1%})"),
     ]
