@@ -80,6 +80,7 @@ class DecodeRequest:
     recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
     step1_kv_bytes: int = 0  # see TokenEvent
     step1_compute_s: float = 0.0
+    kv_load_s: float = 0.0  # see TokenEvent
 
     def advance(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:

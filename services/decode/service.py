@@ -307,7 +307,9 @@ class DecodeService(ModelWorkerService):
             if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
                 raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
             await self._wait_for_kv(state)
+            landed = asyncio.get_running_loop().time()
             await self._load(state, req)
+            state.kv_load_s = asyncio.get_running_loop().time() - landed
         except (TransferError, RemoteReadError) as exc:
             if req.failure_policy != "recompute":
                 raise

@@ -455,6 +455,7 @@ class CompletionRun:
             "token_times_s": [round(x, 6) for x in self.token_times_s],
             "kv_bytes": self.kv_bytes,
             "kv_wait_s": self.kv_wait_s,
+            "kv_load_s": final.kv_load_s if final else 0.0,
             "prefill_s": self.prefill_s,
             "transfer_mode": self.mode or self.job.transfer_mode,
             "requested_mode": self.job.transfer_mode,

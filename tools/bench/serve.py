@@ -386,6 +386,11 @@ def summarize(records: list[dict]) -> list[dict]:
             "local_share": _mean([x["local_share"] for x in rs]),
             "step1_local_share": _mean([x["step_local_share"][0] for x in rs if x.get("step_local_share")]),
             "on_demand_wait_s": _mean([x["on_demand_wait_s"] for x in rs]),
+            # where step 1's time goes on the decode node: waiting for the push, then building the cache and the
+            # remote view (kv_load), then step 1's own on-demand waits
+            "kv_wait_mean_s": _mean([x["kv_wait_s"] for x in rs if x.get("kv_wait_s") is not None]),
+            "kv_load_mean_s": _mean([x["kv_load_s"] for x in rs if x.get("kv_load_s") is not None]),
+            "step1_wait_mean_s": _mean([x["step_wait_s"][0] for x in rs if x.get("step_wait_s")]),
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
             "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
