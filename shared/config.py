@@ -188,6 +188,11 @@ class ModelWorkerConfig(ServiceConfig):
     # the same in every prefill and decode of a cluster; "" = a data plane any process that reaches it may use
     cluster_secret: str = field(default="", repr=False)
     cluster_secret_file: str = ""
+    # mutual TLS on every TCP data-plane link (shared/dataplane/channel.py): this worker's certificate and key, and
+    # the CA whose signature a peer's certificate must carry; all three or none ("" = plain TCP)
+    dataplane_tls_ca: str = ""
+    dataplane_tls_cert: str = ""
+    dataplane_tls_key: str = ""
     max_active_requests: int = 8
 
     def validate(self) -> None:
@@ -204,6 +209,13 @@ class ModelWorkerConfig(ServiceConfig):
             raise ConfigError("link_gbps must be ≥ 0 (0 = unpaced)")
         if self.max_active_requests <= 0:
             raise ConfigError("max_active_requests must be positive")
+        tls = ("dataplane_tls_ca", "dataplane_tls_cert", "dataplane_tls_key")
+        if any(getattr(self, name) for name in tls) and not all(getattr(self, name) for name in tls):
+            raise ConfigError("data-plane TLS needs all three of " + ", ".join(env_name(name) for name in tls))
+        for name in tls:
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name} {path!r} is not a file (set {env_name(name)} to a PEM file)")
 
 
 def write_secret_file(path: Path, secret: str) -> Path:

@@ -87,8 +87,9 @@ class ModelWorkerService(Service):
 
             await nc.subscribe(subjects.dataplane_connect(self.worker_id), cb=_as_handler(endpoint(RdmaEndpoint, accept)))
         else:
+            tls = (cfg.dataplane_tls_ca, cfg.dataplane_tls_cert, cfg.dataplane_tls_key) if cfg.dataplane_tls_ca else None
             plane = make_dataplane("tcp", cfg.host, cfg.dataplane_port, cfg.public_host, cfg.link_gbps,
-                                   cfg.dataplane_checksums, cfg.cluster_secret)
+                                   cfg.dataplane_checksums, cfg.cluster_secret, tls)
             if not cfg.cluster_secret:
                 log.warning("dataplane_open", hint="any process that reaches the data-plane port may link to it: set "
                                                    "SMARTGEN_CLUSTER_SECRET_FILE (smartgen up and compose do)")
@@ -96,6 +97,7 @@ class ModelWorkerService(Service):
         plane.register_region(self.store.region)
         await plane.start()
         log.info("dataplane_started", transport="rdma" if use_rdma else "tcp", address=plane.address,
+                 tls=bool(cfg.dataplane_tls_ca) and not use_rdma,
                  reason=None if use_rdma or cfg.transport == "tcp" else "no RDMA device found",
                  link_gbps=cfg.link_gbps or None)
         return plane

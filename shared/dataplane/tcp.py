@@ -2,8 +2,8 @@
 (Over 400 lines because it is one transport: the link's writer and reader tasks and the plane that owns
 the links share one framing and one set of counters; the frames themselves are already in frames.py.)
 
-One socket per pair of processes, used in both directions; it becomes a link only once both ends have shown
-they hold the cluster secret (handshake.py). Each end of it (a `_Link`) has:
+One socket per pair of processes, used in both directions (through TLS where the TLS settings are given:
+channel.py); it becomes a link only once both ends have shown they hold the cluster secret (handshake.py). Each end of it (a `_Link`) has:
   - a writer task, the only one that sends: it takes the next frame by strict priority
     (CONTROL acks, then ON_DEMAND, then BACKGROUND unless paused), waits for the link's Pacer, sends;
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import math
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ import numpy as np
 import structlog
 
 from shared.dataplane import frames, handshake
+from shared.dataplane.channel import RECV_SLICE, Channel, DataPlaneTls, open_channel
 from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Gather, Grant, Lane, Segment,
                                    TicketRefused, check_within, entries, split_into_chunks)
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
@@ -36,7 +38,6 @@ from shared.dataplane.pacing import Pacer, chunk_bytes
 # a READ asks the server to answer on the reader's lane
 READ_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: frames.FLAG_PUSH_LANE, Lane.BACKGROUND: frames.FLAG_BACKGROUND}
 log = structlog.get_logger()
-RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these VMs
 CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
 # NOTE: background chunks that are sent but not yet acked sit in kernel socket buffers, where an urgent
 # frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
@@ -46,10 +47,9 @@ HANDSHAKE_TIMEOUT_S = 10.0  # connect, and each step of the handshake
 RATE_WINDOW_BYTES = 16 << 20  # the send rate is a moving average over about this many recent bytes
 
 
-async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    loop = asyncio.get_running_loop()
+async def _recv_exactly(channel: Channel, view: memoryview) -> None:
     while view:
-        n = await loop.sock_recv_into(sock, view[:RECV_SLICE])
+        n = await channel.recv_into(view[:RECV_SLICE])
         if n == 0:
             raise ConnectionError("peer closed the data-plane connection")
         view = view[n:]
@@ -84,8 +84,8 @@ class LaneStats:
 
 
 class _Link:
-    def __init__(self, plane: "TcpDataPlane", sock: socket.socket, peer: str):
-        self.plane, self.sock, self.peer = plane, sock, peer
+    def __init__(self, plane: "TcpDataPlane", channel: Channel, peer: str):
+        self.plane, self.channel, self.peer = plane, channel, peer
         # NOTE: no bound needed: every frame queued is a chunk of a push or read some caller awaits, or the ack or
         # reply to one of the peer's, so the queues hold what the requests in progress move, no more.
         self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), **{lane: deque() for lane in Lane}}
@@ -185,12 +185,11 @@ class _Link:
         return True
 
     async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
-        loop = asyncio.get_running_loop()
         head = header.pack() + frames.pack_segments(table)
         if len(payload) < STAGE_PARTS or len(head) > frames.HEADER.size + frames.MAX_STAGED_TABLE:
-            await loop.sock_sendall(self.sock, head)
+            await self.channel.sendall(head)
             for part in payload:
-                await loop.sock_sendall(self.sock, part)
+                await self.channel.sendall(part)
             return
         # many small parts (a scattered read reply): one copy into the stage beats one syscall per part
         stage, n = self.send_stage, len(head)
@@ -198,16 +197,16 @@ class _Link:
         for part in payload:
             stage[n: n + len(part)] = part
             n += len(part)
-        await loop.sock_sendall(self.sock, memoryview(stage)[:n])
+        await self.channel.sendall(memoryview(stage)[:n])
 
     async def _recv_into(self, views: list[memoryview]) -> None:
         """Receive a frame's payload into `views` (via the stage when they are many and small)."""
         if len(views) < STAGE_PARTS:
             for view in views:
-                await _recv_exactly(self.sock, view)
+                await _recv_exactly(self.channel, view)
             return
         total = sum(len(v) for v in views)
-        await _recv_exactly(self.sock, self.recv_stage[:total])
+        await _recv_exactly(self.channel, self.recv_stage[:total])
         at = 0
         for view in views:
             view[:] = self.recv_stage[at: at + len(view)]
@@ -218,10 +217,10 @@ class _Link:
         raw = bytearray(frames.HEADER.size)
         try:
             while True:
-                await _recv_exactly(self.sock, memoryview(raw))
+                await _recv_exactly(self.channel, memoryview(raw))
                 header = Header.unpack(raw)
                 table_raw = bytearray(header.num_segments * frames.SEGMENT.size)
-                await _recv_exactly(self.sock, memoryview(table_raw))
+                await _recv_exactly(self.channel, memoryview(table_raw))
                 table = frames.unpack_segments(table_raw, header.num_segments)
                 if header.op == frames.OP_PUSH:
                     await self._on_push(header, table)
@@ -287,7 +286,7 @@ class _Link:
         """A read of scattered entries: check the descriptor and the grant, then queue a reply whose payload the
         writer gathers from the region right before sending it (one `np.take`, into its stage: nothing allocated)."""
         descriptor = self.recv_stage[: header.payload_len]
-        await _recv_exactly(self.sock, descriptor)
+        await _recv_exactly(self.channel, descriptor)
         if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([descriptor]) != header.crc:
             log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
             self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_CORRUPT, header.seq, header.ticket)))
@@ -327,7 +326,7 @@ class _Link:
             if header.payload_len != unit * index.size:
                 raise FrameError("gather reply length does not match the request")
             stage = self.recv_stage[: header.payload_len]
-            await _recv_exactly(self.sock, stage)
+            await _recv_exactly(self.channel, stage)
             if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
                 error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
             elif index.size:  # NOTE: only verified bytes reach the region
@@ -349,7 +348,7 @@ class _Link:
         scratch = self.plane.scratch
         while num_bytes:
             n = min(num_bytes, len(scratch))
-            await _recv_exactly(self.sock, scratch[:n])
+            await _recv_exactly(self.channel, scratch[:n])
             num_bytes -= n
 
     # --- ending ----------------------------------------------------------------------------------
@@ -367,7 +366,7 @@ class _Link:
                 frame = queue.popleft()
                 if frame.on_done:
                     frame.on_done()
-        self.sock.close()
+        self.channel.close()
         current = asyncio.current_task()
         for task in self.tasks:
             if task is not current:
@@ -380,18 +379,18 @@ class _Link:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _recv_handshake(sock: socket.socket, op: int) -> bytes:
+async def _recv_handshake(channel: Channel, op: int) -> bytes:
     """The payload of the next frame, which must be the handshake frame `op` (FrameError otherwise); a refusal
     (a WELCOME with status REFUSED) raises PeerRefused."""
     raw = bytearray(frames.HEADER.size)
-    await _recv_exactly(sock, memoryview(raw))
+    await _recv_exactly(channel, memoryview(raw))
     header = Header.unpack(raw)
     if header.op != op or header.num_segments:
         raise FrameError(f"expected handshake frame {op}, got op {header.op}")
     if header.status == frames.STATUS_REFUSED:
         raise handshake.PeerRefused("the listener refused our proof: is this process's cluster secret the cluster's?")
     payload = bytearray(header.payload_len)
-    await _recv_exactly(sock, memoryview(payload))
+    await _recv_exactly(channel, memoryview(payload))
     return bytes(payload)
 
 
@@ -415,8 +414,9 @@ def _with_crc(header: Header, crc: int) -> Header:
 
 class TcpDataPlane(DataPlane):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
-                 checksums: bool = True, cluster_secret: str = ""):
+                 checksums: bool = True, cluster_secret: str = "", tls: DataPlaneTls | None = None):
         super().__init__(link_gbps)
+        self.tls = tls  # every link through mutual TLS (channel.py); None = plain TCP
         self.cluster_key = cluster_secret.encode()  # proves membership at every link's start ("" = an open plane)
         self.num_peers_refused = 0  # connections that failed the handshake, either way
         self.host, self.port, self.advertise_host = host, port, advertise_host or host
@@ -475,7 +475,7 @@ class TcpDataPlane(DataPlane):
                  for name, lane in (("control", CONTROL), *((lane.name.lower(), lane) for lane in Lane))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
                 "refused": self.num_refused, "peers_refused": self.num_peers_refused,
-                "authenticated": bool(self.cluster_key), "links": len(self.links), "grants": len(self.grants),
+                "authenticated": bool(self.cluster_key), "tls": self.tls is not None, "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,
                 "background_paused": self.is_background_paused, "send_rate_gbps": round(self.send_rate_gbps(), 4),
                 "lanes": lanes}
@@ -532,26 +532,26 @@ class TcpDataPlane(DataPlane):
             sock.setblocking(False)
             try:
                 await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), HANDSHAKE_TIMEOUT_S)
-                await asyncio.wait_for(self._prove_to_listener(sock), HANDSHAKE_TIMEOUT_S)
-            except handshake.PeerRefused as exc:
+                channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=False), HANDSHAKE_TIMEOUT_S)
+                await asyncio.wait_for(self._prove_to_listener(channel), HANDSHAKE_TIMEOUT_S)
+            except (handshake.PeerRefused, ssl.SSLError) as exc:
                 sock.close()
                 self.num_peers_refused += 1
                 raise DataPlaneError(f"the data plane at {peer} refused us, or failed to prove itself: {exc}") from None
             except (OSError, asyncio.TimeoutError, FrameError) as exc:
                 sock.close()
                 raise DataPlaneError(f"cannot connect to the data plane at {peer}: {exc or 'timeout'}") from None
-            return self._add_link(sock, peer)
+            return self._add_link(channel, peer)
 
-    async def _prove_to_listener(self, sock: socket.socket) -> None:
+    async def _prove_to_listener(self, channel: Channel) -> None:
         """The dialer's half of the handshake (handshake.py): answer the challenge, check the welcome."""
-        loop = asyncio.get_running_loop()
-        challenge = await _recv_handshake(sock, frames.OP_CHALLENGE)
+        challenge = await _recv_handshake(channel, frames.OP_CHALLENGE)
         if len(challenge) != handshake.NONCE_BYTES:
             raise FrameError("a challenge is one nonce")
         nonce, address = handshake.new_nonce(), self.address.encode()
         hello = handshake.hello_payload(self.cluster_key, challenge, nonce, address)
-        await loop.sock_sendall(sock, Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
-        welcome = await _recv_handshake(sock, frames.OP_WELCOME)
+        await channel.sendall(Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
+        welcome = await _recv_handshake(channel, frames.OP_WELCOME)
         handshake.check_welcome(self.cluster_key, nonce, challenge, address, welcome)
 
     # --- serving side ------------------------------------------------------------------------------
@@ -582,20 +582,27 @@ class TcpDataPlane(DataPlane):
         """The listener's half of the handshake (handshake.py); a peer that proves it holds the cluster secret
         names its own data-plane address in its hello, and the socket becomes a link to that address."""
         sock.setblocking(False)
-        loop = asyncio.get_running_loop()
+        try:
+            channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=True), HANDSHAKE_TIMEOUT_S)
+        except (OSError, ConnectionError, asyncio.TimeoutError) as exc:  # ssl.SSLError too: a subclass of OSError
+            self.num_peers_refused += 1  # only TLS can fail here: no certificate from the cluster's CA, or not TLS
+            log.warning("dataplane_peer_refused", error=f"TLS handshake: {exc or type(exc).__name__}",
+                        peer=_peer_name(sock))
+            sock.close()
+            return
         try:
             challenge = handshake.new_nonce()
-            await loop.sock_sendall(sock, Header(frames.OP_CHALLENGE, payload_len=len(challenge)).pack() + challenge)
-            hello = await asyncio.wait_for(_recv_handshake(sock, frames.OP_HELLO), HANDSHAKE_TIMEOUT_S)
+            await channel.sendall(Header(frames.OP_CHALLENGE, payload_len=len(challenge)).pack() + challenge)
+            hello = await asyncio.wait_for(_recv_handshake(channel, frames.OP_HELLO), HANDSHAKE_TIMEOUT_S)
             try:
                 nonce, address = handshake.check_hello(self.cluster_key, challenge, hello)
             except handshake.PeerRefused:
                 self.num_peers_refused += 1
-                await loop.sock_sendall(sock, Header(frames.OP_WELCOME, frames.STATUS_REFUSED).pack())
+                await channel.sendall(Header(frames.OP_WELCOME, frames.STATUS_REFUSED).pack())
                 raise
             proof = handshake.listener_proof(self.cluster_key, nonce, challenge, address)
-            await loop.sock_sendall(sock, Header(frames.OP_WELCOME, payload_len=len(proof)).pack() + proof)
-            self._add_link(sock, address.decode())
+            await channel.sendall(Header(frames.OP_WELCOME, payload_len=len(proof)).pack() + proof)
+            self._add_link(channel, address.decode())
         except handshake.PeerRefused as exc:
             log.warning("dataplane_peer_refused", error=str(exc), peer=_peer_name(sock))
             sock.close()
@@ -603,9 +610,9 @@ class TcpDataPlane(DataPlane):
             log.warning("dataplane_bad_hello", error=str(exc))
             sock.close()
 
-    def _add_link(self, sock: socket.socket, peer: str) -> _Link:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        link = _Link(self, sock, peer)
+    def _add_link(self, channel: Channel, peer: str) -> _Link:
+        channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = _Link(self, channel, peer)
         # NOTE: if both ends dialled at once there are two links; the newest serves new requests and the
         # older one finishes what it carries.
         self.links[peer] = link

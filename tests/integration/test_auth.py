@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from shared.config import ServiceConfig
 from tools.nats_server import NatsServer
 from shared.natsconn import connect_options
 from tools.stack import Stack
+from tests.certificates import make_certificates
 from tests.integration.conftest import get_json, model_workers, post_json
 
 
@@ -114,23 +114,6 @@ def test_every_listener_binds_loopback(stack: Stack):
             expected.add(int(w["dataplane_addr"].rsplit(":", 1)[1]))
     assert len(expected) >= 9  # gateway, 4 admin ports, 2 data planes, NATS client and monitor
     assert expected <= {addr.port for addr in listening}
-
-
-def make_certificates(folder: Path) -> dict[str, Path]:
-    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=30)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=smartgen-test-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
-        (folder / f"{name}.ext").write_text(ext)
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=smartgen-test-{name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
-    return {n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 async def test_nats_over_tls_with_a_ca_and_a_client_certificate(tmp_path: Path):

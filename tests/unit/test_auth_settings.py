@@ -46,6 +46,17 @@ def test_bad_secret_settings_say_what_to_set(env, message):
         load_config(ServiceConfig, [], env)
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"SMARTGEN_DATAPLANE_TLS_CA": "/etc/hostname"}, "all three of SMARTGEN_DATAPLANE_TLS_CA"),
+    ({"SMARTGEN_DATAPLANE_TLS_CA": "/no/ca.pem", "SMARTGEN_DATAPLANE_TLS_CERT": "/no/c.pem",
+      "SMARTGEN_DATAPLANE_TLS_KEY": "/no/k.pem"}, "SMARTGEN_DATAPLANE_TLS_CA"),
+])
+def test_bad_dataplane_tls_settings_say_what_to_set(env, message):
+    """Data-plane TLS half set, or set to files that are not there, stops a model worker with what to fix."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(ModelWorkerConfig, [], env)
+
+
 def test_token_and_its_file_must_agree(tmp_path):
     """Setting a secret both ways with different values is an error, not a silent pick."""
     path = write_secret_file(tmp_path / "t", "from-file")

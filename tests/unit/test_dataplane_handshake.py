@@ -1,16 +1,19 @@
 """Only members link: every TCP data-plane connection starts with a mutual challenge–response keyed by the
-cluster secret (shared/dataplane/handshake.py). A stranger — a peer with another secret, a raw socket that
-skips the handshake, or a listener that cannot prove itself — is refused before any KV byte moves."""
+cluster secret (shared/dataplane/handshake.py), and with the TLS settings, inside mutual TLS (channel.py). A
+stranger — a peer with another secret, a raw socket that skips the handshake, a listener that cannot prove
+itself, a peer without a certificate from the cluster's CA — is refused before any KV byte moves."""
 from __future__ import annotations
 
 import asyncio
 import os
 
+import numpy as np
 import pytest
 
-from shared.dataplane import DataPlaneError, Grant, Segment, make_dataplane
+from shared.dataplane import DataPlaneError, Gather, Grant, Segment, make_dataplane
 from shared.dataplane import frames, handshake
 from shared.dataplane.frames import Header
+from tests.certificates import make_certificates
 
 SIZE = 1 << 20
 
@@ -122,3 +125,80 @@ def test_proofs_bind_the_nonces_and_the_address():
         handshake.check_hello(key, challenge, hello[:64] + b"10.0.0.2:9000")  # another address
     with pytest.raises(handshake.PeerRefused):
         handshake.check_hello(b"other", challenge, hello)
+
+
+async def tls_plane(pem: dict, secret: str = "s3cret"):
+    p = make_dataplane("tcp", cluster_secret=secret, tls=(str(pem["ca.pem"]), str(pem["peer.pem"]), str(pem["peer.key"])))
+    region = bytearray(SIZE)
+    p.register_region(memoryview(region))
+    await p.start()
+    return p, region
+
+
+async def test_members_link_through_mutual_tls_and_move_bytes_exactly(tmp_path):
+    """With the TLS settings, links run through TLS (the bytes on the socket are not the KV) and pushes, reads and
+    gathers land exactly, chunks of several TLS records included."""
+    pem = make_certificates(tmp_path)
+    a, ra = await tls_plane(pem)
+    b, rb = await tls_plane(pem)
+    try:
+        ra[:] = os.urandom(SIZE)
+        rb[:] = os.urandom(SIZE)
+        b.grant(Grant(1, [(0, SIZE)]))
+        await a.push(b.address, 1, [Segment(0, 0, 600_000), Segment(700_000, 650_000, 5)])
+        assert rb[:600_000] == ra[:600_000] and rb[650_000:650_005] == ra[700_000:700_005]
+        rb[:] = os.urandom(SIZE)
+        await a.read(b.address, 1, [Segment(100, 0, 300_000)])
+        assert ra[:300_000] == rb[100:300_100]
+        await a.read_gather(b.address, 1, Gather(0, 0, 128, np.arange(4000, 0, -2), np.arange(2000)))
+        assert all(ra[i * 128: (i + 1) * 128] == rb[(4000 - 2 * i) * 128: (4001 - 2 * i) * 128] for i in range(2000))
+        assert a.stats()["tls"] and b.stats()["peers_refused"] == 0 and len(b.links) == 1
+        link = a.links[b.address]
+        assert type(link.channel).__name__ == "TlsChannel" and link.channel._tls.version() in ("TLSv1.2", "TLSv1.3")
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_peer_without_the_cluster_cas_certificate_is_refused_before_any_byte_lands(tmp_path):
+    """A dialer whose certificate another CA signed holds the cluster secret and a valid ticket, and still moves
+    nothing: the TLS handshake fails (both ends say so at once), the member keeps no link and counts it."""
+    member, region = await tls_plane(make_certificates(tmp_path))
+    (tmp_path / "other").mkdir()
+    intruder, intruder_region = await tls_plane(make_certificates(tmp_path / "other"))
+    try:
+        intruder_region[:4096] = b"\xff" * 4096
+        member.grant(Grant(1, [(0, 4096)]))
+        with pytest.raises(DataPlaneError, match="refused us"):
+            await asyncio.wait_for(intruder.push(member.address, 1, [Segment(0, 0, 4096)]), 5)
+        await _until(lambda: member.stats()["peers_refused"] == 1)
+        assert region[:4096] == bytes(4096) and not member.links and intruder.stats()["peers_refused"] == 1
+    finally:
+        await member.close()
+        await intruder.close()
+
+
+async def test_a_plain_tcp_peer_is_refused_by_a_tls_member(tmp_path):
+    """Data-plane frames in the clear (a worker without the TLS settings, once challenged) fail the member's TLS
+    handshake at once: the connection is closed and counted, no link is made."""
+    member, _ = await tls_plane(make_certificates(tmp_path))
+    try:
+        host, port = member.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(Header(frames.OP_HELLO, payload_len=0).pack())
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 5)  # a TLS alert at most, then the member closes the connection
+        await _until(lambda: member.stats()["peers_refused"] == 1)
+        assert not member.links
+        writer.close()
+    finally:
+        await member.close()
+
+
+async def _until(condition, timeout_s: float = 2.0) -> None:
+    """Wait for `condition()` (the member's side of a failed handshake may finish just after the dialer's)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    assert condition()
