@@ -269,6 +269,8 @@ class TokenEvent:
     step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0  # the first decode step's time less its network waits (all-local step time)
     kv_load_s: float = 0.0  # of kv_wait_s, the time building the cache and the remote view once the push had landed
+    fetch_reads: int = 0  # on-demand reads a layer issued when it attended (all steps)
+    speculative_reads: int = 0  # reads of a layer's predicted selection, issued while the layer before it ran
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # colocated, token 0 with Sampling.echo
 

@@ -80,6 +80,7 @@ class RemoteKv:
     pushed_entries: np.ndarray | None = None  # (num_layers, num_kv_heads, num_tokens) bool: pushed one by one
                                               # (smartgen's query-aware push), already landed
     gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
+    speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
     bytes_on_demand: int = 0
     bytes_background: int = 0
     step_local_share: list[float] = field(default_factory=list)
@@ -87,6 +88,8 @@ class RemoteKv:
     step_wait_s: float = 0.0  # this step so far (torch thread)
     num_read_local: int = 0  # entries attention read that were local, all steps
     num_read_remote: int = 0
+    num_fetch_reads: int = 0  # reads a layer issued when it attended (what was not local nor read ahead)
+    num_speculative_reads: int = 0  # reads of a predicted selection, issued a layer early (`speculate`)
     is_closed: bool = False
     failure: str = ""  # set when the prefill node is lost: every later read fails at once with it
 
@@ -134,32 +137,58 @@ class RemoteKv:
         ahead = self._ahead.pop(layer, None)
         if ahead is not None:  # what was read ahead for this layer lands first; then only what it missed is read
             Pending(ahead, None, self.read_timeout_s, self).wait()
+        remote, heads = self._remote_part(layer, idx)
+        if idx is not None:  # NOTE: the local share counts selected entries; dense layers read everything anyway
+            num_remote = int(remote.sum())
+            self._step_remote += num_remote
+            self._step_local += idx.numel() - num_remote
+        if not heads:
+            return None
+        self.num_fetch_reads += 1
+        future = self._start_read(layer, heads, Lane.ON_DEMAND)
+        return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
+
+    def wants_speculation(self, layer: int) -> bool:
+        return self.speculative and layer < len(self.missing_per_layer) and bool(self.missing_per_layer[layer]) \
+            and layer not in self._ahead
+
+    def speculate(self, layer: int, idx: torch.Tensor) -> None:
+        """The speculative part of path 2, each step: start reading the remote part of `idx`, a prediction of
+        `layer`'s selection made while the layer before it runs (shared/compute/selective.py); `fetch(layer, …)`
+        waits for it first. On the on-demand lane: the step waits for it a layer from now."""
+        self._check_readable()
+        _, heads = self._remote_part(layer, idx)
+        if heads:
+            self.num_speculative_reads += 1
+            self._ahead[layer] = self._start_read(layer, heads, Lane.ON_DEMAND)
+
+    def _remote_part(self, layer: int, idx: torch.Tensor | None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """Which of the entries `idx` (H_kv, k) selects at `layer` (None: all its tokens) are not here: a bool mask
+        of idx's shape (of (H_kv, N) for None), and per KV head with any, (head, its remote token indices)."""
         present = self.present[layer]
         if idx is None:
             remote = ~present
-            wanted = 0
         else:
             idx_np = idx.cpu().numpy()
             remote = np.zeros(idx_np.shape, dtype=bool)
-            in_prompt = idx_np < self.num_tokens  # decoded tokens are local
-            rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
-            remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
-            wanted = idx_np.size
-        num_remote = int(remote.sum()) if self.missing_per_layer[layer] else 0
-        if idx is not None:  # NOTE: the local share counts selected entries; dense layers read everything anyway
-            self._step_remote += num_remote
-            self._step_local += wanted - num_remote
-        if not num_remote:
-            return None
+            if self.missing_per_layer[layer]:
+                in_prompt = idx_np < self.num_tokens  # decoded tokens are local
+                rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
+                remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
         heads = []
-        for h in range(self.num_kv_heads):
-            tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
-            if tokens.size:
-                heads.append((h, tokens))
+        if self.missing_per_layer[layer]:
+            for h in range(self.num_kv_heads):
+                tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
+                if tokens.size:
+                    heads.append((h, tokens))
+        return remote, heads
+
+    def _start_read(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> concurrent.futures.Future[None]:
+        """Issue one read of these entries of `layer` on the event loop (from any thread); counted as pending at
+        once, so a background read cannot slip in before it starts."""
         with self._pending_lock:
             self._on_demand_pending += 1
-        future = asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
-        return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
+        return asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads, lane), self.loop)
 
     # --- event loop ------------------------------------------------------------------------
     def read_ahead(self, entries: np.ndarray) -> None:
@@ -172,11 +201,8 @@ class RemoteKv:
         missing = entries & ~self.present
         for layer in np.flatnonzero(missing.any(axis=(1, 2))).tolist():
             heads = [(h, tokens) for h in range(self.num_kv_heads) if (tokens := np.flatnonzero(missing[layer, h])).size]
-            with self._pending_lock:
-                self._on_demand_pending += 1
             self._on_demand_idle.clear()
-            self._ahead[layer] = asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads, Lane.PUSH),
-                                                                  self.loop)
+            self._ahead[layer] = self._start_read(layer, heads, Lane.PUSH)
 
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane = Lane.ON_DEMAND) -> None:
         try:

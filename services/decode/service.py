@@ -392,7 +392,7 @@ class DecodeService(ModelWorkerService):
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                                 self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
-                                self.config.gather_reads)
+                                self.config.gather_reads, speculative=req.plan.read_ahead)
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query)

@@ -456,6 +456,7 @@ class CompletionRun:
             "kv_bytes": self.kv_bytes,
             "kv_wait_s": self.kv_wait_s,
             "kv_load_s": final.kv_load_s if final else 0.0,
+            "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads} if final else {},
             "prefill_s": self.prefill_s,
             "transfer_mode": self.mode or self.job.transfer_mode,
             "requested_mode": self.job.transfer_mode,

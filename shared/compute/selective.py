@@ -15,6 +15,14 @@ entries are gathered while they are in flight, then the remote positions are fil
 the read landed them. The gathered tensor is then exactly what an all-local gather gives (same values, same order),
 so transfer never changes tokens.
 
+Speculation (the speculative part of path 2): while a row's layer i is issued, the next layer's selection is
+predicted from layer i's input (its query computed as layer i+1 would compute it, InfiniGen's speculation) over
+the next layer's metadata, and the remote part of that prediction starts reading at once (`RemoteEntries.
+speculate`); layer i+1 then waits for it and reads only what it missed. For InfiniGen, whose selection is
+defined by that very query, the prediction misses at most tokens the step itself adds (always local); for the
+other selectors it is a guess. Only where the next layer still has remote entries: an all-local request pays
+nothing.
+
 NOTE: the step's context (`STEP`) is a module global set around one forward pass. Only the engine's single
 torch thread runs the model, so there is never more than one step in flight.
 """
@@ -62,6 +70,13 @@ class RemoteEntries(Protocol):
     def fetch(self, layer: int, idx: torch.Tensor | None) -> PendingRead | None:
         """Start reading the entries of `layer` that attention needs and that are not local: `idx` (H_kv, k)
         selected token indices, or None for every token. None when all are local."""
+
+    def wants_speculation(self, layer: int) -> bool:
+        """Whether predicting `layer`'s selection could save a read: speculation is on and entries are remote."""
+
+    def speculate(self, layer: int, idx: torch.Tensor) -> None:
+        """Start reading the remote part of `idx` (H_kv, k), a prediction of `layer`'s selection; `fetch(layer,
+        …)` waits for it, then reads only what it missed."""
 
 
 @dataclass
@@ -209,10 +224,25 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
     probe = _speculated_query(module, layer, b) if getattr(sel.selector, "speculates", False) else row.query[0, :, 0]
     row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
     row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
+    if sel.remote is not None and sel.remote.wants_speculation(layer + 1):
+        _speculate_next_layer(module, layer, b, sel, k, n)
     if row.pending is not None and not sel.remote.parallel:
         row.pending.wait()  # path 2 switched off: fetch first, then gather
         row.pending = None
     return row
+
+
+def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n: int) -> None:
+    """Predict row b's selection at layer + 1 from layer's input (module docstring) and start reading it."""
+    nxt = getattr(module, "_smartgen_next_decoder_layer", None)
+    state = sel.states.get(layer + 1)
+    hidden = STEP.layer_inputs.get(layer) if STEP is not None else None
+    if nxt is None or state is None or hidden is None or STEP is None or STEP.position_embeddings is None:
+        return
+    cos, sin = STEP.position_embeddings
+    probe = query_of(nxt, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])  # (H, d): layer + 1's query, speculated
+    assert sel.remote is not None
+    sel.remote.speculate(layer + 1, select_with_floor(sel.selector, layer + 1, state, probe, k, n, sel.budget.floor))
 
 
 def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
@@ -312,9 +342,12 @@ def install(model) -> None:
     AttentionInterface.register(ATTENTION_NAME, selective_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
-    for i, decoder_layer in enumerate(model.get_decoder().layers):
-        # NOTE: object.__setattr__, so the back-reference is not registered as a submodule (no cycle in the tree)
+    layers = model.get_decoder().layers
+    for i, decoder_layer in enumerate(layers):
+        # NOTE: object.__setattr__, so the back-references are not registered as submodules (no cycle in the tree)
         object.__setattr__(decoder_layer.self_attn, "_smartgen_decoder_layer", decoder_layer)
+        object.__setattr__(decoder_layer.self_attn, "_smartgen_next_decoder_layer",
+                           layers[i + 1] if i + 1 < len(layers) else None)
 
         def keep_input(_module, args, kwargs, i=i):
             if STEP is not None:

@@ -123,12 +123,22 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     assert sg["ttst_s"] < 0.5 * full_transfer_s
     # The query-aware push: the prefill sends what its last prompt position selects, which step 1 mostly
     # selects again; the same budget spent on profile blocks instead finds far less of step 1's selection local.
-    status, profile_only = post_json(stack.gateway_url + "/v1/completions",
-                                     body | {"transfer_mode": "smartgen", "ablate": ["query"]}, timeout=300)
-    assert status == 200, profile_only
-    po = profile_only["smartgen"]
-    print(f"step-1 local share: query-aware push {sg['step_local_share'][0]:.2f} ({sg['plan']['query_tokens']} "
-          f"tokens per KV head), profile blocks only {po['step_local_share'][0]:.2f}")
-    assert po["token_ids"] == sg["token_ids"]
-    assert sg["plan"]["query_tokens"] > 0 and po["plan"]["query_tokens"] == 0
-    assert sg["step_local_share"][0] >= 0.6 and sg["step_local_share"][0] > po["step_local_share"][0] + 0.15
+    # Both without reading ahead on predictions (`ahead`), which would hide what the push brought.
+    def ask(ablate: list[str]) -> dict:
+        status, reply = post_json(stack.gateway_url + "/v1/completions",
+                                  body | {"transfer_mode": "smartgen", "ablate": ablate}, timeout=300)
+        assert status == 200, reply
+        assert reply["smartgen"]["token_ids"] == sg["token_ids"], ablate
+        return reply["smartgen"]
+
+    by_query, po, po_speculating = ask(["ahead"]), ask(["query", "ahead"]), ask(["query"])
+    print(f"step-1 local share: query-aware push {by_query['step_local_share'][0]:.2f} "
+          f"({by_query['plan']['query_tokens']} tokens per KV head), profile blocks only {po['step_local_share'][0]:.2f}, "
+          f"profile blocks with speculation {po_speculating['step_local_share'][0]:.2f} "
+          f"(reads {po_speculating['reads']})")
+    assert by_query["plan"]["query_tokens"] > 0 and po["plan"]["query_tokens"] == 0
+    assert by_query["step_local_share"][0] >= 0.6 and by_query["step_local_share"][0] > po["step_local_share"][0] + 0.15
+    # Speculation: each layer's selection predicted a layer early from its input finds more of step 1's selection
+    # read by the time the layer attends (real attention: SmolLM2's layers change their input little)
+    assert po_speculating["reads"]["speculative"] > 0 and po["reads"]["speculative"] == 0
+    assert po_speculating["step_local_share"][0] > po["step_local_share"][0] + 0.1

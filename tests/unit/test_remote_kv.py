@@ -40,7 +40,7 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
                         parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0,
-                        gather: bool = True, calls: dict[str, int] | None = None):
+                        gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
     The decode slab starts as NaN, so any entry used before it arrived would poison the output."""
@@ -83,7 +83,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     pushed[:pushed_layers] = True
     source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
-                      pushed, parallel, gather_reads=gather)
+                      pushed, parallel, gather_reads=gather, speculative=speculative)
     engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
@@ -119,14 +119,29 @@ async def test_token_level_reads_go_as_one_gather_per_layer(runner, selector):
     never as segments. Gathers and segments read the same entries: the same tokens, bytes and presence."""
     ids = prompt_ids(runner.path, PROMPT)[:300]
     by_gather, by_segments = {}, {}
-    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, calls=by_gather)
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, calls=by_gather,
+                                         speculative=False)
     plain_tokens, plain = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, gather=False,
-                                              calls=by_segments)
+                                              calls=by_segments, speculative=False)
     assert tokens == plain_tokens
     assert remote.bytes_on_demand == plain.bytes_on_demand > 0 and (remote.present == plain.present).all()
     assert "read_gather" not in by_segments and "read" not in by_gather
     selective_layers, steps = remote.present.shape[0] - 2, STEPS - 1
     assert 0 < by_gather["read_gather"] == by_segments["read"] <= selective_layers * steps
+
+
+@pytest.mark.parametrize("selector", ["quest", "oracle"])
+async def test_speculation_reads_the_next_layer_ahead_and_never_changes_tokens(runner, selector):
+    """While layer i runs, layer i+1's selection is predicted from layer i's input and its remote part read
+    (`speculate`): the tokens stay those of every entry local, layers then find more of what they select already
+    read, and without speculation nothing is read ahead. (A random tiny model predicts its next layer poorly, so
+    a layer usually still reads its misses; on SmolLM2 see docs/results.)"""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False)
+    plain_tokens, plain = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, speculative=False)
+    assert tokens == plain_tokens == colocated_tokens(runner, ids, selector, 0.1)
+    assert remote.num_speculative_reads > 0 and plain.num_speculative_reads == 0
+    assert remote.num_read_remote < plain.num_read_remote and remote.num_fetch_reads <= plain.num_fetch_reads
 
 
 async def test_background_makes_everything_local(runner):

@@ -391,6 +391,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "kv_wait_mean_s": _mean([x["kv_wait_s"] for x in rs if x.get("kv_wait_s") is not None]),
             "kv_load_mean_s": _mean([x["kv_load_s"] for x in rs if x.get("kv_load_s") is not None]),
             "step1_wait_mean_s": _mean([x["step_wait_s"][0] for x in rs if x.get("step_wait_s")]),
+            # on-demand reads per request: issued by a layer as it attended, or a layer early on a prediction
+            "fetch_reads_mean": _mean([x["reads"]["fetch"] for x in rs if x.get("reads")]),
+            "speculative_reads_mean": _mean([x["reads"]["speculative"] for x in rs if x.get("reads")]),
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
             "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
