@@ -26,11 +26,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from schemas import KvLayout, KvSource
+from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
 
 
 GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
+# Speculation costs one more selection per layer; it pays where most layers have to read. A step speculates when
+# at least this share of the layers that can read had to in the step before (step 1 always). Measured at 2K, R = 2
+# prefill-matched (docs/results/serve-2k-speculation-*): InfiniGen reads in ~80% of its layers every step and
+# speculating cut its on-demand wait 2.49 -> 0.78 s and TBT 0.140 -> 0.126 s; Quest reads in ~20% after step 1,
+# and speculating every step cost more selection time than it saved (TBT 0.073 -> 0.082 s).
+SPECULATE_WHEN_READING = 0.5
 
 
 def _mean_run(heads: list[tuple[int, np.ndarray]]) -> float:
@@ -117,11 +123,14 @@ class RemoteKv:
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
         self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its read ahead (`read_ahead`)
+        self._step_read_layers: set[int] = set()  # layers that issued a read this step (torch thread)
+        self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
 
     # --- torch thread ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step_local = self._step_remote = 0
         self.step_wait_s = 0.0
+        self._step_read_layers.clear()
 
     def end_step(self) -> None:
         self.num_read_local += self._step_local
@@ -129,6 +138,8 @@ class RemoteKv:
         total = self._step_local + self._step_remote
         self.step_local_share.append(self._step_local / total if total else 1.0)
         self.step_wait.append(self.step_wait_s)
+        selective = self.layout.num_layers - DENSE_LAYERS
+        self._speculating = self.speculative and len(self._step_read_layers) >= SPECULATE_WHEN_READING * selective
 
     def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
@@ -145,11 +156,12 @@ class RemoteKv:
         if not heads:
             return None
         self.num_fetch_reads += 1
+        self._step_read_layers.add(layer)
         future = self._start_read(layer, heads, Lane.ON_DEMAND)
         return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
 
     def wants_speculation(self, layer: int) -> bool:
-        return self.speculative and layer < len(self.missing_per_layer) and bool(self.missing_per_layer[layer]) \
+        return self._speculating and layer < len(self.missing_per_layer) and bool(self.missing_per_layer[layer]) \
             and layer not in self._ahead
 
     def speculate(self, layer: int, idx: torch.Tensor) -> None:
@@ -160,6 +172,7 @@ class RemoteKv:
         _, heads = self._remote_part(layer, idx)
         if heads:
             self.num_speculative_reads += 1
+            self._step_read_layers.add(layer)
             self._ahead[layer] = self._start_read(layer, heads, Lane.ON_DEMAND)
 
     def _remote_part(self, layer: int, idx: torch.Tensor | None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:

@@ -216,6 +216,8 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             sel.num_selected += n * row.keys.shape[0]
             sel.num_candidates += n * row.keys.shape[0]
         row.pending = sel.remote.fetch(layer, None) if sel.remote is not None else None
+        if layer + 1 == DENSE_LAYERS and k < n and sel.remote is not None and sel.remote.wants_speculation(layer + 1):
+            _speculate_next_layer(module, layer, b, sel, k, n)
         return row
     state = sel.states.get(layer)
     if state is None:
