@@ -32,7 +32,8 @@ from shared.dataplane import DataPlane, Gather, Lane, Segment
 
 GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
 # Speculation costs one more selection per layer; it pays where most layers have to read. A step speculates when
-# at least this share of the layers that can read had to in the step before (step 1 always). Measured at 2K, R = 2
+# at least this share of the layers that can read had to in the step before (step 1 always), and only where the
+# service turned it on (`speculative`: InfiniGen, services/decode/service.py `_speculates`). Measured at 2K, R = 2
 # prefill-matched (docs/results/serve-2k-speculation-*): InfiniGen reads in ~80% of its layers every step and
 # speculating cut its on-demand wait 2.49 -> 0.78 s and TBT 0.140 -> 0.126 s; Quest reads in ~20% after step 1,
 # and speculating every step cost more selection time than it saved (TBT 0.073 -> 0.082 s).

@@ -392,7 +392,7 @@ class DecodeService(ModelWorkerService):
         state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                                 self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                                 self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
-                                self.config.gather_reads, speculative=req.plan.read_ahead)
+                                self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req))
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query)
@@ -403,6 +403,14 @@ class DecodeService(ModelWorkerService):
         if predicted is not None and req.plan.read_ahead:  # ablate "ahead" (or "query") switches it off
             remote.read_ahead(predicted)
         self.remote_kv.start(state)
+
+    def _speculates(self, req: Generate) -> bool:
+        """Whether this request's layers read their predicted selection a layer early (services/decode/remote.py
+        SPECULATE_WHEN_READING): only for selectors whose selection is the speculated query's (InfiniGen), where
+        a prediction misses at most the step's own, local, token. Quest's and the others' guesses were measured to
+        cost more selection time than the round trips they saved on this CPU (docs/results, "Speculation")."""
+        assert self.engine is not None
+        return bool(req.selector) and getattr(self.engine.selector(req.selector), "speculates", False)
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:
         loop = asyncio.get_running_loop()

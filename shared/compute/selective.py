@@ -20,8 +20,8 @@ predicted from layer i's input (its query computed as layer i+1 would compute it
 the next layer's metadata, and the remote part of that prediction starts reading at once (`RemoteEntries.
 speculate`); layer i+1 then waits for it and reads only what it missed. For InfiniGen, whose selection is
 defined by that very query, the prediction misses at most tokens the step itself adds (always local); for the
-other selectors it is a guess. Only where the next layer still has remote entries: an all-local request pays
-nothing.
+other selectors it is a guess. Only where `RemoteEntries.wants_speculation` (the decode service's policy: which
+selectors, which steps, and only where the next layer still has remote entries).
 
 NOTE: the step's context (`STEP`) is a module global set around one forward pass. Only the engine's single
 torch thread runs the model, so there is never more than one step in flight.

@@ -124,21 +124,24 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     # The query-aware push: the prefill sends what its last prompt position selects, which step 1 mostly
     # selects again; the same budget spent on profile blocks instead finds far less of step 1's selection local.
     # Both without reading ahead on predictions (`ahead`), which would hide what the push brought.
-    def ask(ablate: list[str]) -> dict:
+    def ask(ablate: list[str], selector: str = "quest") -> dict:
         status, reply = post_json(stack.gateway_url + "/v1/completions",
-                                  body | {"transfer_mode": "smartgen", "ablate": ablate}, timeout=300)
+                                  body | {"transfer_mode": "smartgen", "ablate": ablate, "selector": selector}, timeout=300)
         assert status == 200, reply
-        assert reply["smartgen"]["token_ids"] == sg["token_ids"], ablate
         return reply["smartgen"]
 
-    by_query, po, po_speculating = ask(["ahead"]), ask(["query", "ahead"]), ask(["query"])
+    by_query, po = ask(["ahead"]), ask(["query", "ahead"])
+    assert by_query["token_ids"] == po["token_ids"] == sg["token_ids"]
     print(f"step-1 local share: query-aware push {by_query['step_local_share'][0]:.2f} "
-          f"({by_query['plan']['query_tokens']} tokens per KV head), profile blocks only {po['step_local_share'][0]:.2f}, "
-          f"profile blocks with speculation {po_speculating['step_local_share'][0]:.2f} "
-          f"(reads {po_speculating['reads']})")
+          f"({by_query['plan']['query_tokens']} tokens per KV head), profile blocks only {po['step_local_share'][0]:.2f}")
     assert by_query["plan"]["query_tokens"] > 0 and po["plan"]["query_tokens"] == 0
     assert by_query["step_local_share"][0] >= 0.6 and by_query["step_local_share"][0] > po["step_local_share"][0] + 0.15
-    # Speculation: each layer's selection predicted a layer early from its input finds more of step 1's selection
-    # read by the time the layer attends (real attention: SmolLM2's layers change their input little)
-    assert po_speculating["reads"]["speculative"] > 0 and po["reads"]["speculative"] == 0
-    assert po_speculating["step_local_share"][0] > po["step_local_share"][0] + 0.1
+    # Speculation (InfiniGen: its selection is its query speculated from the layer before, so decode can read it a
+    # layer early): more of step 1's selection has landed by the time each layer attends, tokens unchanged
+    plain, speculating = ask(["query", "ahead"], "infinigen"), ask(["query"], "infinigen")
+    print(f"infinigen step-1 local share: {plain['step_local_share'][0]:.2f}, speculating "
+          f"{speculating['step_local_share'][0]:.2f} (reads {speculating['reads']} against {plain['reads']})")
+    assert speculating["token_ids"] == plain["token_ids"]
+    assert speculating["reads"]["speculative"] > 0 and plain["reads"]["speculative"] == 0
+    assert speculating["reads"]["fetch"] < plain["reads"]["fetch"]
+    assert speculating["step_local_share"][0] > plain["step_local_share"][0]
