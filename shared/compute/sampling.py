@@ -89,8 +89,10 @@ def truncated(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_p < 1.0:
         probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True)
         before = probs.cumsum(0) - probs  # the mass of the tokens more likely than each
+        outside = before >= top_p
+        outside[0] = False  # NOTE: a top_p below float32's smallest value rounds to 0 there; the first stays anyway
         scaled = scaled.clone()
-        scaled[order[before >= top_p]] = float("-inf")
+        scaled[order[outside]] = float("-inf")
     return scaled
 
 

@@ -88,7 +88,8 @@ def test_worker_id_must_fit_in_a_subject():
 
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     """probabilities 0.4, 0.3, 0.2, 0.1 (at temperature 1): top_k 2 and top_p 0.5 (the nucleus: 0.4 does not reach
-    0.5, 0.4 + 0.3 does) both sample tokens 0 and 1 only, and both of them; top_k 1 or a tiny top_p is greedy."""
+    0.5, 0.4 + 0.3 does) both sample tokens 0 and 1 only, and both of them; top_k 1 or a tiny top_p is greedy, even
+    a top_p too small for float32 (schemathesis sent 5e-324, and every probability went to NaN)."""
     import torch
 
     from schemas import Sampling
@@ -101,6 +102,7 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     assert drawn(top_k=2) == drawn(top_p=0.5) == {0, 1}
     assert drawn(top_p=0.75) == {0, 1, 2}
     assert drawn(top_k=1) == drawn(top_p=0.01) == {0}
+    assert drawn(top_p=5e-324) == {0}  # below float32's smallest value it rounds to 0; the first token stays (fuzz)
     assert drawn(top_k=4) == drawn(top_p=1.0) == drawn(top_k=10) == {0, 1, 2, 3}
 
 
