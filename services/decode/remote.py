@@ -180,21 +180,21 @@ class RemoteKv:
         """Which of the entries `idx` (H_kv, k) selects at `layer` (None: all its tokens) are not here: a bool mask
         of idx's shape (of (H_kv, N) for None), and per KV head with any, (head, its remote token indices)."""
         present = self.present[layer]
+        if not self.missing_per_layer[layer]:
+            return np.zeros(present.shape if idx is None else tuple(idx.shape), dtype=bool), []
         if idx is None:
             remote = ~present
         else:
             idx_np = idx.cpu().numpy()
             remote = np.zeros(idx_np.shape, dtype=bool)
-            if self.missing_per_layer[layer]:
-                in_prompt = idx_np < self.num_tokens  # decoded tokens are local
-                rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
-                remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
+            in_prompt = idx_np < self.num_tokens  # decoded tokens are local
+            rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
+            remote[in_prompt] = ~present[rows[in_prompt], idx_np[in_prompt]]
         heads = []
-        if self.missing_per_layer[layer]:
-            for h in range(self.num_kv_heads):
-                tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
-                if tokens.size:
-                    heads.append((h, tokens))
+        for h in range(self.num_kv_heads):
+            tokens = np.flatnonzero(remote[h]) if idx is None else idx_np[h][remote[h]]
+            if tokens.size:
+                heads.append((h, tokens))
         return remote, heads
 
     def _start_read(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> concurrent.futures.Future[None]:

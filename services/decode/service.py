@@ -410,7 +410,10 @@ class DecodeService(ModelWorkerService):
         a prediction misses at most the step's own, local, token. Quest's and the others' guesses were measured to
         cost more selection time than the round trips they saved on this CPU (docs/results, "Speculation")."""
         assert self.engine is not None
-        return bool(req.selector) and getattr(self.engine.selector(req.selector), "speculates", False)
+        # NOTE: has_selector first: on the event loop, never build (load) a selector, only look it up (sizing the
+        # aux area at `open` built it already)
+        return bool(req.selector) and self.engine.has_selector(req.selector) and \
+            getattr(self.engine.selector(req.selector), "speculates", False)
 
     async def _wait_for_kv(self, state: DecodeRequest) -> float:
         loop = asyncio.get_running_loop()

@@ -216,19 +216,19 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             sel.num_selected += n * row.keys.shape[0]
             sel.num_candidates += n * row.keys.shape[0]
         row.pending = sel.remote.fetch(layer, None) if sel.remote is not None else None
-        if layer + 1 == DENSE_LAYERS and k < n and sel.remote is not None and sel.remote.wants_speculation(layer + 1):
-            _speculate_next_layer(module, layer, b, sel, k, n)
-        return row
-    state = sel.states.get(layer)
-    if state is None:
-        state = sel.states[layer] = sel.selector.new_state(layer)
-    sel.selector.extend(layer, state, row.keys)
-    probe = _speculated_query(module, layer, b) if getattr(sel.selector, "speculates", False) else row.query[0, :, 0]
-    row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
-    row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
-    if sel.remote is not None and sel.remote.wants_speculation(layer + 1):
+    else:
+        state = sel.states.get(layer)
+        if state is None:
+            state = sel.states[layer] = sel.selector.new_state(layer)
+        sel.selector.extend(layer, state, row.keys)
+        speculates = getattr(sel.selector, "speculates", False)
+        probe = _speculated_query(module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
+        row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
+        row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
+    # the next layer's selection, predicted from this layer's input: from the last dense layer on, while selective
+    if layer + 1 >= DENSE_LAYERS and k < n and sel.remote is not None and sel.remote.wants_speculation(layer + 1):
         _speculate_next_layer(module, layer, b, sel, k, n)
-    if row.pending is not None and not sel.remote.parallel:
+    if row.idx is not None and row.pending is not None and not sel.remote.parallel:
         row.pending.wait()  # path 2 switched off: fetch first, then gather
         row.pending = None
     return row
@@ -236,13 +236,11 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
 
 def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n: int) -> None:
     """Predict row b's selection at layer + 1 from layer's input (module docstring) and start reading it."""
-    nxt = getattr(module, "_smartgen_next_decoder_layer", None)
+    nxt = module._smartgen_next_decoder_layer
     state = sel.states.get(layer + 1)
-    hidden = STEP.layer_inputs.get(layer) if STEP is not None else None
-    if nxt is None or state is None or hidden is None or STEP is None or STEP.position_embeddings is None:
+    if nxt is None or state is None:
         return
-    cos, sin = STEP.position_embeddings
-    probe = query_of(nxt, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])  # (H, d): layer + 1's query, speculated
+    probe = _speculated_query(nxt, layer, b)  # (H, d): layer + 1's query, speculated
     assert sel.remote is not None
     sel.remote.speculate(layer + 1, select_with_floor(sel.selector, layer + 1, state, probe, k, n, sel.budget.floor))
 
@@ -301,14 +299,15 @@ def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
-def _speculated_query(module, layer: int, b: int) -> torch.Tensor:
-    """InfiniGen's speculation: row b's layer-i query computed from layer i-1's input, (H, d)."""
+def _speculated_query(decoder_layer, from_layer: int, b: int) -> torch.Tensor:
+    """InfiniGen's speculation: the query `decoder_layer` would compute for row b, from the input of the layer
+    `from_layer` before it (this step's), (H, d)."""
     assert STEP is not None
-    hidden = STEP.layer_inputs.get(layer - 1)
+    hidden = STEP.layer_inputs.get(from_layer)
     if hidden is None or STEP.position_embeddings is None:
         raise RuntimeError("speculation needs the previous layer's input: install() was not called")
     cos, sin = STEP.position_embeddings
-    return query_of(module._smartgen_decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])
+    return query_of(decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])
 
 
 def query_of(decoder_layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

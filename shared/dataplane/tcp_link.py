@@ -1,0 +1,384 @@
+"""One TCP data-plane link: the frames both ends of one connection exchange, and the two tasks that move them.
+
+Each end of a connection (a `Link`, owned by tcp.py's TcpDataPlane) has:
+  - a writer task, the only one that sends: it takes the next frame by strict priority
+    (CONTROL acks, then ON_DEMAND, then PUSH, then BACKGROUND unless paused), waits for the link's Pacer, sends;
+  - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
+    straight in the registered region; a READ is answered by queueing its data on the lane it names; a GATHER
+    likewise, its scattered entries copied with one `np.take` into the writer's stage just before sending) and
+    replies to our own requests (matched by `seq`; a GATHER's reply is scattered into place with one index).
+Transfers are cut into chunks of ≤ CHUNK_BYTES (less on a paced link: pacing.chunk_bytes), one frame each,
+checksummed (crc32c) unless turned off. Nothing on this path allocates per message beyond small headers: payloads
+are memoryviews of the region. The bytes run on a `Channel` (channel.py): the socket, or TLS over it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
+from shared.dataplane import frames
+from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Lane, Segment, TicketRefused, entries
+from shared.dataplane.channel import RECV_SLICE, Channel
+from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
+from shared.dataplane.pacing import Pacer
+
+if TYPE_CHECKING:
+    from shared.dataplane.tcp import TcpDataPlane
+
+log = structlog.get_logger()
+CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
+# NOTE: background chunks that are sent but not yet acked sit in kernel socket buffers, where an urgent
+# frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
+BACKGROUND_WINDOW = 2 * CHUNK_BYTES
+STAGE_PARTS = 3  # frames of this many parts or more are copied through one staging buffer (one syscall)
+
+
+async def recv_exactly(channel: Channel, view: memoryview) -> None:
+    while view:
+        n = await channel.recv_into(view[:RECV_SLICE])
+        if n == 0:
+            raise ConnectionError("peer closed the data-plane connection")
+        view = view[n:]
+
+
+@dataclass
+class _Frame:
+    """One frame waiting for the writer."""
+
+    header: Header
+    table: list[tuple[int, int]] = field(default_factory=list)
+    payload: list[memoryview] = field(default_factory=list)
+    on_done: Callable[[], None] | None = None  # runs once the frame is sent or dropped (releases a grant)
+    fill: Callable[[memoryview], None] | None = None  # instead of `payload`: writes it into the view the writer gives
+
+
+@dataclass
+class _Waiting:
+    """One of our requests, waiting for its reply."""
+
+    done: asyncio.Future[None]
+    local: list[Segment] = field(default_factory=list)  # READ: where the data lands here
+    scatter: tuple[int, int, np.ndarray] | None = None  # GATHER: (dst base, unit, dst index) where its entries land
+    background_bytes: int = 0  # a BACKGROUND push chunk: its size, counted in the link's window until acked
+
+
+@dataclass
+class LaneStats:
+    num_bytes: int = 0
+    num_frames: int = 0
+    busy_s: float = 0.0  # time the writer spent on this lane's frames, pacing included
+
+
+class Link:
+    def __init__(self, plane: "TcpDataPlane", channel: Channel, peer: str):
+        self.plane, self.channel, self.peer = plane, channel, peer
+        # NOTE: no bound needed: every frame queued is a chunk of a push or read some caller awaits, or the ack or
+        # reply to one of the peer's, so the queues hold what the requests in progress move, no more.
+        self.queues: dict[int, deque[_Frame]] = {CONTROL: deque(), **{lane: deque() for lane in Lane}}
+        self.has_work = asyncio.Event()
+        self.waiting: dict[int, _Waiting] = {}
+        self.seq = itertools.count(1)
+        self.pacer = Pacer(plane.link_gbps)
+        self.error: DataPlaneError | None = None
+        self.background_in_flight = 0  # bytes of BACKGROUND chunks sent and not yet acked
+        self.send_stage = bytearray(frames.HEADER.size + frames.MAX_STAGED_TABLE + CHUNK_BYTES)
+        self.recv_stage = memoryview(bytearray(CHUNK_BYTES))
+        self.tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
+
+    # --- our requests ------------------------------------------------------------------------
+    def request(self, lane: int, header: Header, table: list[tuple[int, int]], payload: list[memoryview],
+                local: list[Segment], scatter: tuple[int, int, np.ndarray] | None = None) -> asyncio.Future[None]:
+        if self.error:
+            raise self.error
+        seq = next(self.seq)
+        done = asyncio.get_running_loop().create_future()
+        size = sum(len(p) for p in payload)
+        acked_background = size if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH else 0
+        self.waiting[seq] = _Waiting(done, local, scatter, acked_background)
+        self.send(lane, _Frame(Header(header.op, seq=seq, ticket=header.ticket, num_segments=len(table),
+                                      payload_len=size, flags=header.flags), table, payload))
+        return done
+
+    def send(self, lane: int, frame: _Frame) -> None:
+        self.queues[lane].append(frame)
+        self.has_work.set()
+
+    # --- the writer ----------------------------------------------------------------------------
+    def _next_frame(self) -> tuple[int, _Frame] | None:
+        for lane in (CONTROL, *Lane):  # strict priority: lower value first
+            queue = self.queues[lane]
+            if lane == Lane.BACKGROUND and queue and (
+                    self.plane.is_background_paused or
+                    self.background_in_flight and self.background_in_flight + queue[0].header.payload_len > BACKGROUND_WINDOW):
+                continue
+            if queue:
+                return lane, queue.popleft()
+        return None
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                picked = self._next_frame()
+                if picked is None:
+                    self.has_work.clear()
+                    await self.has_work.wait()
+                    continue
+                lane, frame = picked
+                if self._is_abandoned(frame):
+                    if frame.on_done:
+                        frame.on_done()
+                    continue
+                started = time.monotonic()
+                try:
+                    header, payload = frame.header, frame.payload
+                    if frame.fill is not None:  # a gather's reply: its entries are copied out of the region now
+                        stage = memoryview(self.send_stage)[frames.HEADER.size: frames.HEADER.size + header.payload_len]
+                        frame.fill(stage)
+                        payload = [stage]
+                    if payload and self.plane.use_checksums:
+                        header = _with_crc(header, frames.crc32c(payload))
+                    if lane != CONTROL:
+                        await self.pacer.wait(header.payload_len)
+                        if self.plane.faults.delay_s:
+                            await asyncio.sleep(self.plane.faults.delay_s)
+                    if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked
+                        self.background_in_flight += header.payload_len
+                    await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(payload))
+                finally:
+                    if frame.on_done:
+                        frame.on_done()
+                stats = self.plane.lane_stats[lane]
+                stats.num_bytes += frame.header.payload_len
+                stats.num_frames += 1
+                stats.busy_s += time.monotonic() - started
+                if lane != CONTROL:
+                    self.plane.note_sent(frame.header.payload_len, time.monotonic() - started)
+        except (OSError, ConnectionError) as exc:
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} lost while sending: {exc}"))
+        except Exception as exc:  # a bug must not leave waiters hanging: fail the link loudly
+            log.exception("dataplane_writer_crashed", peer=self.peer)
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} failed: {exc!r}"))
+
+    def _is_abandoned(self, frame: _Frame) -> bool:
+        """A chunk of our own push or read whose caller is gone (the request was aborted, or the transfer failed on
+        another chunk): it would only take link time from live requests, so it is dropped unsent."""
+        if frame.header.op not in (frames.OP_PUSH, frames.OP_READ, frames.OP_GATHER):
+            return False  # a reply or ack to the peer: always owed
+        waiting = self.waiting.get(frame.header.seq)
+        if waiting is None or not waiting.done.done():
+            return False
+        del self.waiting[frame.header.seq]  # no reply will come: the peer never sees the frame
+        return True
+
+    async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
+        head = header.pack() + frames.pack_segments(table)
+        if len(payload) < STAGE_PARTS or len(head) > frames.HEADER.size + frames.MAX_STAGED_TABLE:
+            await self.channel.sendall(head)
+            for part in payload:
+                await self.channel.sendall(part)
+            return
+        # many small parts (a scattered read reply): one copy into the stage beats one syscall per part
+        stage, n = self.send_stage, len(head)
+        stage[:n] = head
+        for part in payload:
+            stage[n: n + len(part)] = part
+            n += len(part)
+        await self.channel.sendall(memoryview(stage)[:n])
+
+    async def _recv_into(self, views: list[memoryview]) -> None:
+        """Receive a frame's payload into `views` (via the stage when they are many and small)."""
+        if len(views) < STAGE_PARTS:
+            for view in views:
+                await recv_exactly(self.channel, view)
+            return
+        total = sum(len(v) for v in views)
+        await recv_exactly(self.channel, self.recv_stage[:total])
+        at = 0
+        for view in views:
+            view[:] = self.recv_stage[at: at + len(view)]
+            at += len(view)
+
+    # --- the reader ------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        raw = bytearray(frames.HEADER.size)
+        try:
+            while True:
+                await recv_exactly(self.channel, memoryview(raw))
+                header = Header.unpack(raw)
+                table_raw = bytearray(header.num_segments * frames.SEGMENT.size)
+                await recv_exactly(self.channel, memoryview(table_raw))
+                table = frames.unpack_segments(table_raw, header.num_segments)
+                if header.op == frames.OP_PUSH:
+                    await self._on_push(header, table)
+                elif header.op == frames.OP_READ:
+                    self._on_read(header, table)
+                elif header.op == frames.OP_GATHER:
+                    await self._on_gather(header)
+                elif header.op in (frames.OP_PUSH_ACK, frames.OP_READ_DATA):
+                    await self._on_reply(header)
+                else:
+                    raise FrameError(f"unexpected op {header.op} on an open link")
+        except (OSError, ConnectionError) as exc:
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} lost: {exc or 'closed'}"))
+        except FrameError as exc:
+            log.warning("dataplane_bad_frame", peer=self.peer, error=str(exc))
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} closed after a bad frame: {exc}"))
+        except Exception as exc:  # e.g. an on_landed callback raising: fail the link instead of hanging waiters
+            log.exception("dataplane_reader_crashed", peer=self.peer)
+            self.fail(DataPlaneError(f"data-plane link to {self.peer} failed: {exc!r}"))
+
+    async def _on_push(self, header: Header, table: list[tuple[int, int]]) -> None:
+        if header.payload_len != sum(n for _, n in table):
+            raise FrameError("push payload length does not match its segment table")
+        grant = self.plane.grant_for(header.ticket, table)
+        status = frames.STATUS_REFUSED
+        if grant is None:
+            await self._drain(header.payload_len)
+        else:
+            grant.begin_io()
+            try:
+                views = [self.plane.region[off: off + n] for off, n in table]
+                await self._recv_into(views)
+                if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
+                    status = frames.STATUS_CORRUPT
+                    log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
+                else:
+                    status = frames.STATUS_OK
+                    self.plane.num_bytes_received += header.payload_len
+                    grant.bytes_landed += header.payload_len
+                    if grant.on_landed:
+                        grant.on_landed(header.payload_len)
+            finally:
+                grant.end_io()
+        self.send(CONTROL, _Frame(Header(frames.OP_PUSH_ACK, status, header.seq, header.ticket)))
+
+    def _on_read(self, header: Header, table: list[tuple[int, int]]) -> None:
+        if header.payload_len:
+            raise FrameError("a read request carries no payload")
+        if sum(n for _, n in table) > CHUNK_BYTES:
+            raise FrameError("a read request asks for more than one chunk")
+        grant = self.plane.grant_for(header.ticket, table)
+        if grant is None:
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
+            return
+        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        payload = [self.plane.region[off: off + n] for off, n in table]
+        reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
+                       payload_len=sum(n for _, n in table))
+        self.send(_reply_lane(header), _Frame(reply, [], payload, on_done=grant.end_io))
+        self.plane.num_bytes_sent += reply.payload_len
+
+    async def _on_gather(self, header: Header) -> None:
+        """A read of scattered entries: check the descriptor and the grant, then queue a reply whose payload the
+        writer gathers from the region right before sending it (one `np.take`, into its stage: nothing allocated)."""
+        descriptor = self.recv_stage[: header.payload_len]
+        await recv_exactly(self.channel, descriptor)
+        if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([descriptor]) != header.crc:
+            log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_CORRUPT, header.seq, header.ticket)))
+            return
+        base, unit, index = frames.unpack_gather(descriptor)
+        grant = self.plane.granted(header.ticket, lambda g: g.covers_entries(base, unit, index))
+        if grant is None:
+            self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
+            return
+        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        rows = entries(self.plane.region, base, unit, int(index.max()) + 1) if index.size else None
+
+        def fill(stage: memoryview) -> None:
+            if rows is not None:
+                np.take(rows, index, out=entries(stage, 0, unit, index.size), mode="clip")  # bounds checked above
+
+        reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket, payload_len=unit * index.size)
+        self.send(_reply_lane(header), _Frame(reply, fill=fill, on_done=grant.end_io))
+        self.plane.num_bytes_sent += reply.payload_len
+
+    async def _on_reply(self, header: Header) -> None:
+        waiting = self.waiting.pop(header.seq, None)
+        if waiting is None:
+            raise FrameError(f"reply for unknown seq {header.seq}")
+        if waiting.background_bytes:
+            self.background_in_flight -= waiting.background_bytes
+            self.has_work.set()
+        error: DataPlaneError | None = None
+        if header.status == frames.STATUS_REFUSED:
+            error = TicketRefused(f"{self.peer} refused ticket {header.ticket}: unknown, revoked, or ranges outside its grant")
+        elif header.status == frames.STATUS_CORRUPT:
+            error = ChecksumMismatch(f"{self.peer} received a corrupted chunk (crc32c mismatch)")
+        elif header.op == frames.OP_READ_DATA and waiting.scatter is not None:
+            base, unit, index = waiting.scatter
+            if header.payload_len != unit * index.size:
+                raise FrameError("gather reply length does not match the request")
+            stage = self.recv_stage[: header.payload_len]
+            await recv_exactly(self.channel, stage)
+            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
+                error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
+            elif index.size:  # NOTE: only verified bytes reach the region
+                entries(self.plane.region, base, unit, int(index.max()) + 1)[index] = entries(stage, 0, unit, index.size)
+        elif header.op == frames.OP_READ_DATA:
+            if header.payload_len != sum(s.length for s in waiting.local):
+                raise FrameError("read reply length does not match the request")
+            views = [self.plane.region[s.dst: s.dst + s.length] for s in waiting.local]
+            await self._recv_into(views)
+            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
+                error = ChecksumMismatch(f"a chunk read from {self.peer} arrived corrupted (crc32c mismatch)")
+        if not waiting.done.done():
+            if error:
+                waiting.done.set_exception(error)
+            else:
+                waiting.done.set_result(None)
+
+    async def _drain(self, num_bytes: int) -> None:
+        scratch = self.plane.scratch
+        while num_bytes:
+            n = min(num_bytes, len(scratch))
+            await recv_exactly(self.channel, scratch[:n])
+            num_bytes -= n
+
+    # --- ending ----------------------------------------------------------------------------------
+    def fail(self, error: DataPlaneError) -> None:
+        """Fail every waiting request at once, release every queued frame, close the socket. Idempotent."""
+        if self.error is not None:
+            return
+        self.error = error
+        for waiting in self.waiting.values():
+            if not waiting.done.done():
+                waiting.done.set_exception(error)
+        self.waiting.clear()
+        for queue in self.queues.values():
+            while queue:
+                frame = queue.popleft()
+                if frame.on_done:
+                    frame.on_done()
+        self.channel.close()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+        self.plane.forget(self)
+        self.plane.link_lost(self.peer, error)
+
+    async def close(self) -> None:
+        self.fail(DataPlaneError("data plane closed"))
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _reply_lane(request: Header) -> Lane:
+    """The lane a READ or GATHER asks its reply to travel on."""
+    return Lane.BACKGROUND if request.flags & frames.FLAG_BACKGROUND else \
+        Lane.PUSH if request.flags & frames.FLAG_PUSH_LANE else Lane.ON_DEMAND
+
+
+def _with_crc(header: Header, crc: int) -> Header:
+    return Header(header.op, header.status, header.seq, header.ticket, header.num_segments, header.payload_len,
+                  header.flags | frames.FLAG_CHECKSUM, crc)
+
+
