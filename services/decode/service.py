@@ -356,8 +356,7 @@ class DecodeService(ModelWorkerService):
         # its pages until _release, which waits for that, so nothing still landing can hit reused memory.
         self.remote_kv.end(state, "recompute")
         if state.grant is not None and self.dataplane is not None:  # NOTE: no late push may land on recomputed KV
-            self.dataplane.revoke(state.grant.ticket)
-            await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
+            await self.dataplane.retire(state.grant.ticket, RELEASE_TIMEOUT_S)
         first = await self.in_torch(self.engine.recompute, rid, state.slab, req.token_ids, tokens, req.sampling,
                                     req.selector,
                                     req.kv_budget, NUM_BLOCKS)
@@ -531,8 +530,7 @@ class DecodeService(ModelWorkerService):
         if state.plan_state not in ("released", "failed"):
             self.remote_kv.plan_event(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
-            self.dataplane.revoke(state.grant.ticket)
-            await asyncio.wait_for(state.grant.wait_idle(), RELEASE_TIMEOUT_S)
+            await self.dataplane.retire(state.grant.ticket, RELEASE_TIMEOUT_S)
         if self.engine:
             # NOTE: queued behind any step still running for this request on the torch thread, so the slab is
             # never freed (and reused) under a computation that still writes into it.

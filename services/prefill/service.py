@@ -351,8 +351,7 @@ class PrefillService(ModelWorkerService):
         # with it (an abort can arrive mid-prefill; the barrier job queues behind that prefill).
         await asyncio.gather(*transfer.pushes, return_exceptions=True)
         if transfer.read_grant is not None and self.dataplane is not None:
-            self.dataplane.revoke(transfer.read_grant.ticket)
-            await asyncio.wait_for(transfer.read_grant.wait_idle(), RELEASE_TIMEOUT_S)
+            await self.dataplane.retire(transfer.read_grant.ticket, RELEASE_TIMEOUT_S)
         await asyncio.shield(self.torch_thread.barrier())
         assert self.store
         self.store.free(request_id)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+import structlog
+
+log = structlog.get_logger()
 
 
 class Lane(IntEnum):
@@ -239,6 +242,31 @@ class DataPlane(abc.ABC):
         """Owner side: forget a ticket; later frames under it are refused. Idempotent.
         Returns the grant so the caller can `await grant.wait_idle()` before reusing its pages."""
         return self.grants.pop(ticket, None)
+
+    async def retire(self, ticket: int, timeout_s: float) -> None:
+        """Owner side, before its pages are reused: revoke the ticket and wait until no frame touches them.
+        A frame still on them after `timeout_s` (a peer that stopped reading) has its link cut, which ends it;
+        DataPlaneError if even that does not free them (the pages must then stay unused: a leak, but a loud one)."""
+        grant = self.revoke(ticket)
+        if grant is None:
+            return
+        try:
+            await asyncio.wait_for(grant.wait_idle(), timeout_s)
+            return
+        except asyncio.TimeoutError:
+            pass
+        cut = self.cut_links_holding(ticket, f"held revoked ticket {ticket} past {timeout_s:g} s")
+        log.warning("dataplane_retire_cut", ticket=ticket, timeout_s=timeout_s, links_cut=cut, busy=grant.num_busy)
+        try:
+            await asyncio.wait_for(grant.wait_idle(), timeout_s)
+        except asyncio.TimeoutError:
+            raise DataPlaneError(f"ticket {ticket} still has {grant.num_busy} frame(s) on its pages "
+                                 f"{2 * timeout_s:g} s after it was revoked") from None
+
+    def cut_links_holding(self, ticket: int, reason: str) -> int:
+        """Fail the links with a frame under `ticket` in progress. Transports whose frames cannot hang on the
+        owner's side (the owner takes no part in a one-sided RDMA read; the in-process fake) cut nothing."""
+        return 0
 
     @abc.abstractmethod
     async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:

@@ -67,7 +67,8 @@ class TcpDataPlane(DataPlane):
         self.num_refused = 0
         self._recent_bytes = 0.0  # decayed sums behind send_rate_gbps
         self._recent_busy_s = 0.0
-        self.links: dict[str, Link] = {}
+        self.links: dict[str, Link] = {}  # the link each peer's new transfers take
+        self.open_links: set[Link] = set()  # those, and older links to the same peer still finishing their work
         self._unnamed: set[asyncio.Task[None]] = set()  # accepted sockets that have not said hello yet
         self._connecting: dict[str, asyncio.Lock] = {}
         self._listener: socket.socket | None = None
@@ -90,7 +91,7 @@ class TcpDataPlane(DataPlane):
         for task in list(self._unnamed):
             task.cancel()
         await asyncio.gather(*self._unnamed, return_exceptions=True)
-        for link in list(self.links.values()):
+        for link in list(self.open_links):
             await link.close()
 
     # --- numbers ---------------------------------------------------------------------------------
@@ -259,15 +260,29 @@ class TcpDataPlane(DataPlane):
         # NOTE: if both ends dialled at once there are two links; the newest serves new requests and the
         # older one finishes what it carries.
         self.links[peer] = link
+        self.open_links.add(link)
         return link
 
     def cut_links(self, reason: str = "cut by fault injection", peer: str | None = None) -> int:
-        links = [link for link in self.links.values() if peer is None or link.peer == peer]
+        return self._cut([link for link in self.open_links if peer is None or link.peer == peer], reason)
+
+    def cut_links_holding(self, ticket: int, reason: str) -> int:
+        return self._cut([link for link in self.open_links if ticket in link.holding], reason)
+
+    def _cut(self, links: list[Link], reason: str) -> int:
         for link in links:
             link.fail(DataPlaneError(f"data-plane link to {link.peer} {reason}"))
         return len(links)
 
+    def revoke(self, ticket: int) -> Grant | None:
+        grant = super().revoke(ticket)
+        if grant is not None and grant.num_busy:
+            for link in self.open_links:
+                link.refuse_queued_replies(ticket)
+        return grant
+
     def forget(self, link: Link) -> None:
+        self.open_links.discard(link)
         if self.links.get(link.peer) is link:
             del self.links[link.peer]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from shared.dataplane import frames
-from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Lane, Segment, TicketRefused, entries
+from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, entries
 from shared.dataplane.channel import RECV_SLICE, Channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import Pacer
@@ -89,6 +89,7 @@ class Link:
         self.pacer = Pacer(plane.link_gbps)
         self.error: DataPlaneError | None = None
         self.background_in_flight = 0  # bytes of BACKGROUND chunks sent and not yet acked
+        self.holding: Counter[int] = Counter()  # ticket → frames on its pages being received, queued or sent here
         self.send_stage = bytearray(frames.HEADER.size + frames.MAX_STAGED_TABLE + CHUNK_BYTES)
         self.recv_stage = memoryview(bytearray(CHUNK_BYTES))
         self.tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
@@ -243,7 +244,7 @@ class Link:
         if grant is None:
             await self._drain(header.payload_len)
         else:
-            grant.begin_io()
+            release = self._hold(grant)
             try:
                 views = [self.plane.region[off: off + n] for off, n in table]
                 await self._recv_into(views)
@@ -257,7 +258,7 @@ class Link:
                     if grant.on_landed:
                         grant.on_landed(header.payload_len)
             finally:
-                grant.end_io()
+                release()
         self.send(CONTROL, _Frame(Header(frames.OP_PUSH_ACK, status, header.seq, header.ticket)))
 
     def _on_read(self, header: Header, table: list[tuple[int, int]]) -> None:
@@ -269,11 +270,11 @@ class Link:
         if grant is None:
             self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
             return
-        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        release = self._hold(grant)  # NOTE: until the data has left, so the owner cannot reuse the pages under it
         payload = [self.plane.region[off: off + n] for off, n in table]
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
                        payload_len=sum(n for _, n in table))
-        self.send(_reply_lane(header), _Frame(reply, [], payload, on_done=grant.end_io))
+        self.send(_reply_lane(header), _Frame(reply, [], payload, on_done=release))
         self.plane.num_bytes_sent += reply.payload_len
 
     async def _on_gather(self, header: Header) -> None:
@@ -290,7 +291,7 @@ class Link:
         if grant is None:
             self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, header.seq, header.ticket)))
             return
-        grant.begin_io()  # NOTE: released when the data has left, so the owner cannot reuse the pages under it
+        release = self._hold(grant)  # NOTE: until the data has left, so the owner cannot reuse the pages under it
         rows = entries(self.plane.region, base, unit, int(index.max()) + 1) if index.size else None
 
         def fill(stage: memoryview) -> None:
@@ -298,8 +299,39 @@ class Link:
                 np.take(rows, index, out=entries(stage, 0, unit, index.size), mode="clip")  # bounds checked above
 
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket, payload_len=unit * index.size)
-        self.send(_reply_lane(header), _Frame(reply, fill=fill, on_done=grant.end_io))
+        self.send(_reply_lane(header), _Frame(reply, fill=fill, on_done=release))
         self.plane.num_bytes_sent += reply.payload_len
+
+    def _hold(self, grant: Grant) -> Callable[[], None]:
+        """Mark one frame on `grant`'s pages (its owner waits for none before reusing them); returns the release,
+        to be called exactly once."""
+        grant.begin_io()
+        self.holding[grant.ticket] += 1
+
+        def release() -> None:
+            grant.end_io()
+            self.holding[grant.ticket] -= 1
+            if not self.holding[grant.ticket]:
+                del self.holding[grant.ticket]
+        return release
+
+    def refuse_queued_replies(self, ticket: int) -> None:
+        """The owner revoked `ticket`: its read replies that have not started are answered REFUSED instead (the
+        request they served has ended), so its pages are free at once, not after whatever is queued ahead of them
+        (a background reply can wait behind many pushes)."""
+        def is_refused(frame: _Frame) -> bool:
+            return frame.header.op == frames.OP_READ_DATA and frame.header.ticket == ticket and frame.on_done is not None
+
+        for lane in Lane:
+            queue = self.queues[lane]
+            refused = [frame for frame in queue if is_refused(frame)]
+            if refused:
+                kept = [frame for frame in queue if not is_refused(frame)]
+                queue.clear()
+                queue.extend(kept)
+            for frame in refused:
+                frame.on_done()
+                self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_REFUSED, frame.header.seq, ticket)))
 
     async def _on_reply(self, header: Header) -> None:
         waiting = self.waiting.pop(header.seq, None)

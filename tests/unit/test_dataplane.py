@@ -115,6 +115,58 @@ async def test_grant_is_idle_after_transfers(planes):
     assert grant.num_busy == 0
 
 
+async def test_revoke_answers_queued_replies_at_once():
+    """A read reply queued behind a slow push (a background reply waits behind every push on its link) does not
+    hold the owner's pages after `revoke`: it is answered REFUSED at once, and the grant is idle right away,
+    not when the push ahead of it has left (found by chaos run 7: pages held past the release timeout)."""
+    a, b, _, _ = await pair("tcp", link_gbps=0.02)  # 4 MiB take ~1.7 s
+    try:
+        a.grant(Grant(2, [(0, SIZE)]))
+        grant = Grant(1, [(0, SIZE)])
+        b.grant(grant)
+        push = asyncio.create_task(b.push(a.address, 2, [Segment(0, 0, SIZE)], Lane.PUSH))
+        await asyncio.sleep(0.1)  # the push's chunks are queued on b's link to a
+        read = asyncio.create_task(a.read(b.address, 1, [Segment(0, 0, 4096)], Lane.BACKGROUND))
+        while not grant.num_busy:  # the reply is queued on b, behind the push
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        await b.retire(1, timeout_s=5)
+        assert time.monotonic() - started < 0.5
+        with pytest.raises(TicketRefused):
+            await read
+        assert not push.done()  # the push went on; only the revoked ticket's reply was dropped
+        push.cancel()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_retire_cuts_a_link_whose_frame_hangs_on_the_pages():
+    """A reply in progress that does not finish (here the serving side stalls every frame for 30 s) does not hold
+    the pages for ever: past the timeout its link is cut, the reader is told, and the pages are free."""
+    a, b, _, _ = await pair("tcp")
+    try:
+        grant = Grant(1, [(0, SIZE)])
+        b.grant(grant)
+        await a.read(b.address, 1, [Segment(0, 0, 4096)])  # the link is up
+        b.faults.delay_s = 30
+        read = asyncio.create_task(a.read(b.address, 1, [Segment(0, 0, 4096)]))
+        while not grant.num_busy:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the writer has taken the reply and is stalled on it
+        started = time.monotonic()
+        await b.retire(1, timeout_s=0.2)
+        assert time.monotonic() - started < 1 and grant.num_busy == 0
+        with pytest.raises(DataPlaneError, match="lost"):  # the reader sees its peer hang up
+            await asyncio.wait_for(read, 2)
+        b.faults.delay_s = 0
+        b.grant(Grant(3, [(0, SIZE)]))
+        await a.read(b.address, 3, [Segment(0, 0, 4096)])  # later transfers dial again
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_corrupted_chunk_is_an_error_on_the_waiting_side():
     """A chunk whose bytes do not match its crc32c fails the push (and a read) with ChecksumMismatch, and is
     not counted as landed."""
