@@ -184,6 +184,9 @@ class ModelWorkerConfig(ServiceConfig):
     dataplane_port: int = 0  # 0 = a free port, advertised in heartbeats
     link_gbps: float = 0.0  # pace every data-plane link to this rate (10⁹ bit/s) to emulate a slow NIC; 0 = unpaced
     dataplane_checksums: bool = True  # crc32c per chunk; a mismatch fails the transfer
+    # TCP: run the data plane in a transfer agent, a process of its own over the KV arena in shared memory
+    # (shared/dataplane/agent.py), so no chunk's Python work waits for, or holds up, the model's GIL
+    dataplane_agent: bool = False
     # every data-plane link starts with a challenge–response keyed by this (shared/dataplane/handshake.py):
     # the same in every prefill and decode of a cluster; "" = a data plane any process that reaches it may use
     cluster_secret: str = field(default="", repr=False)

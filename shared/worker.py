@@ -16,6 +16,7 @@ from nats.micro.service import Service as MicroService
 from schemas import RdmaEndpoint, subjects
 from shared.config import ModelWorkerConfig
 from shared.dataplane import DataPlane, DataPlaneError, make_dataplane
+from shared.dataplane.agent import AgentDataPlane
 from shared.dataplane.rdma import rdma_devices
 from shared.compute.kvstore import KvStore
 from shared.metrics import LatencyMetrics
@@ -59,15 +60,21 @@ class ModelWorkerService(Service):
         await self.in_torch(set_torch_threads, self.config.torch_threads)
         self.runner = await self.in_torch(ModelRunner, path, self.config.device, self.config.dtype)
         layout = self.runner.kv_layout(self.config.page_tokens, self.config.kv_dtype)
-        self.store = await self.in_torch(KvStore.with_capacity_mb, layout, self.config.kv_cache_mb)
+        self.store = await self.in_torch(KvStore.with_capacity_mb, layout, self.config.kv_cache_mb,
+                                         self.config.dataplane_agent and not self._uses_rdma())
         self.dataplane = await self._start_dataplane(nc, micro)
         log.info("model_loaded", model=str(path), load_s=round(time.monotonic() - started, 2),
                  kv_pages=self.store.num_pages_total, page_bytes=self.store.page_bytes, dataplane=self.dataplane.address)
 
+    def _uses_rdma(self) -> bool:
+        return self.config.transport == "rdma" or (self.config.transport == "auto" and bool(rdma_devices()))
+
     async def _start_dataplane(self, nc: Client, micro: MicroService) -> DataPlane:
-        """RDMA where a device exists (or was asked for), TCP otherwise; says which, once."""
+        """RDMA where a device exists (or was asked for), TCP otherwise (in a transfer agent process with
+        `dataplane_agent`); says which, once."""
         cfg = self.config
-        use_rdma = cfg.transport == "rdma" or (cfg.transport == "auto" and bool(rdma_devices()))
+        use_rdma = self._uses_rdma()
+        assert self.store
         if use_rdma:
             from shared.dataplane.rdma import RdmaDataPlane
 
@@ -88,15 +95,20 @@ class ModelWorkerService(Service):
             await nc.subscribe(subjects.dataplane_connect(self.worker_id), cb=_as_handler(endpoint(RdmaEndpoint, accept)))
         else:
             tls = (cfg.dataplane_tls_ca, cfg.dataplane_tls_cert, cfg.dataplane_tls_key) if cfg.dataplane_tls_ca else None
-            plane = make_dataplane("tcp", cfg.host, cfg.dataplane_port, cfg.public_host, cfg.link_gbps,
-                                   cfg.dataplane_checksums, cfg.cluster_secret, tls)
+            tcp_args = dict(host=cfg.host, port=cfg.dataplane_port, advertise_host=cfg.public_host,
+                            link_gbps=cfg.link_gbps, checksums=cfg.dataplane_checksums,
+                            cluster_secret=cfg.cluster_secret, tls=tls)
+            if self.store.shared_arena is not None:
+                plane = AgentDataPlane(self.store.shared_arena, self.worker_id, cfg.log_level, **tcp_args)
+            else:
+                plane = make_dataplane("tcp", **tcp_args)
             if not cfg.cluster_secret:
                 log.warning("dataplane_open", hint="any process that reaches the data-plane port may link to it: set "
                                                    "SMARTGEN_CLUSTER_SECRET_FILE (smartgen up and compose do)")
-        assert self.store
         plane.register_region(self.store.region)
         await plane.start()
         log.info("dataplane_started", transport="rdma" if use_rdma else "tcp", address=plane.address,
+                 agent=isinstance(plane, AgentDataPlane),
                  tls=bool(cfg.dataplane_tls_ca) and not use_rdma,
                  reason=None if use_rdma or cfg.transport == "tcp" else "no RDMA device found",
                  link_gbps=cfg.link_gbps or None)
@@ -165,6 +177,7 @@ class ModelWorkerService(Service):
             return web.json_response({"error": f"bad arguments for fault {kind!r}"}, status=400)
         except NotImplementedError as exc:
             return web.json_response({"error": str(exc)}, status=501)
+        self.dataplane.apply_faults()
         log.warning("fault_injected", kind=kind, links_cut=cut, **faults.summary())
         return web.json_response({"kind": kind, "links_cut": cut, **faults.summary()})
 

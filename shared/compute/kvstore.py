@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from schemas import KvLayout
+from shared.dataplane.agent import SharedArena
 
 
 class OutOfPages(RuntimeError):
@@ -55,12 +56,18 @@ def slab_rows(layout: KvLayout, offset: int, capacity: int, layer: int, start: i
 
 
 class KvStore:
-    def __init__(self, layout: KvLayout, num_pages: int):
+    def __init__(self, layout: KvLayout, num_pages: int, shared: bool = False):
+        """`shared`: the arena lies in shared memory (`shared_arena`), which a transfer agent process maps too."""
         self.layout = layout
         self.page_bytes = layout.token_bytes * layout.page_tokens
         dtype = getattr(torch, layout.dtype)
         item = torch.empty((), dtype=dtype).element_size()
-        self.arena = torch.zeros(num_pages * self.page_bytes // item, dtype=dtype)
+        self.shared_arena: SharedArena | None = None
+        if shared:
+            self.shared_arena = SharedArena(num_pages * self.page_bytes)  # zeroed by the kernel
+            self.arena = torch.frombuffer(self.shared_arena.view, dtype=dtype)
+        else:
+            self.arena = torch.zeros(num_pages * self.page_bytes // item, dtype=dtype)
         self.region = memoryview(self.arena.view(torch.uint8).numpy())  # what the data plane registers
         self._num_pages = num_pages
         self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted (first page, count) extents
@@ -68,8 +75,8 @@ class KvStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def with_capacity_mb(cls, layout: KvLayout, capacity_mb: int) -> "KvStore":
-        return cls(layout, max(1, capacity_mb * 2**20 // (layout.token_bytes * layout.page_tokens)))
+    def with_capacity_mb(cls, layout: KvLayout, capacity_mb: int, shared: bool = False) -> "KvStore":
+        return cls(layout, max(1, capacity_mb * 2**20 // (layout.token_bytes * layout.page_tokens)), shared)
 
     # --- bookkeeping -------------------------------------------------------------------------
     @property

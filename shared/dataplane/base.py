@@ -298,6 +298,9 @@ class DataPlane(abc.ABC):
         many were cut. Transports that cannot do it raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot cut its links")
 
+    def apply_faults(self) -> None:
+        """`faults` changed: pass them on to where the frames are sent (the transfer agent's process)."""
+
     def pause_background(self) -> None:
         """Stop starting BACKGROUND chunks on every link (ON_DEMAND goes on). Idempotent."""
         self.is_background_paused = True
