@@ -21,10 +21,22 @@ from typing import Any
 from shared.config import write_secret_file
 
 
+_HANDED_OUT: set[int] = set()  # ports this process was given and may not have bound yet
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, and not one this process was already handed: the kernel may offer a port again until
+    someone binds it, and a stack asks for several before it starts anything (its gateway's and its NATS
+    server's monitoring port once came out the same: the health check read the monitor's 404)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            if len(_HANDED_OUT) > 10_000:  # long ago: bound or dropped by now
+                _HANDED_OUT.clear()
+            _HANDED_OUT.add(port)
+            return port
 
 
 _LIBC = None

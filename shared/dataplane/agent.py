@@ -213,11 +213,17 @@ class AgentDataPlane(DataPlane):
             return
         if error:
             kind, message = error
-            done.set_exception(asyncio.CancelledError() if kind == "cancelled" else _ERRORS.get(kind, DataPlaneError)(message))
+            done.set_exception(_ERRORS.get(kind, DataPlaneError)(message or f"the transfer agent {kind} it"))
         else:
             done.set_result(result)
 
     def _on_event(self, event: str, args: list[Any]) -> None:
+        try:
+            self._handle_event(event, args)
+        except Exception:  # the owner's callback failed: log it; the channel carries on
+            log.exception("dataplane_agent_event_failed", agent_event=event)
+
+    def _handle_event(self, event: str, args: list[Any]) -> None:
         if event == "landed":
             ticket, num_bytes = args
             grant = self.grants.get(ticket)
