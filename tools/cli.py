@@ -1,7 +1,7 @@
 """The `smartgen` command.
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
-    smartgen bench transport|decode-step|serve [--json PATH]
+    smartgen bench transport|interference|decode-step|serve [--json PATH]
     smartgen loadtest [--url URL | --model PATH --prefill N --decode M] [--concurrency 16] [--duration 300] …
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
@@ -18,7 +18,7 @@ import signal
 import sys
 
 from tools import loadtest, model, prepare_selectors, profiles, up
-from tools.bench import decode_batch, decode_step, serve, simulate, transport
+from tools.bench import decode_batch, decode_step, interference, serve, simulate, transport
 from tools.eval import accuracy, fidelity
 
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.register(commands)
     bench = commands.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
     measurements = bench.add_subparsers(dest="what", required=True)
-    for tool in (transport, decode_step, decode_batch, serve):
+    for tool in (transport, interference, decode_step, decode_batch, serve):
         tool.register(measurements)
     loadtest.register(commands)
     prepare_selectors.register(commands)
