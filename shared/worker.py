@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import Awaitable
 from typing import Any, Callable, TypeVar
@@ -100,6 +101,7 @@ class ModelWorkerService(Service):
                             cluster_secret=cfg.cluster_secret, tls=tls)
             if self.store.shared_arena is not None:
                 plane = AgentDataPlane(self.store.shared_arena, self.worker_id, cfg.log_level, **tcp_args)
+                plane.on_agent_lost = _stop_without_a_data_plane
             else:
                 plane = make_dataplane("tcp", **tcp_args)
             if not cfg.cluster_secret:
@@ -219,3 +221,10 @@ def _as_handler(handle: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awa
         await handle(Request(msg))
 
     return on_msg
+
+
+def _stop_without_a_data_plane(error: DataPlaneError) -> None:
+    """The transfer agent died: this worker can move no KV, so it stops (as on SIGTERM: requests in flight are
+    told) and its supervisor (`smartgen up`, compose, Kubernetes) starts it again, agent and all."""
+    log.error("stopping_without_a_data_plane", error=str(error))
+    os.kill(os.getpid(), signal.SIGTERM)

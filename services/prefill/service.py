@@ -161,7 +161,12 @@ class PrefillService(ModelWorkerService):
     def _background(self, freeing: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(freeing)
         self._freeing.add(task)
-        task.add_done_callback(self._freeing.discard)
+        task.add_done_callback(self._freed)
+
+    def _freed(self, task: asyncio.Task[None]) -> None:
+        self._freeing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # its pages stay held: the leak check shows them
+            log.error("kv_not_freed", error=repr(task.exception()))
 
     async def keep(self, req: KeepLease) -> None:
         transfer = self.active.get(req.request_id)

@@ -26,7 +26,7 @@ import mmap
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -77,6 +77,8 @@ class AgentDataPlane(DataPlane):
         self._stats: dict[str, Any] = {}
         self._error: DataPlaneError | None = None
         self._closing = False
+        # Called once if the agent dies (not on close): every transfer of this worker fails from then on.
+        self.on_agent_lost: Callable[[DataPlaneError], None] | None = None
 
     def register_region(self, region: memoryview) -> None:
         region = region.cast("B") if region.format != "B" else region
@@ -174,8 +176,8 @@ class AgentDataPlane(DataPlane):
     async def _call(self, op: str, *args: Any) -> Any:
         call_id, self._next_id = self._next_id, self._next_id + 1
         done = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = done
         self._send(call_id, op, list(args))
+        self._pending[call_id] = done
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -200,12 +202,14 @@ class AgentDataPlane(DataPlane):
         except (OSError, ValueError) as exc:
             error = DataPlaneError(f"the transfer agent's channel failed: {exc}")
         self._error = error
-        if not self._closing:
-            log.error("dataplane_agent_lost", error=str(error))
         for done in self._pending.values():
             if not done.done():
                 done.set_exception(error)
         self._pending.clear()
+        if not self._closing:
+            log.error("dataplane_agent_lost", error=str(error))
+            if self.on_agent_lost:
+                self.on_agent_lost(error)
 
     def _on_reply(self, call_id: int, error: list[str] | None, result: Any) -> None:
         done = self._pending.pop(call_id, None)

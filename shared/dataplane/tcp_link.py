@@ -303,8 +303,8 @@ class Link:
         self.plane.num_bytes_sent += reply.payload_len
 
     def _hold(self, grant: Grant) -> Callable[[], None]:
-        """Mark one frame on `grant`'s pages (its owner waits for none before reusing them); returns the release,
-        to be called exactly once."""
+        """Count one frame on `grant`'s pages (the owner waits until none is left before reusing them); returns
+        its release, to be called exactly once."""
         grant.begin_io()
         self.holding[grant.ticket] += 1
 

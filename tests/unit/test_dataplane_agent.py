@@ -36,7 +36,10 @@ async def test_a_cancelled_push_stops_in_the_agent():
 
 
 async def test_an_agent_that_dies_fails_every_call_at_once():
+    """Its worker hears it too (on_agent_lost: a worker then stops, to be restarted with a new agent)."""
     a, b, _, _ = await pair("agent", link_gbps=0.05)
+    lost = []
+    a.on_agent_lost = lost.append
     try:
         b.grant(Grant(1, [(0, SIZE)]))
         push = asyncio.create_task(a.push(b.address, 1, [Segment(0, 0, SIZE)]))
@@ -46,6 +49,7 @@ async def test_an_agent_that_dies_fails_every_call_at_once():
             await asyncio.wait_for(push, 2)
         with pytest.raises(DataPlaneError, match="agent exited"):
             await a.read(b.address, 1, [Segment(0, 0, 10)])
+        assert len(lost) == 1 and "agent exited" in str(lost[0])
     finally:
         await a.close()
         await b.close()
