@@ -50,14 +50,7 @@ class SharedArena:
         self.fd = os.memfd_create("smartgen-kv", 0)
         os.ftruncate(self.fd, size)
         self.map = mmap.mmap(self.fd, size)
-        self.view = memoryview(self.map)
-
-    def close(self) -> None:
-        """Unmap (every view of it must be gone) and close the fd; the memory is freed once the agent's is too."""
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a tensor still viewing it: the mapping goes with the process
-            self.map.close()
-        os.close(self.fd)
+        self.view = memoryview(self.map)  # lives as long as the process: the KvStore's arena is never freed
 
 
 # --- the worker's side ------------------------------------------------------------------------------------

@@ -50,12 +50,10 @@ def _peer_main(conn) -> None:
 
 async def _peer(conn) -> None:
     from shared.dataplane import Lane, Segment
-    from shared.dataplane.tcp import TcpDataPlane
+    from tools.bench.transport import started_peer_plane
 
     loop = asyncio.get_running_loop()
-    plane = TcpDataPlane()
-    plane.register_region(memoryview(bytearray(os.urandom(1 << 20) * (FLOOD_BYTES >> 20))))
-    await plane.start()
+    plane = await started_peer_plane(FLOOD_BYTES)
     flood: asyncio.Task | None = None
     while True:
         cmd, arg = await loop.run_in_executor(None, conn.recv)

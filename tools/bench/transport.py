@@ -19,8 +19,12 @@ import random
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tools.args import add_json
+
+if TYPE_CHECKING:
+    from shared.dataplane.tcp import TcpDataPlane
 
 SIZE = 64 << 20
 TICKET = 1
@@ -39,6 +43,16 @@ def command(args: argparse.Namespace) -> None:
 
 
 # --- the peer process ---------------------------------------------------------------------------
+async def started_peer_plane(size: int) -> "TcpDataPlane":
+    """A started TCP plane over `size` bytes of random data (a whole number of MiB): a bench's peer process."""
+    from shared.dataplane.tcp import TcpDataPlane
+
+    plane = TcpDataPlane()
+    plane.register_region(memoryview(bytearray(os.urandom(1 << 20) * (size >> 20))))
+    await plane.start()
+    return plane
+
+
 def _peer_main(conn) -> None:
     asyncio.run(_peer(conn))
 
@@ -46,12 +60,9 @@ def _peer_main(conn) -> None:
 async def _peer(conn) -> None:
     # NOTE: the data plane loads when measuring only, so `smartgen --help` starts fast
     from shared.dataplane import Grant, Lane, Segment
-    from shared.dataplane.tcp import TcpDataPlane
 
     loop = asyncio.get_running_loop()
-    plane = TcpDataPlane()
-    plane.register_region(memoryview(bytearray(os.urandom(1 << 20) * (SIZE >> 20))))
-    await plane.start()
+    plane = await started_peer_plane(SIZE)
     plane.grant(Grant(TICKET, [(0, SIZE)]))
     conn.send(plane.address)
     background: asyncio.Task | None = None
