@@ -251,7 +251,8 @@ class TcpDataPlane(DataPlane):
             log.warning("dataplane_peer_refused", error=str(exc), peer=_peer_name(sock))
             sock.close()
         except (OSError, ConnectionError, FrameError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
-            log.warning("dataplane_bad_hello", error=str(exc))
+            self.num_peers_refused += 1  # no valid hello (garbage, silence, a hang-up): refused like a wrong proof
+            log.warning("dataplane_bad_hello", error=str(exc) or type(exc).__name__, peer=_peer_name(sock))
             sock.close()
 
     def _add_link(self, channel: Channel, peer: str) -> Link:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def test_service_matches_its_config(services, role, tmp_path):
     cls = config_class(role)
     service = services[role]
     assert service["command"] == ["python", "-m", f"services.{role}"]
-    env = {k: str(v) for k, v in service["environment"].items()}
+    env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in service["environment"].items()}  # defaults
     fields = {env_name(f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in env if k.startswith("SMARTGEN_") and k not in fields]
     assert not unknown, f"{role}: environment names no config field: {unknown}"
@@ -186,3 +187,38 @@ def test_every_service_is_in_the_stack(services):
     """NATS and the five services, each with a health check."""
     assert set(services) == {"nats", *CONFIG_CLASSES}
     assert all("healthcheck" in s for s in services.values())
+
+
+def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
+    """compose/nats-cluster.yml, as the real Compose binary merges it: three NATS members that route to each
+    other, every service given all three URLs (its config parses them as one cluster) and started after all three
+    are healthy, and kvprofile's bucket at 3 copies; the real nats-server accepts the member's config."""
+    from shared.config import load_config
+    from tools.nats_server import nats_server_binary
+
+    result = run_compose(tmp_path, "-f", str(ROOT / "compose" / "nats-cluster.yml"), "config", "--format", "json",
+                         **required_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)["services"]
+    members = ["nats", "nats-2", "nats-3"]
+    assert set(resolved) == {*members, *CONFIG_CLASSES}
+    names = {resolved[m]["environment"]["NATS_SERVER_NAME"] for m in members}
+    assert names == {"nats-1", "nats-2", "nats-3"}
+    assert all(any(v["target"] == "/etc/nats/nats.conf" and v["source"].endswith("nats-cluster.conf")
+                   for v in resolved[m]["volumes"]) for m in members)
+    for role in CONFIG_CLASSES:
+        env = {k: str(v) for k, v in resolved[role]["environment"].items()}
+        assert set(resolved[role]["depends_on"]) == set(members), role
+        if "SMARTGEN_CLUSTER_SECRET_FILE" in env:
+            env["SMARTGEN_CLUSTER_SECRET_FILE"] = required_env(tmp_path)["SMARTGEN_CLUSTER_SECRET_FILE"]
+        config = load_config(config_class(role), [], env)
+        assert config.nats_url.split(",") == [f"nats://{m}:4222" for m in members], role
+    assert load_config(config_class("kvprofile"), [], {
+        k: str(v) for k, v in resolved["kvprofile"]["environment"].items()}).bucket_replicas == 3
+
+    conf = ROOT / "compose" / "nats-cluster.conf"
+    assert all(f"nats://{m}:6222" in conf.read_text() for m in members)
+    clean = {k: v for k, v in os.environ.items() if k != "SMARTGEN_NATS_TOKEN"}
+    checked = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                             env={**clean, "SMARTGEN_NATS_TOKEN": TEST_TOKEN, "NATS_SERVER_NAME": "nats-1"})
+    assert checked.returncode == 0, checked.stderr

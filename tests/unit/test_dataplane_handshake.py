@@ -79,6 +79,7 @@ async def test_a_raw_socket_that_skips_the_handshake_never_gets_its_push_in():
             pass
         await asyncio.sleep(0.05)
         assert region[:4096] == bytes(4096) and not member.links
+        assert member.stats()["peers_refused"] == 1  # a garbled hello is a refused peer, as /stats tells operators
     finally:
         writer.close()
         await member.close()
