@@ -46,8 +46,9 @@ def worker_stats(container: str, role: str) -> dict:
 
 
 def container_state(container: str) -> dict:
-    return json.loads(docker("inspect", "-f", "{{json .State}}", container)) | {
-        "restarts": int(docker("inspect", "-f", "{{.RestartCount}}", container))}
+    """The container's State (Pid, Running…) and its restart count, from one `docker inspect`."""
+    info = json.loads(docker("inspect", container))[0]
+    return info["State"] | {"restarts": info["RestartCount"]}
 
 
 async def drive(url: str, n: int) -> list[dict]:

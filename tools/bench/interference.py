@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
-import os
-import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tools.args import add_json
+from tools.bench.transport import machine, spawned_peer
 
 FLOOD_BYTES = 16 << 20  # one push of the peer
 TICKET = 7
@@ -79,22 +77,10 @@ async def _peer(conn) -> None:
 # --- this process: decode steps beside the data plane -------------------------------------------------------
 def run(context: int = 2048, steps: int = 30, rates: list[float] | None = None, json_path: str | None = None) -> dict:
     rates = rates if rates is not None else [0.0, 1.0]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    peer = ctx.Process(target=_peer_main, args=(child,))
-    peer.start()
-    try:
-        rows = asyncio.run(_measure(parent, context, steps, rates))
-        parent.send(("quit", None))
-        parent.recv()
-    finally:
-        peer.join(10)
-        if peer.is_alive():
-            peer.kill()
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "date": time.strftime("%Y-%m-%d %H:%M")}
+    with spawned_peer(_peer_main) as peer:
+        rows = asyncio.run(_measure(peer, context, steps, rates))
     _print(rows, context)
-    report = {"context": context, "steps": steps, "rows": rows, "machine": machine}
+    report = {"context": context, "steps": steps, "rows": rows, "machine": machine()}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
     return report

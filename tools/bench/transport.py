@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -19,11 +20,13 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from tools.args import add_json
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from shared.dataplane.tcp import TcpDataPlane
 
 SIZE = 64 << 20
@@ -233,27 +236,39 @@ async def _token_level_read_ms(plane, peer_addr: str, reps: int = 200) -> tuple[
     return _percentile(by_segments, 0.5), _percentile(by_gather, 0.5)
 
 
-def run(json_path: str | None = None) -> dict:
+@contextlib.contextmanager
+def spawned_peer(target) -> Iterator["Connection"]:
+    """A peer process running `target(conn)`; yields this end of the pipe, then tells the peer to quit and joins
+    it (killed if it will not go)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    peer = ctx.Process(target=_peer_main, args=(child,))
+    peer = ctx.Process(target=target, args=(child,))
     peer.start()
     try:
-        peer_addr = parent.recv()
-        results = asyncio.run(_measure(parent, peer_addr))
+        yield parent
         parent.send(("quit", None))
         parent.recv()
     finally:
         peer.join(10)
         if peer.is_alive():
             peer.kill()
+
+
+def machine() -> dict:
+    """What a bench report says about where it ran."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def run(json_path: str | None = None) -> dict:
+    with spawned_peer(_peer_main) as peer:
+        results = asyncio.run(_measure(peer, peer.recv()))
     results["tcp_push_vs_raw"] = results["tcp_push_gbytes_s"] / results["raw_socket_gbytes_s"]
     results["tcp_read_vs_raw"] = results["tcp_read_gbytes_s"] / results["raw_socket_gbytes_s"]
     raw_then = results["raw_socket_gbytes_s_no_checksum_rounds"]  # the raw socket in the rounds without crc32c
     results["tcp_push_vs_raw_no_checksum"] = results["tcp_push_gbytes_s_no_checksum"] / raw_then
     results["tcp_read_vs_raw_no_checksum"] = results["tcp_read_gbytes_s_no_checksum"] / raw_then
-    report = {"results": results, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    report = {"results": results, "machine": machine()}
     _print(results)
     if json_path:
         Path(json_path).write_text(json.dumps({**results, "machine": report["machine"]}, indent=2))
