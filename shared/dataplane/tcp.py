@@ -20,7 +20,7 @@ from shared.dataplane.base import DataPlane, DataPlaneError, Gather, Grant, Lane
 from shared.dataplane.channel import Channel, DataPlaneTls, open_channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import chunk_bytes
-from shared.dataplane.tcp_link import CONTROL, LaneStats, Link, recv_exactly
+from shared.dataplane.tcp_link import CONTROL, LaneStats, Link
 
 # a READ asks the server to answer on the reader's lane
 READ_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: frames.FLAG_PUSH_LANE, Lane.BACKGROUND: frames.FLAG_BACKGROUND}
@@ -33,14 +33,14 @@ async def _recv_handshake(channel: Channel, op: int) -> bytes:
     """The payload of the next frame, which must be the handshake frame `op` (FrameError otherwise); a refusal
     (a WELCOME with status REFUSED) raises PeerRefused."""
     raw = bytearray(frames.HEADER.size)
-    await recv_exactly(channel, memoryview(raw))
+    await channel.recv_exactly(memoryview(raw))
     header = Header.unpack(raw)
     if header.op != op or header.num_segments:
         raise FrameError(f"expected handshake frame {op}, got op {header.op}")
     if header.status == frames.STATUS_REFUSED:
         raise handshake.PeerRefused("the listener refused our proof: is this process's cluster secret the cluster's?")
     payload = bytearray(header.payload_len)
-    await recv_exactly(channel, memoryview(payload))
+    await channel.recv_exactly(memoryview(payload))
     return bytes(payload)
 
 

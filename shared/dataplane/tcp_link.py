@@ -26,7 +26,7 @@ import structlog
 
 from shared.dataplane import frames
 from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, entries
-from shared.dataplane.channel import RECV_SLICE, Channel
+from shared.dataplane.channel import Channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.pacing import Pacer
 
@@ -39,14 +39,6 @@ CONTROL = 0  # the acks' lane: above ON_DEMAND, never paced (they are 40 bytes)
 # frame cannot overtake them. Capping them keeps an on-demand reply behind at most this much.
 BACKGROUND_WINDOW = 2 * CHUNK_BYTES
 STAGE_PARTS = 3  # frames of this many parts or more are copied through one staging buffer (one syscall)
-
-
-async def recv_exactly(channel: Channel, view: memoryview) -> None:
-    while view:
-        n = await channel.recv_into(view[:RECV_SLICE])
-        if n == 0:
-            raise ConnectionError("peer closed the data-plane connection")
-        view = view[n:]
 
 
 @dataclass
@@ -182,9 +174,7 @@ class Link:
     async def _send_frame(self, header: Header, table: list[tuple[int, int]], payload: list[memoryview]) -> None:
         head = header.pack() + frames.pack_segments(table)
         if len(payload) < STAGE_PARTS or len(head) > frames.HEADER.size + frames.MAX_STAGED_TABLE:
-            await self.channel.sendall(head)
-            for part in payload:
-                await self.channel.sendall(part)
+            await self.channel.send_parts([head, *payload])
             return
         # many small parts (a scattered read reply): one copy into the stage beats one syscall per part
         stage, n = self.send_stage, len(head)
@@ -198,10 +188,10 @@ class Link:
         """Receive a frame's payload into `views` (via the stage when they are many and small)."""
         if len(views) < STAGE_PARTS:
             for view in views:
-                await recv_exactly(self.channel, view)
+                await self.channel.recv_exactly(view)
             return
         total = sum(len(v) for v in views)
-        await recv_exactly(self.channel, self.recv_stage[:total])
+        await self.channel.recv_exactly(self.recv_stage[:total])
         at = 0
         for view in views:
             view[:] = self.recv_stage[at: at + len(view)]
@@ -212,10 +202,10 @@ class Link:
         raw = bytearray(frames.HEADER.size)
         try:
             while True:
-                await recv_exactly(self.channel, memoryview(raw))
+                await self.channel.recv_exactly(memoryview(raw))
                 header = Header.unpack(raw)
                 table_raw = bytearray(header.num_segments * frames.SEGMENT.size)
-                await recv_exactly(self.channel, memoryview(table_raw))
+                await self.channel.recv_exactly(memoryview(table_raw))
                 table = frames.unpack_segments(table_raw, header.num_segments)
                 if header.op == frames.OP_PUSH:
                     await self._on_push(header, table)
@@ -281,7 +271,7 @@ class Link:
         """A read of scattered entries: check the descriptor and the grant, then queue a reply whose payload the
         writer gathers from the region right before sending it (one `np.take`, into its stage: nothing allocated)."""
         descriptor = self.recv_stage[: header.payload_len]
-        await recv_exactly(self.channel, descriptor)
+        await self.channel.recv_exactly(descriptor)
         if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([descriptor]) != header.crc:
             log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
             self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_CORRUPT, header.seq, header.ticket)))
@@ -350,7 +340,7 @@ class Link:
             if header.payload_len != unit * index.size:
                 raise FrameError("gather reply length does not match the request")
             stage = self.recv_stage[: header.payload_len]
-            await recv_exactly(self.channel, stage)
+            await self.channel.recv_exactly(stage)
             if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
                 error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
             elif index.size:  # NOTE: only verified bytes reach the region
@@ -372,7 +362,7 @@ class Link:
         scratch = self.plane.scratch
         while num_bytes:
             n = min(num_bytes, len(scratch))
-            await recv_exactly(self.channel, scratch[:n])
+            await self.channel.recv_exactly(scratch[:n])
             num_bytes -= n
 
     # --- ending ----------------------------------------------------------------------------------
