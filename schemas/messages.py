@@ -140,6 +140,9 @@ class TransferPlan:
     query_tokens: int = 0
     query_stop_layer: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1 (the last ones' would come too late)
     read_ahead: bool = True  # decode reads the later layers' picks as step 1 starts (False: ablate "ahead")
+    # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
+    # request's kv_bits, except where auto resolved to a mode that moves exact KV
+    kv_bits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,7 @@ class PrefillDone:
     query_entries: int = 0  # (layer, KV head, token) entries pushed by query (TransferPlan.query_tokens)
     first_logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the first token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # Sampling.echo: prompt tokens 1…N-1's
+    aux_bytes: int = 0  # the part of the decode slab's aux area this prefill filled (≤ KvHandle.aux_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,9 @@ class Generate:
     # a request moved here because its decode worker died (colocated, failure_policy recompute): the completion
     # tokens the client already has; this worker recomputes the prompt, replays them and streams from there on
     resume_tokens: list[int] = field(default_factory=list)
+    # PrefillDone.aux_bytes: decode checks it against what it computes the running mode fills (a prefill and a
+    # decode worker with different selector preparations disagree here, instead of waiting for bytes that never come)
+    prefill_aux_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,9 @@ PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen;
 # (SmolLM2, 2K prompts, dense, tools/bench/push_codes_fidelity.py: first-step KL 0.017–0.07 with 4-bit keys,
 # 0.004–0.011 with 8-bit keys and 4-bit values; KIVI and KVQuant find the same)
 PUSH_KEY_BITS = 8
+# `auto` with kv_bits: the request's consent to low-bit KV at this width, so the broker may also choose quantized
+# transfer or smartgen's low-bit push (the widths both take); without kv_bits auto moves exact KV only
+AUTO_KV_BITS = tuple(bits for bits in KV_BITS if bits in PUSH_KV_BITS)
 # A model worker refusing a request because all its request slots (max_active_requests) are taken starts its
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
 AT_CAPACITY = "at capacity"
@@ -106,6 +109,9 @@ class TransferMode:
 
     def kv_bits_problem(self, kv_bits: int) -> str:
         """Why a request of this mode cannot run with `kv_bits` (0 = none asked for); "" when it can."""
+        if self.resolves_to and kv_bits and kv_bits not in self.push_bits:
+            return (f"{self.name} transfer takes kv_bits {' or '.join(map(str, self.push_bits))} (consent to low-bit "
+                    f"KV: quantized or smartgen's low-bit push), or none for exact KV")
         if self.kv_bits and kv_bits not in self.kv_bits:
             return f"{self.name} transfer needs kv_bits {' or '.join(map(str, self.kv_bits))}"
         if not self.kv_bits and kv_bits and kv_bits not in self.push_bits:
@@ -140,11 +146,13 @@ MODES: dict[str, TransferMode] = {m.name: m for m in (
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
                  keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True,
                  pushes_by_query=True, push_bits=PUSH_KV_BITS),
-    # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux), since the broker may choose it
-    TransferMode("auto", "the broker chooses full or smartgen from the measured link and prompt length",
+    # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux; with kv_bits, room for quantized's
+    # codes too), since the broker may choose either; the plan's kv_bits says what the chosen mode runs with
+    TransferMode("auto", "the broker chooses full or smartgen from the measured link and prompt length (with kv_bits "
+                 "4, also quantized or smartgen's 4-bit push)",
                  is_disaggregated=True, pushes=Push.NOTHING, aux=Aux.METADATA, is_selective=False, keeps_source=False,
                  allows_selector=True, needs_selector=True, has_paths=True, pushes_by_query=True,
-                 resolves_to=("full", "smartgen")),
+                 push_bits=AUTO_KV_BITS, resolves_to=("full", "quantized", "smartgen")),
 )}
 TRANSFER_MODES = tuple(MODES)
 SERVABLE_TRANSFER_MODES = TRANSFER_MODES
@@ -286,6 +294,16 @@ def wire_entry_bytes(layout: KvLayout, bits: int = 0) -> int:
     return entry_record_bytes(layout.head_dim, bits) if bits else layout.token_bytes // (layout.num_layers * layout.num_kv_heads)
 
 
+def quantized_bytes(layout: KvLayout, num_tokens: int, bits: int) -> int:
+    """The quantized mode's codes for a prompt of `num_tokens` (shared/compute/quantization.py's QuantLayout,
+    before its alignment padding): sinks in fp16, K per token and V per 64-token partition in `bits`, each
+    partition with an fp16 scale and minimum. The broker sizes auto's choice with it."""
+    d, sinks = layout.head_dim, min(4, num_tokens)
+    rest = num_tokens - sinks
+    per_head = 2 * sinks * d * 2 + rest * (d * bits // 8 + 4) + d * math.ceil(rest / 64) * (64 * bits // 8 + 4)
+    return layout.num_layers * layout.num_kv_heads * per_head
+
+
 def pushed_aux_bytes(layout: KvLayout, num_tokens: int, aux_bytes: int, bits: int = 0) -> int:
     """The part of an aux area of `aux_bytes` the prefill fills whole: all of it but the codes region of the
     low-bit push (room for every entry; only the pushed records move, and count as proactive)."""
@@ -309,7 +327,7 @@ def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout
     return aux + entries * wire_entry_bytes(layout, push_bits)
 
 
-__all__ = ["AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KEY_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "pushed_aux_bytes",
+__all__ = ["AUTO_KV_BITS", "quantized_bytes", "AT_CAPACITY", "DEFAULT_KV_BITS", "PUSH_KEY_BITS", "PUSH_KV_BITS", "entry_record_bytes", "entry_region_bytes", "pushed_aux_bytes",
            "wire_entry_bytes", "DEFAULT_KV_BUDGET", "DEFAULT_SELECTOR", "DENSE_LAYERS", "FAILURE_POLICIES", "KV_BITS",
            "KV_PATHS", "MODES", "PLAN_STATES", "SELECTIVE_MODES", "SELECTORS", "SERVABLE_TRANSFER_MODES",
            "SMARTGEN_PATHS", "TRANSFER_MODES", "Aux", "BudgetFloor", "DEFAULT_FLOOR", "NO_FLOOR", "Push", "TransferMode",

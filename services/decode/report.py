@@ -16,7 +16,7 @@ from services.decode.request import DecodeRequest
 def _metadata_bytes(state: DecodeRequest, req: Generate, layout: KvLayout) -> int:
     """What of the slab's aux area the prefill filled whole (transfer.pushed_aux_bytes)."""
     bits = mode_of(req.transfer_mode).push_width(req.kv_bits)
-    return pushed_aux_bytes(layout, len(req.token_ids), state.slab.aux_bytes if state.slab else 0, bits)
+    return pushed_aux_bytes(layout, len(req.token_ids), state.aux_filled, bits)
 
 
 def final_event(state: DecodeRequest, req: Generate, selection: Selection | None, index: int, reason: str,

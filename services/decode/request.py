@@ -59,6 +59,7 @@ class DecodeRequest:
     grant: Grant | None = None
     phase: Phase = Phase.RESERVED
     expected_bytes: int = 0  # what the plan pushes; known from `generate` on
+    aux_filled: int = 0  # bytes of the slab's aux area the running mode fills (≤ slab.aux_bytes; auto reserves more)
     landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
     failure: str = ""
     task: asyncio.Task[None] | None = None

@@ -165,6 +165,12 @@ class DecodeService(ModelWorkerService):
             if state.phase is Phase.ABORTED:
                 await self._release(state)
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+        if state.grant is not None:
+            try:
+                state.aux_filled = self._aux_filled(state, req)
+            except RequestRefused:
+                await self._release(state)
+                raise
         state.req = req
         if state.grant is not None:
             state.expected_bytes = self._pushed_bytes(state, req)
@@ -442,16 +448,37 @@ class DecodeService(ModelWorkerService):
         try:
             args = (mode.aux, req.num_tokens, req.selector, req.kv_bits, mode.pushes_by_query)
             if self.engine.has_selector(req.selector):  # sizes only: no need to queue behind the model's steps
-                return self.engine.aux_bytes(*args)
-            return await self.in_torch(self.engine.aux_bytes, *args)  # loads the selector's preparation once
+                aux_bytes = self.engine.aux_bytes(*args)
+            else:
+                aux_bytes = await self.in_torch(self.engine.aux_bytes, *args)  # loads the selector's preparation once
+            if req.kv_bits and Aux.CODES in (mode_of(m).aux for m in mode.resolves_to):  # auto may choose quantized
+                aux_bytes = max(aux_bytes, self.engine.aux_bytes(Aux.CODES, req.num_tokens, "", req.kv_bits))
+            return aux_bytes
         except (ValueError, PreparationMissing) as exc:
             raise RequestRefused("bad_request", str(exc)) from None
+
+    def _aux_filled(self, state: DecodeRequest, req: Generate) -> int:
+        """The part of the slab's aux area the prefill fills for the mode that runs: all of it, but for `auto`,
+        which reserved room for each of its choices (metadata and a low-bit push's codes, or quantized codes)."""
+        assert self.engine and state.slab is not None
+        mode = mode_of(req.transfer_mode)
+        try:
+            needed = self.engine.aux_bytes(mode.aux, state.num_tokens, req.selector, req.kv_bits, mode.pushes_by_query)
+        except (ValueError, PreparationMissing) as exc:
+            raise RequestRefused("bad_request", str(exc)) from None
+        if req.prefill_aux_bytes and req.prefill_aux_bytes != needed:
+            raise RequestRefused("bad_request", f"the prefill filled {req.prefill_aux_bytes} aux bytes; this decode worker "
+                                                f"expects {needed} for {req.transfer_mode} (different selector preparation?)")
+        if needed > state.slab.aux_bytes:
+            raise RequestRefused("bad_request", f"{req.transfer_mode} with kv_bits {req.kv_bits} needs {needed} aux bytes; "
+                                                f"the reservation for {state.mode.name} has {state.slab.aux_bytes}")
+        return needed
 
     def _pushed_bytes(self, state: DecodeRequest, req: Generate) -> int:
         """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
         assert self.store and state.slab is not None
         mode = mode_of(req.transfer_mode)
-        return pushed_bytes(mode, req.plan, self.store.layout, state.num_tokens, state.slab.aux_bytes,
+        return pushed_bytes(mode, req.plan, self.store.layout, state.num_tokens, state.aux_filled,
                             req.query_entries, mode.push_width(req.kv_bits))
 
     def _problem(self, state: DecodeRequest, req: Generate) -> str:

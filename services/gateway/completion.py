@@ -71,6 +71,7 @@ class CompletionRun:
     plan: TransferPlan | None = None
     mode: str = ""  # the mode that ran (auto resolved)
     selector: str = ""  # the selector that ran ("" = dense)
+    kv_bits: int = 0  # the code width that ran (auto: the plan's; 0 = exact KV)
     decode_layers: int = 0  # from the KvHandle, to report the plan's block count
     recompute_reason: str = ""  # failure_policy recompute: why the decode worker recomputed the prefill
     queue_s: float = 0.0  # time spent in the gateway's admission queue before it started
@@ -97,7 +98,7 @@ class CompletionRun:
     async def tokens(self) -> AsyncIterator[int]:
         """Yield completion token ids as they arrive. Raises ApiError before the first token, RequestFailed after."""
         job = self.job
-        self.mode, self.selector = job.transfer_mode, job.selector or ""
+        self.mode, self.selector, self.kv_bits = job.transfer_mode, job.selector or "", job.kv_bits
         self._liveness = Liveness(self.nc, self.registry, job.request_id)
         self.decode = self._pick("decode")
         disaggregated = mode_of(job.transfer_mode).is_disaggregated
@@ -178,7 +179,7 @@ class CompletionRun:
         subject = f"{subjects.stream(job.request_id)}.resume{len(self.migrated_from)}"
         self._sub = await self.nc.subscribe(subject)
         self.recompute_reason = f"{why}; resumed on decode worker {self.decode.worker_id} after {len(self.token_ids)} tokens"
-        self.mode = "colocated"
+        self.mode, self.kv_bits = "colocated", 0
         resume = Generate(job.request_id, "colocated", job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
                           sampling, subject, self.selector, (job.kv_budget or 0.0) if self.selector else 0.0,
                           failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
@@ -240,6 +241,7 @@ class CompletionRun:
                                TransferPlan,
                                CONTROL_TIMEOUT_S)
         self.mode, self.selector, self.decode_layers = self.plan.mode, self.plan.selector, handle.layout.num_layers
+        self.kv_bits = self.plan.kv_bits
         return handle
 
     async def _run_prefill(self, handle: KvHandle, sampling: Sampling) -> PrefillDone | None:
@@ -255,7 +257,7 @@ class CompletionRun:
             return await self._wait(
                 call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                      Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
-                             self.selector if sends_metadata else "", job.kv_bits),
+                             self.selector if sends_metadata else "", self.kv_bits),
                      PrefillDone, self.timeout_s), self.prefill, "the prefill", watched)
         except (RequestFailed, RemoteError) as exc:
             # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
@@ -277,10 +279,11 @@ class CompletionRun:
                           Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
                                    self.stop_token_ids, sampling, subjects.stream(job.request_id),
                                    self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
-                                   done.source if done else None, job.kv_bits,
+                                   done.source if done else None, self.kv_bits,
                                    self.prefill.worker_id if self.prefill else "",
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
-                                   done.query_entries if done else 0),
+                                   done.query_entries if done else 0,
+                                   prefill_aux_bytes=done.aux_bytes if done else 0),
                           Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
@@ -463,7 +466,7 @@ class CompletionRun:
             "attention": "selective" if self.selector else "dense",
             "selector": self.selector or None,
             "kv_budget": self.job.kv_budget if self.selector else None,
-            "kv_bits": self.job.kv_bits or None,
+            "kv_bits": self.kv_bits or None,  # as it ran (auto: the plan's)
             "ablate": self.job.ablate,
             "selected_share": self.selected_share,
             "local_share": final.local_share if final else None,

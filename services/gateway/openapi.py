@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
+from schemas import AUTO_KV_BITS, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
 from shared import __version__
 
@@ -200,7 +200,9 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                                 {"type": "integer", "minimum": 1, "maximum": max_positions}]},
         "kv_bits": {"enum": [*sorted({*KV_BITS, *PUSH_KV_BITS}), None],
                     "description": f"transfer_mode quantized: its codes, {KV_BITS} (default 2); smartgen: its "
-                                   f"proactive push as {PUSH_KV_BITS}-bit codes (default: exact)"},
+                                   f"proactive push as {PUSH_KV_BITS}-bit codes (default: exact); auto: {AUTO_KV_BITS} "
+                                   f"lets the broker choose quantized or smartgen's low-bit push (default: exact KV "
+                                   f"only, full or smartgen)"},
         "ablate": {"type": "array", "items": {"enum": list(SMARTGEN_PATHS)},
                    "description": "smartgen (or auto) paths to switch off"},
         "ignore_eos": {"type": "boolean", "description": "generate max_tokens even past the end-of-sequence token"},

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import (DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
+from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
                      SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
 
@@ -207,7 +207,8 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
         codes, pushes = modes_where(kv_bits=KV_BITS), modes_where(push_bits=PUSH_KV_BITS)
         raise ApiError(400, f"kv_bits is one of {KV_BITS} for transfer_mode {' or '.join(map(repr, codes))} (its codes)"
                             f" or of {PUSH_KV_BITS} for {' or '.join(map(repr, pushes))} (its proactive push; exact "
-                            f"without it)", "kv_bits")
+                            f"without it) or {AUTO_KV_BITS} for 'auto' (consent to low-bit KV: quantized or a low-bit "
+                            f"push; exact without it)", "kv_bits")
     ablate = body.get("ablate", [])
     if not isinstance(ablate, list) or not all(isinstance(p, str) and p in SMARTGEN_PATHS for p in ablate):
         raise ApiError(400, f"ablate must be a list of paths to switch off, from {', '.join(SMARTGEN_PATHS)}", "ablate")

@@ -62,6 +62,7 @@ class Transfer:
     pushes: list[asyncio.Task[None]] = field(default_factory=list)
     num_bytes: int = 0
     aux_ranges: list[tuple[int, int]] = field(default_factory=list)  # per layer: (offset in aux, length); may be empty
+    aux_filled: int = 0  # bytes of the aux area this request fills (≤ the reservation: auto reserves for each choice)
     row_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer: the token ranges it pushes
     read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
     lease: asyncio.TimerHandle | None = None
@@ -141,7 +142,7 @@ class PrefillService(ModelWorkerService):
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
-                           first.logprobs, first.prompt_logprobs)
+                           first.logprobs, first.prompt_logprobs, transfer.aux_filled)
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)
@@ -228,9 +229,12 @@ class PrefillService(ModelWorkerService):
         else:
             return None
         needed = layout.nbytes + entry_region_bytes(self.store.layout, n, req.kv_bits if transfer.query_push else 0)
-        if needed != req.handle.aux_bytes:
+        # NOTE: an `auto` reservation has room for each of its choices; the decode worker checks the part filled
+        # (PrefillDone.aux_bytes) against its own reckoning
+        if needed > req.handle.aux_bytes:
             raise RequestRefused("bad_request", f"the decode node reserved {req.handle.aux_bytes} aux bytes; this "
                                                 f"request needs {needed} (different selector preparation?)")
+        transfer.aux_filled = needed
         transfer.aux_ranges = ranges
         return encode_layer
 

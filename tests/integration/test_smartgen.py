@@ -135,6 +135,32 @@ def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     assert_no_leaks(paced)
 
 
+def test_auto_with_kv_bits_runs_quantized_or_a_low_bit_push_as_the_link_allows(paced):
+    """auto with kv_bits 4 (the client's consent to low-bit KV): where the 4-bit codes fit behind the prefill
+    (R = 2: about a third of the 16-bit KV here) the broker runs quantized transfer; where they do not (R = 6.5),
+    smartgen with a 4-bit push. Each decodes the tokens of the same mode asked for by name, the decode worker
+    waits for exactly what the chosen mode fills of auto's larger reservation, and the response says what ran."""
+    selective = dict(selector="quest", kv_budget=0.1)
+    with paced_to_ratio(paced, 2.0):
+        auto = complete(paced, transfer_mode="auto", kv_bits=4, **selective)
+        named = complete(paced, transfer_mode="quantized", kv_bits=4)
+    assert (auto["transfer_mode"], auto["requested_mode"], auto["kv_bits"]) == ("quantized", "auto", 4)
+    assert "4-bit codes" in auto["plan"]["reason"] and auto["attention"] == "dense", auto["plan"]
+    assert auto["token_ids"] == named["token_ids"] and auto["kv_bytes"] == named["kv_bytes"]
+    with paced_to_ratio(paced, 6.5):
+        auto = complete(paced, transfer_mode="auto", kv_bits=4, ablate=["background"], **selective)
+        named = complete(paced, transfer_mode="smartgen", kv_bits=4, ablate=["background"], **selective)
+    assert (auto["transfer_mode"], auto["kv_bits"]) == ("smartgen", 4) and "4-bit push" in auto["plan"]["reason"]
+    assert auto["token_ids"] == named["token_ids"]
+    assert auto["kv_bytes"]["metadata"] == named["kv_bytes"]["metadata"] > 0
+    exact = complete(paced, transfer_mode="auto", **selective)  # no consent: never lossy, whatever the link
+    assert exact["transfer_mode"] == "smartgen" and exact["kv_bits"] is None
+    status, reply = post_json(paced.gateway_url + "/v1/completions",
+                              {"prompt": "hi", "max_tokens": 2, "transfer_mode": "auto", "kv_bits": 2}, timeout=30)
+    assert status == 400 and reply["error"]["param"] == "kv_bits"
+    assert_no_leaks(paced)
+
+
 def test_every_entry_ends_local_or_released(paced):
     """A long enough decode with background transfer ends all local (the prefill's lease released early);
     the broker's plan went through its states in order and nothing is left open."""

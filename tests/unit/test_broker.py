@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from schemas import KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes
+from schemas import KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes, quantized_bytes
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from schemas import pack_bits, unpack_bits
@@ -155,6 +155,41 @@ def test_auto_picks_full_when_it_fits_and_smartgen_when_it_stalls():
     assert mode == "full" and "fits behind the prefill" in why
     mode, why = choose_mode(request("auto"), link_for_ratio(6.5))
     assert mode == "smartgen" and "R = 6.50" in why
+
+
+def test_auto_with_kv_bits_picks_quantized_where_its_codes_fit_and_a_low_bit_push_beyond():
+    """auto with kv_bits 4 (consent to low-bit KV): full still wins when it fits; quantized where its 4-bit codes
+    (about a quarter of 16-bit KV) fit behind the prefill; smartgen with a 4-bit push where even they do not.
+    The plan carries the width the chosen mode runs with: 0 for full, 4 otherwise."""
+    lay16 = replace(LAYOUT, dtype="bfloat16", token_bytes=LAYOUT.token_bytes // 2)
+    codes_ratio = quantized_bytes(lay16, N, 4) / (N * lay16.token_bytes)
+    assert 0.25 < codes_ratio < 0.3  # 4-bit codes plus their fp16 scales and minimums, against 16-bit KV
+
+    def asked(r: float) -> tuple[str, str, int]:
+        req = replace(request("auto", kv_bits=4), layout=lay16)
+        link = LinkEstimate(N * lay16.token_bytes * 8 / (r * N / 200.0) / 1e9, 200.0, "measured")
+        mode, why = choose_mode(req, link)
+        return mode, why, plan_transfer(req, mode, positional_importance(30), link, "b", reason=why).plan.kv_bits
+
+    assert asked(0.8)[::2] == ("full", 0)
+    mode, why, bits = asked(2.0)
+    assert (mode, bits) == ("quantized", 4) and "4-bit codes" in why and "fit behind the prefill" in why
+    assert asked(0.95 / codes_ratio)[::2] == ("quantized", 4)
+    mode, why, bits = asked(1.05 / codes_ratio)
+    assert (mode, bits) == ("smartgen", 4) and "4-bit push" in why
+    mode, why, bits = asked(6.5)
+    assert (mode, bits) == ("smartgen", 4)
+    exact = replace(request("auto"), layout=lay16)  # no consent: exact KV only, whatever the link
+    assert choose_mode(exact, LinkEstimate(1e-3, 200.0, "measured"))[0] == "smartgen"
+
+
+def test_the_quantized_size_the_broker_reckons_is_quantized_modes_own():
+    """schemas.quantized_bytes (the broker has no torch) against QuantLayout, which lays the codes out."""
+    from shared.compute.quantization import QuantLayout
+
+    for n, bits in ((1, 4), (5, 2), (100, 4), (2017, 4), (4097, 2)):
+        exact = QuantLayout(30, 3, 64, n, bits).nbytes
+        assert abs(quantized_bytes(LAYOUT, n, bits) - exact) <= 0.01 * exact, (n, bits)
 
 
 def make_plan(book: PlanBook, queue: int = 100, background: bool = True) -> Plan:

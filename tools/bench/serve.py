@@ -74,7 +74,7 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
               "partial": {"transfer_mode": "partial", **sel}, "smartgen": {"transfer_mode": "smartgen", **sel},
               "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
               "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
-              "auto": {"transfer_mode": "auto", **sel}}
+              "auto": {"transfer_mode": "auto", **sel}, "auto-4bit": {"transfer_mode": "auto", "kv_bits": 4, **sel}}
     if name not in bodies:
         raise ValueError(f"unknown mode {name!r}: use {', '.join(bodies)}, or an ablation such as smartgen-no-query")
     return bodies[name]
