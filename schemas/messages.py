@@ -140,6 +140,7 @@ class TransferPlan:
     query_tokens: int = 0
     query_stop_layer: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1 (the last ones' would come too late)
     read_ahead: bool = True  # decode reads the later layers' picks as step 1 starts (False: ablate "ahead")
+    early_start: bool = True  # decode starts step 1 while the push lands, a layer at a time (False: ablate "early")
     # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
     # request's kv_bits, except where auto resolved to a mode that moves exact KV
     kv_bits: int = 0
@@ -203,6 +204,9 @@ class PrefillDone:
     first_logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the first token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # Sampling.echo: prompt tokens 1…N-1's
     aux_bytes: int = 0  # the part of the decode slab's aux area this prefill filled (≤ KvHandle.aux_bytes)
+    # bytes pushed per layer, in the order they leave (one link, one lane: they land in that order too), so the
+    # decode worker knows layer l has landed once the bytes up to it have, and need not wait for the rest
+    layer_push_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,7 @@ class Generate:
     # PrefillDone.aux_bytes: decode checks it against what it computes the running mode fills (a prefill and a
     # decode worker with different selector preparations disagree here, instead of waiting for bytes that never come)
     prefill_aux_bytes: int = 0
+    layer_push_bytes: list[int] = field(default_factory=list)  # PrefillDone.layer_push_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +281,10 @@ class TokenEvent:
     step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0  # the first decode step's time less its network waits (all-local step time)
     kv_load_s: float = 0.0  # of kv_wait_s, the time building the cache and the remote view once the push had landed
+    # step 1 started while the push was still landing (no global barrier), and how long its layers then waited for
+    # their own pushed bytes (part of step_wait_s[0]); False: decode waited for the whole push (kv_wait_s)
+    started_while_pushing: bool = False
+    push_landing_wait_s: float = 0.0
     fetch_reads: int = 0  # on-demand reads a layer issued when it attended (all steps)
     speculative_reads: int = 0  # reads of a layer's predicted selection, issued while the layer before it ran
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's

@@ -41,9 +41,10 @@ AUTO_KV_BITS = tuple(bits for bits in KV_BITS if bits in PUSH_KV_BITS)
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
 AT_CAPACITY = "at capacity"
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
-# the three paths, `query` (the query-aware part of the proactive push) and `ahead` (step 1's read ahead of what
-# the push leaves out); a request may `ablate` any
-SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead")
+# the three paths, `query` (the query-aware part of the proactive push), `ahead` (step 1's read ahead of what
+# the push leaves out) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
+# without it, decode waits for the whole push first); a request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
 # an error naming what failed, or `recompute` the prefill itself and carry on.
 FAILURE_POLICIES = ("fail", "recompute")

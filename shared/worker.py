@@ -16,7 +16,7 @@ from nats.micro.service import Service as MicroService
 
 from schemas import RdmaEndpoint, subjects
 from shared.config import ModelWorkerConfig
-from shared.dataplane import DataPlane, DataPlaneError, make_dataplane
+from shared.dataplane import DataPlane, DataPlaneError, Lane, make_dataplane
 from shared.dataplane.agent import AgentDataPlane
 from shared.dataplane.rdma import rdma_devices
 from shared.compute.kvstore import KvStore
@@ -149,7 +149,8 @@ class ModelWorkerService(Service):
           {"kind": "corrupt_next_chunk", "count": N}  the next N data frames sent arrive corrupted (crc32c fails)
           {"kind": "cut_links"}                       drop every data-plane connection now (later ones redial)
           {"kind": "refuse_tickets", "on": true}      refuse every incoming push and read, as for an unknown ticket
-          {"kind": "delay", "delay_s": X}             hold every data frame sent X seconds (0 = off)
+          {"kind": "delay", "delay_s": X}             hold every data frame sent X seconds (0 = off); "lanes":
+                                                      ["push", …] holds only those lanes' frames
           {"kind": "slow_prefill", "delay_s": X}      a prefill worker holds each prompt X seconds before computing it
           {"kind": "clear"}                           undo the switches above"""
         try:
@@ -168,11 +169,15 @@ class ModelWorkerService(Service):
             elif kind == "refuse_tickets":
                 faults.refuse_tickets = bool(body.get("on", True))
             elif kind == "delay":
-                faults.delay_s = max(0.0, float(body["delay_s"]))
+                lanes = [str(lane).lower() for lane in body.get("lanes", [])]
+                if not set(lanes) <= {lane.name.lower() for lane in Lane}:
+                    raise ValueError(lanes)
+                faults.delay_s, faults.delay_lanes = max(0.0, float(body["delay_s"])), lanes
             elif kind == "slow_prefill":
                 faults.prefill_delay_s = max(0.0, float(body["delay_s"]))
             elif kind == "clear":
                 faults.corrupt_frames, faults.refuse_tickets, faults.delay_s, faults.prefill_delay_s = 0, False, 0.0, 0.0
+                faults.delay_lanes = []
             else:
                 cut = self.dataplane.cut_links()
         except (ValueError, KeyError, TypeError):

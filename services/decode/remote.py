@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,7 @@ class RemoteKv:
     step_local_share: list[float] = field(default_factory=list)
     step_wait: list[float] = field(default_factory=list)
     step_wait_s: float = 0.0  # this step so far (torch thread)
+    landing_wait_s: float = 0.0  # step 1's layers waiting for their pushed bytes (`ready`), part of step_wait
     num_read_local: int = 0  # entries attention read that were local, all steps
     num_read_remote: int = 0
     num_fetch_reads: int = 0  # reads a layer issued when it attended (what was not local nor read ahead)
@@ -124,8 +126,67 @@ class RemoteKv:
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
         self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its read ahead (`read_ahead`)
+        # No global push barrier (`await_pushes`): per layer, set once its pushes have landed; None when every
+        # layer has landed and been prepared (or decoding waited for the whole push before it started)
+        self._landed: list[threading.Event] | None = None
+        self._prepared: list[bool] = []
+        self._prepare: Callable[[int], None] | None = None
+        self._query_stop = 0
+        self._reads_ahead = False
         self._step_read_layers: set[int] = set()  # layers that issued a read this step (torch thread)
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
+
+    # --- the push still landing: no global barrier (services/decode/service.py `_load_while_pushing`) ---------
+    def await_pushes(self, query_stop_layer: int, read_ahead: bool, prepare: Callable[[int], None] | None) -> None:
+        """Decoding starts before the prefill's push has landed. Until `push_landed(l)`, layer l's pushed blocks
+        count as present (the plan says they come) but attention must not read them: each layer waits in
+        `ready`, then runs `prepare(l)` on the torch thread once (dequantizing a low-bit push). Entries the
+        prompt's last query picked are known per layer as it lands (`push_landed`)."""
+        self._landed = [threading.Event() for _ in range(self.layout.num_layers)]
+        self._prepared = [False] * self.layout.num_layers
+        self._prepare, self._query_stop, self._reads_ahead = prepare, query_stop_layer, read_ahead
+
+    def push_landed(self, layer: int, picked: np.ndarray | None) -> None:
+        """(event loop) Every byte `layer` pushes is here. `picked` (num_kv_heads, num_tokens) bool, the entries its
+        last-position query picked: pushed below the plan's query_stop_layer (present now), predicted from there
+        on (read ahead now, on the PUSH lane, as step 1 will want them)."""
+        assert self._landed is not None
+        if picked is not None:
+            if layer < self._query_stop:
+                self._mark_entries(layer, picked)
+            elif self._reads_ahead:
+                self._read_ahead_layer(layer, picked)
+        self._landed[layer].set()
+
+    def push_failed(self, reason: str) -> None:
+        """(event loop) The push will not complete: every layer still waiting fails at once."""
+        self.fail(reason)
+        for event in self._landed or []:
+            event.set()
+
+    def is_ready(self, layer: int) -> bool:
+        landed = self._landed
+        return landed is None or landed[layer].is_set()
+
+    def ready(self, layer: int) -> None:
+        """(torch thread) Block until `layer`'s pushed KV has landed; prepare it the first time."""
+        landed = self._landed
+        if landed is None or self._prepared[layer]:
+            return
+        if not landed[layer].is_set():
+            started = time.perf_counter()
+            arrived = landed[layer].wait(self.read_timeout_s)
+            waited = time.perf_counter() - started
+            self.step_wait_s += waited
+            self.landing_wait_s += waited
+            if not arrived:
+                raise RemoteReadError(f"layer {layer}'s pushed KV did not land within {self.read_timeout_s:g} s")
+        self._check_readable()  # a push that failed sets every event
+        if self._prepare is not None:
+            self._prepare(layer)
+        self._prepared[layer] = True
+        if all(self._prepared):
+            self._landed = None
 
     # --- torch thread ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -212,9 +273,14 @@ class RemoteKv:
         query picked but whose push would have come after the prefill's end. NOTE: on the PUSH lane, below
         on-demand reads: a guess must not hold up the reads the step is waiting on now (measured: on the same
         lane it did, and step 1 was slower with it than without, docs/results/serve-2k-ahead-ablation)."""
-        missing = entries & ~self.present
-        for layer in np.flatnonzero(missing.any(axis=(1, 2))).tolist():
-            heads = [(h, tokens) for h in range(self.num_kv_heads) if (tokens := np.flatnonzero(missing[layer, h])).size]
+        for layer in range(entries.shape[0]):
+            self._read_ahead_layer(layer, entries[layer])
+
+    def _read_ahead_layer(self, layer: int, entries: np.ndarray) -> None:
+        """`read_ahead` of one layer's (num_kv_heads, num_tokens) entries."""
+        missing = entries & ~self.present[layer]
+        heads = [(h, tokens) for h in range(self.num_kv_heads) if (tokens := np.flatnonzero(missing[h])).size]
+        if heads:
             self._on_demand_idle.clear()
             self._ahead[layer] = self._start_read(layer, heads, Lane.PUSH)
 
@@ -305,6 +371,14 @@ class RemoteKv:
                         int((b - a) * tb))
                 for kv in (0, 1) for a, b in zip(starts.tolist(), stops.tolist())]
 
+    def _mark_entries(self, layer: int, entries: np.ndarray) -> None:
+        """`entries` (num_kv_heads, num_tokens) bool of `layer` are here."""
+        row = self.present[layer]
+        fresh = int((entries & ~row).sum())
+        row |= entries
+        self.missing_per_layer[layer] -= fresh
+        self.num_missing -= fresh
+
     def _mark(self, layer: int, head: int, tokens: np.ndarray) -> None:
         row = self.present[layer, head]
         fresh = int((~row[tokens]).sum())
@@ -314,7 +388,8 @@ class RemoteKv:
 
     @property
     def is_all_local(self) -> bool:
-        return self.num_missing == 0
+        """Every entry is here, and every layer's push has landed and been prepared (see `ready`)."""
+        return self.num_missing == 0 and self._landed is None
 
     @property
     def local_share(self) -> float:

@@ -42,7 +42,8 @@ def final_event(state: DecodeRequest, req: Generate, selection: Selection | None
                       all_local_step=state.all_local_step, background_declined=state.background_declined,
                       recompute_reason=state.recompute_reason,
                       step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6),
-                      kv_load_s=round(state.kv_load_s, 6), fetch_reads=remote.num_fetch_reads if remote else 0,
+                      kv_load_s=round(state.kv_load_s, 6), started_while_pushing=state.on_layer_landed is not None,
+                      push_landing_wait_s=round(remote.landing_wait_s, 6) if remote else 0.0, fetch_reads=remote.num_fetch_reads if remote else 0,
                       speculative_reads=remote.num_speculative_reads if remote else 0)
 
 

@@ -19,6 +19,7 @@ colocated requests are created at `generate`, already claimed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -61,6 +62,12 @@ class DecodeRequest:
     expected_bytes: int = 0  # what the plan pushes; known from `generate` on
     aux_filled: int = 0  # bytes of the slab's aux area the running mode fills (≤ slab.aux_bytes; auto reserves more)
     landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
+    # No global push barrier (set by `generate` when the prefill said what each layer pushes): the landed-byte
+    # count at which each layer's pushes are all here (they land in layer order), how many layers are, and who
+    # hears of each as it lands (the remote KV, so step 1's layer l waits for layer l only)
+    layer_ends: list[int] = field(default_factory=list)
+    layers_landed: int = 0
+    on_layer_landed: Callable[[int], None] | None = None
     failure: str = ""
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
@@ -99,6 +106,20 @@ class DecodeRequest:
             self.expiry.cancel()
         self.check_landed()
 
+    def push_failed(self, reason: str) -> None:
+        """The push will not complete (the prefill said so, or its link dropped): whoever waits for it stops now,
+        the first step's layers too (services/decode/remote.py `ready`)."""
+        self.failure = reason
+        self.landed.set()
+        if self.remote is not None and self.on_layer_landed is not None:
+            self.remote.push_failed(f"the KV push did not complete: {reason}")
+
     def check_landed(self) -> None:
-        if self.grant is not None and self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
+        if self.grant is None:
+            return
+        if self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
             self.landed.set()
+        if self.on_layer_landed is not None:
+            while self.layers_landed < len(self.layer_ends) and self.grant.bytes_landed >= self.layer_ends[self.layers_landed]:
+                self.layers_landed += 1
+                self.on_layer_landed(self.layers_landed - 1)

@@ -27,6 +27,7 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 from collections import OrderedDict, deque
 from typing import Any
@@ -35,7 +36,7 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+from schemas import (AT_CAPACITY, DENSE_LAYERS, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
                      subjects)
 from schemas.transfer import Aux
@@ -211,8 +212,7 @@ class DecodeService(ModelWorkerService):
         if state is None:
             return
         if not state.landed.is_set():
-            state.failure = failed.error
-            state.landed.set()
+            state.push_failed(failed.error)
         elif state.remote is not None and not state.remote.is_closed:
             self._lose_prefill(state.remote, failed.error)
 
@@ -234,8 +234,7 @@ class DecodeService(ModelWorkerService):
         for state in self.active.values():
             req = state.req
             if req is not None and req.prefill_dataplane_addr == peer and not state.landed.is_set():
-                state.failure = f"the data-plane link to prefill worker {req.prefill_worker_id} dropped: {error}"
-                state.landed.set()
+                state.push_failed(f"the data-plane link to prefill worker {req.prefill_worker_id} dropped: {error}")
 
     # --- the request's task ---------------------------------------------------------------
     async def _run(self, state: DecodeRequest, req: Generate) -> None:
@@ -312,10 +311,16 @@ class DecodeService(ModelWorkerService):
         try:
             if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
                 raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
-            await self._wait_for_kv(state)
-            landed = asyncio.get_running_loop().time()
-            await self._load(state, req)
-            state.kv_load_s = asyncio.get_running_loop().time() - landed
+            if self._starts_while_pushing(state, req):
+                if state.failure:
+                    raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive: {state.failure}")
+                await self._load_while_pushing(state, req)
+                state.kv_load_s = asyncio.get_running_loop().time() - started
+            else:
+                await self._wait_for_kv(state)
+                landed = asyncio.get_running_loop().time()
+                await self._load(state, req)
+                state.kv_load_s = asyncio.get_running_loop().time() - landed
         except (TransferError, RemoteReadError) as exc:
             if req.failure_policy != "recompute":
                 raise
@@ -407,6 +412,55 @@ class DecodeService(ModelWorkerService):
             return
         if predicted is not None and req.plan.read_ahead:  # ablate "ahead" (or "query") switches it off
             remote.read_ahead(predicted)
+        self.remote_kv.start(state)
+
+    def _starts_while_pushing(self, state: DecodeRequest, req: Generate) -> bool:
+        """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own
+        bytes only, where the KV left on the prefill node is read anyway (partial, smartgen), the prefill said
+        what each layer pushes (and it adds up), and attention reads the slab itself (CPU: no copy to a device
+        that would be taken before the bytes land)."""
+        assert self.engine and self.store
+        mode = mode_of(req.transfer_mode)
+        return (mode.keeps_source and req.plan is not None and req.plan.early_start and req.source is not None
+                and len(req.layer_push_bytes) == self.store.layout.num_layers
+                and sum(req.layer_push_bytes) == state.expected_bytes and self.engine.decodes_in_the_slab
+                and not state.landed.is_set())
+
+    async def _load_while_pushing(self, state: DecodeRequest, req: Generate) -> None:
+        """`_load` without waiting for the push: the cache and the selection are set up over a slab whose layers
+        land one after another (in layer order: PrefillDone.layer_push_bytes), and step 1's layer l waits for
+        layer l (`RemoteKv.ready`). Each layer's metadata is read as it lands: the selector's state when its
+        attention first runs, the entries the prompt's last query pushed (present) or predicted (read ahead now)."""
+        assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
+        assert req.plan is not None and req.source is not None
+        rid, n, mode, lay = req.request_id, len(req.token_ids), mode_of(req.transfer_mode), self.store.layout
+        pushed = pushed_pages(req.plan, lay.num_layers)
+        await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
+        remote = state.remote = RemoteKv(
+            self.dataplane, asyncio.get_running_loop(), req.source, lay, self.store.offset(state.slab),
+            state.slab.capacity, n, pushed, req.plan.parallel, self.config.kv_timeout_s,
+            background_read_bytes(req.plan.link_gbps), None, self.config.gather_reads,
+            speculative=req.plan.read_ahead and self._speculates(req))
+        bitmap = self.engine.query_bitmaps(state.slab, req.selector, n) if mode.pushes_by_query else None
+        stop = req.plan.query_stop_layer if bitmap is not None else 0
+        load_codes = None
+        if req.kv_bits:  # smartgen's low-bit push: a layer's codes into its rows once they have landed
+            load_codes = self.engine.pushed_codes_loader(state.slab, req.selector, n, req.kv_bits, pushed)
+
+        def prepare(layer: int) -> None:  # torch thread, once a layer, after it landed
+            if load_codes is not None:
+                load_codes(layer, bitmap(layer) if bitmap is not None and DENSE_LAYERS <= layer < stop else None)
+        remote.await_pushes(stop, req.plan.read_ahead, prepare if load_codes is not None else None)
+
+        def layer_landed(layer: int) -> None:  # event loop, in landing order
+            remote.push_landed(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)
+
+        state.layer_ends = list(itertools.accumulate(req.layer_push_bytes))
+        state.on_layer_landed = layer_landed
+        state.check_landed()  # the layers already here
+        await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
+                            NUM_BLOCKS, mode.pushes_by_query, True)
+        state.plan_state = "transferring"
         self.remote_kv.start(state)
 
     def _speculates(self, req: Generate) -> bool:

@@ -283,7 +283,8 @@ class CompletionRun:
                                    self.prefill.worker_id if self.prefill else "",
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
                                    done.query_entries if done else 0,
-                                   prefill_aux_bytes=done.aux_bytes if done else 0),
+                                   prefill_aux_bytes=done.aux_bytes if done else 0,
+                                   layer_push_bytes=done.layer_push_bytes if done else []),
                           Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
@@ -459,6 +460,8 @@ class CompletionRun:
             "kv_bytes": self.kv_bytes,
             "kv_wait_s": self.kv_wait_s,
             "kv_load_s": final.kv_load_s if final else 0.0,
+            "started_while_pushing": final.started_while_pushing if final else False,
+            "push_landing_wait_s": final.push_landing_wait_s if final else 0.0,
             "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads} if final else {},
             "prefill_s": self.prefill_s,
             "transfer_mode": self.mode or self.job.transfer_mode,

@@ -63,6 +63,7 @@ class Transfer:
     num_bytes: int = 0
     aux_ranges: list[tuple[int, int]] = field(default_factory=list)  # per layer: (offset in aux, length); may be empty
     aux_filled: int = 0  # bytes of the aux area this request fills (≤ the reservation: auto reserves for each choice)
+    layer_push_bytes: list[int] = field(default_factory=list)  # per layer: the bytes its pushes carry, in order
     row_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer: the token ranges it pushes
     read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
     lease: asyncio.TimerHandle | None = None
@@ -103,7 +104,8 @@ class PrefillService(ModelWorkerService):
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
         transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
-                                                          row_runs=pushed_runs(mode, req.plan, self.store.layout, n))
+                                                          row_runs=pushed_runs(mode, req.plan, self.store.layout, n),
+                                                          layer_push_bytes=[0] * self.store.layout.num_layers)
         try:
             encode_layer = await self._encoder(req, transfer)
         except BaseException:
@@ -142,7 +144,7 @@ class PrefillService(ModelWorkerService):
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
-                           first.logprobs, first.prompt_logprobs, transfer.aux_filled)
+                           first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes)
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)
@@ -241,7 +243,10 @@ class PrefillService(ModelWorkerService):
     def _start_push(self, transfer: Transfer, layer: int) -> None:
         if self.active.get(transfer.handle.request_id) is not transfer:
             return  # aborted while the torch thread was still on it: nothing may push from a freed slab
-        for path, segments in self._layer_pushes(transfer, layer):
+        # NOTE: queued in layer order on one lane of one link, so they land in that order (PrefillDone.layer_push_bytes)
+        pushes = self._layer_pushes(transfer, layer)
+        transfer.layer_push_bytes[layer] = sum(s.length for _, segments in pushes for s in segments)
+        for path, segments in pushes:
             transfer.pushes.append(asyncio.create_task(self._push(transfer, segments, path)))
 
     def _layer_pushes(self, transfer: Transfer, layer: int) -> list[tuple[str, list[Segment]]]:

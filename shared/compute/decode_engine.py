@@ -6,7 +6,7 @@ Every mode decodes in place on a slab of the KV store, colocated too: a local pr
 slab exactly as a prefill worker does (rounded to the store's kv dtype), so tokens agree across modes."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,24 +63,46 @@ class DecodeEngine:
         """(num_layers, num_kv_heads, num_tokens) bool: the entries the prompt's last query picked per layer (the
         query-aware push), from the bitmaps in `slab`'s aux area (layers 0–1: none; they arrive whole). Layers
         below the plan's `query_stop_layer` pushed them; the later ones' are predictions, read as step 1 starts."""
-        layout = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        bitmap = self.query_bitmaps(slab, selector, num_tokens)
         picked = np.zeros((self.runner.num_layers, self.runner.num_kv_heads, num_tokens), dtype=bool)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
-            picked[layer] = layout.read_query_bitmap(self.store.aux(slab), layer)
+            picked[layer] = bitmap(layer)
         return picked
+
+    def query_bitmaps(self, slab: Slab, selector: str, num_tokens: int) -> Callable[[int], np.ndarray]:
+        """layer ≥ DENSE_LAYERS → its (num_kv_heads, num_tokens) bool bitmap of `picked_by_query`, read once that
+        layer's metadata has landed. NOTE: numpy over a view of the aux area, no torch compute: the decode service
+        reads it on its event loop as each layer lands."""
+        layout = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        aux = self.store.aux(slab)
+        return lambda layer: layout.read_query_bitmap(aux, layer)
 
     def load_pushed_codes(self, slab: Slab, selector: str, num_tokens: int, bits: int, pushed: np.ndarray,
                           by_query: np.ndarray | None) -> None:
         """smartgen's low-bit push has landed: dequantize every pushed entry's codes into `slab`'s rows.
         `pushed` (num_layers, num_pages) bool: the plan's blocks; `by_query` (num_layers, num_kv_heads, N) bool."""
+        load_layer = self.pushed_codes_loader(slab, selector, num_tokens, bits, pushed)
+        for layer in range(self.runner.num_layers):
+            load_layer(layer, by_query[layer] if by_query is not None else None)
+
+    def pushed_codes_loader(self, slab: Slab, selector: str, num_tokens: int, bits: int,
+                            pushed: np.ndarray) -> Callable[[int, np.ndarray | None], None]:
+        """(layer, its (num_kv_heads, N) bool entries pushed by query, or None) → dequantize that layer's pushed
+        codes into `slab`'s rows, once they have landed (torch thread)."""
         lay = self.store.layout
         metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
         codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits, offset=metadata.nbytes)
         aux, rows = self.store.aux(slab), self.store.view(slab)
-        for layer in range(lay.num_layers):
-            mask = pushed_mask(pushed[layer], lay.page_tokens, num_tokens, lay.num_kv_heads,
-                               by_query[layer] if by_query is not None else None)
+
+        def load_layer(layer: int, by_query: np.ndarray | None) -> None:
+            mask = pushed_mask(pushed[layer], lay.page_tokens, num_tokens, lay.num_kv_heads, by_query)
             codes.decode(aux, layer, mask, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
+        return load_layer
+
+    @property
+    def decodes_in_the_slab(self) -> bool:
+        """The cache is the slab itself (CPU), not a copy of it: bytes landing later are seen by attention."""
+        return self.store.arena.device == self.runner.device
 
     def detach_remote(self, request_id: str) -> None:
         """Every entry of the request is local now: its attention reads nothing remote any more. Called between
@@ -91,16 +113,23 @@ class DecodeEngine:
 
     def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False,
                       slab: Slab | None = None, remote: selective.RemoteEntries | None = None, count_blocks: int = 0,
-                      query_bitmap: bool = False) -> None:
+                      query_bitmap: bool = False, lazy: bool = False) -> None:
         """Decode this request with selective attention from now on. The selector's state for the cached
         tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given
         (`query_bitmap`: laid out with the query-aware push's bitmaps), else from the keys in the cache.
-        `count_blocks` > 0 counts selections per relative block."""
+        `count_blocks` > 0 counts selections per relative block. `lazy` (with `slab`): a layer's state is restored
+        when its attention first needs it, after its metadata has landed (`remote.ready`: no global push barrier)."""
         sel = selective.Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
         layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens, query_bitmap) if slab is not None else None
+        if layout is not None and lazy:
+            aux = self.store.aux(slab)  # type: ignore[arg-type]
+            sel.restore = lambda layer: sel.selector.restore(
+                layer, [t.to(self.runner.device) for t in layout.read(aux, layer)], num_tokens)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
+            if layout is not None and lazy:
+                continue
             if layout is not None:
                 tensors = [t.to(self.runner.device) for t in layout.read(self.store.aux(slab), layer)]
                 sel.states[layer] = sel.selector.restore(layer, tensors, num_tokens)

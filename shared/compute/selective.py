@@ -28,7 +28,7 @@ torch thread runs the model, so there is never more than one step in flight.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +64,13 @@ class RemoteEntries(Protocol):
     def begin_step(self) -> None:
         """A decode step starts (per-step counters)."""
 
+    def ready(self, layer: int) -> None:
+        """Block until `layer`'s pushed KV (and its metadata) has landed: step 1 may start while the prefill's push
+        is still arriving, a layer at a time. Raises if it cannot land."""
+
+    def is_ready(self, layer: int) -> bool:
+        """Whether `layer`'s pushed KV has landed (never blocks)."""
+
     def end_step(self) -> None:
         """The decode step is over."""
 
@@ -88,6 +95,9 @@ class Selection:
     measure_mass: bool = False  # also compute the dense attention to report how much mass was kept
     states: dict[int, LayerState] = field(default_factory=dict)
     remote: RemoteEntries | None = None  # the KV still on the prefill node; None once every entry is local
+    # layer → its state from the pushed metadata, for layers not restored yet (their metadata may still be landing:
+    # restored on first use, after `remote.ready`); None: every state is in `states` or built from local keys
+    restore: Callable[[int], LayerState] | None = None
     block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
     block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
     num_steps: int = 0
@@ -207,6 +217,8 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
     """Choose what `row` attends to at `layer` and start reading the part of it that is not local."""
     if sel is None:
         return row
+    if sel.remote is not None:
+        sel.remote.ready(layer)  # its pushed KV may still be landing (step 1)
     n = row.keys.shape[1]
     k = sel.budget.tokens(n)
     if layer < DENSE_LAYERS or k >= n:  # the whole cache: exactly dense
@@ -219,7 +231,7 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
     else:
         state = sel.states.get(layer)
         if state is None:
-            state = sel.states[layer] = sel.selector.new_state(layer)
+            state = sel.states[layer] = sel.restore(layer) if sel.restore else sel.selector.new_state(layer)
         sel.selector.extend(layer, state, row.keys)
         speculates = getattr(sel.selector, "speculates", False)
         probe = _speculated_query(module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
@@ -237,7 +249,10 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
 def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n: int) -> None:
     """Predict row b's selection at layer + 1 from layer's input (module docstring) and start reading it."""
     nxt = module._smartgen_next_decoder_layer
+    assert sel.remote is not None
     state = sel.states.get(layer + 1)
+    if state is None and sel.restore is not None and sel.remote.is_ready(layer + 1):  # its metadata has landed
+        state = sel.states[layer + 1] = sel.restore(layer + 1)
     if nxt is None or state is None:
         return
     probe = _speculated_query(nxt, layer, b)  # (H, d): layer + 1's query, speculated

@@ -58,6 +58,7 @@ class Faults:
     corrupt_frames: int = 0  # flip a byte in the payload of the next N data frames this process sends
     refuse_tickets: bool = False  # refuse every incoming push and read as if its ticket were unknown
     delay_s: float = 0.0  # hold every data frame this process sends this long before sending it
+    delay_lanes: list[str] = field(default_factory=list)  # … on these lanes only (Lane names, lower case); [] = all
     prefill_delay_s: float = 0.0  # a prefill worker holds each prompt this long before computing it (alive, busy)
 
     def maybe_corrupt(self, payload: list[memoryview]) -> list[memoryview]:
@@ -69,9 +70,13 @@ class Faults:
         first[0] ^= 0xFF
         return [memoryview(first), *payload[1:]]
 
+    def delay_for(self, lane: Lane) -> float:
+        """How long a data frame on `lane` is held before it is sent."""
+        return self.delay_s if not self.delay_lanes or lane.name.lower() in self.delay_lanes else 0.0
+
     def summary(self) -> dict[str, object]:
         return {"corrupt_frames": self.corrupt_frames, "refuse_tickets": self.refuse_tickets, "delay_s": self.delay_s,
-                "prefill_delay_s": self.prefill_delay_s}
+                "delay_lanes": list(self.delay_lanes), "prefill_delay_s": self.prefill_delay_s}
 
 
 def check_within(segments: Sequence["Segment"], region_len: int, side: str) -> None:

@@ -140,8 +140,8 @@ class Link:
                         header = _with_crc(header, frames.crc32c(payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
-                        if self.plane.faults.delay_s:
-                            await asyncio.sleep(self.plane.faults.delay_s)
+                        if delay := self.plane.faults.delay_for(Lane(lane)):
+                            await asyncio.sleep(delay)
                     if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked
                         self.background_in_flight += header.payload_len
                     await self._send_frame(header, frame.table, self.plane.faults.maybe_corrupt(payload))

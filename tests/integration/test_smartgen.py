@@ -34,6 +34,7 @@ def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
     log_file = tmp_path_factory.mktemp("logs") / "paced.log"
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=log_file,
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
+                          "SMARTGEN_FAULT_INJECTION": "1",  # POST /fault (delay): a push that lands late
                           "SMARTGEN_LINK_GBPS": str(LINK_GBPS),
                           # path 3 whenever planned, though 16 tokens cannot wait for the rest on this link (the
                           # default declines it then: test_background_policy.py)
@@ -158,6 +159,31 @@ def test_auto_with_kv_bits_runs_quantized_or_a_low_bit_push_as_the_link_allows(p
     status, reply = post_json(paced.gateway_url + "/v1/completions",
                               {"prompt": "hi", "max_tokens": 2, "transfer_mode": "auto", "kv_bits": 2}, timeout=30)
     assert status == 400 and reply["error"]["param"] == "kv_bits"
+    assert_no_leaks(paced)
+
+
+def test_step_one_starts_while_the_push_lands_and_decodes_the_same_tokens(paced):
+    """No global push barrier: with every frame of the prefill's push held 30 ms (its reads are not), the push
+    lands long after decode has the request. Step 1 starts at once, each layer waiting for its own bytes only,
+    and decodes the tokens of all-local selective attention, as does the same request that waits for the whole
+    push first (`ablate: early`)."""
+    from tests.integration.test_faults import admin_post, worker
+
+    selective = dict(selector="quest", kv_budget=0.1, ablate=["background"])
+    reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)
+    prefill = worker(paced, "prefill")
+    admin_post(paced, prefill, "/fault", {"kind": "delay", "delay_s": 0.03, "lanes": ["push"]})
+    try:
+        early = complete(paced, transfer_mode="smartgen", **selective)
+        barrier = complete(paced, transfer_mode="smartgen", **{**selective, "ablate": ["background", "early"]})
+    finally:
+        admin_post(paced, prefill, "/fault", {"kind": "clear"})
+    brief = {k: v for k, v in early.items() if k not in ("token_ids", "token_times_s", "plan")}
+    assert early["started_while_pushing"] and early["push_landing_wait_s"] > 0.03, brief
+    assert early["kv_wait_s"] < barrier["kv_wait_s"], (early["kv_wait_s"], barrier["kv_wait_s"])
+    assert not barrier["started_while_pushing"] and barrier["push_landing_wait_s"] == 0
+    assert early["token_ids"] == barrier["token_ids"] == reference["token_ids"]
+    assert early["kv_bytes"]["metadata"] == barrier["kv_bytes"]["metadata"] > 0
     assert_no_leaks(paced)
 
 

@@ -136,6 +136,12 @@ class FailingRemote:
     def end_step(self) -> None:
         pass
 
+    def ready(self, layer) -> None:
+        pass
+
+    def is_ready(self, layer) -> bool:
+        return True
+
     def fetch(self, layer, idx):
         raise RuntimeError("the prefill node is gone")
 
