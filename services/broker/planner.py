@@ -24,7 +24,7 @@ from shared.profiles import page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
 # NOTE: the schedule assumes the prefill takes this share of its estimated time, against a prefill faster than
-# the measured rate (decode waits for every pushed byte before its first step, so a late push costs TTST)
+# the measured rate (step 1's layer l waits for layer l's pushed bytes, so a late push costs TTST)
 PUSH_MARGIN = 0.9
 # The query-aware push selects this many times step 1's budget: the last prompt position and the first decoded
 # one pick largely, not exactly, the same entries. Measured on SmolLM2 with quest at 10% under the default floor

@@ -294,8 +294,8 @@ class PrefillService(ModelWorkerService):
     async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
         assert self.dataplane
         handle = transfer.handle
-        # NOTE: the PUSH lane: above background transfer (decode waits for every pushed byte before its first
-        # step), below on-demand reads (another request's decode step is waiting on those right now)
+        # NOTE: the PUSH lane: above background transfer (step 1's layer l waits for layer l's pushed bytes),
+        # below on-demand reads (another request's decode step is waiting on those right now)
         await asyncio.wait_for(self.dataplane.push(handle.dataplane_addr, handle.ticket, segments, Lane.PUSH),
                                self.config.push_timeout_s)
         n = sum(s.length for s in segments)
