@@ -161,8 +161,6 @@ class RemoteKv:
     def push_failed(self, reason: str) -> None:
         """(event loop) The push will not complete: every layer still waiting fails at once."""
         self.fail(reason)
-        for event in self._landed or []:
-            event.set()
 
     def is_ready(self, layer: int) -> bool:
         landed = self._landed
@@ -412,9 +410,17 @@ class RemoteKv:
         """The prefill node is lost: reads from now on fail at once (the caller cuts the link, which fails the
         reads in flight)."""
         self.failure = self.failure or reason
+        self._wake_layers()
+
+    def _wake_layers(self) -> None:
+        """A layer waiting for its push (`ready`) stops waiting: it raises (failed or closed) instead of holding
+        the torch thread, and every request batched with it, until the read timeout."""
+        for event in self._landed or []:
+            event.set()
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """No new reads; wait until every read in flight has settled (their bytes land in the slab)."""
         self.is_closed = True
+        self._wake_layers()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)

@@ -68,6 +68,9 @@ class DecodeRequest:
     layer_ends: list[int] = field(default_factory=list)
     layers_landed: int = 0
     on_layer_landed: Callable[[int], None] | None = None
+    # set once at most `nearly_landed_at` bytes are still to land: step 1 may start then (`_load_while_pushing`)
+    nearly_landed: asyncio.Event = field(default_factory=asyncio.Event)
+    nearly_landed_at: int = 0
     failure: str = ""
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
@@ -111,6 +114,7 @@ class DecodeRequest:
         the first step's layers too (services/decode/remote.py `ready`)."""
         self.failure = reason
         self.landed.set()
+        self.nearly_landed.set()
         if self.remote is not None and self.on_layer_landed is not None:
             self.remote.push_failed(f"the KV push did not complete: {reason}")
 
@@ -119,6 +123,8 @@ class DecodeRequest:
             return
         if self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
             self.landed.set()
+        if self.nearly_landed_at and self.grant.bytes_landed >= self.nearly_landed_at:
+            self.nearly_landed.set()
         if self.on_layer_landed is not None:
             while self.layers_landed < len(self.layer_ends) and self.grant.bytes_landed >= self.layer_ends[self.layers_landed]:
                 self.layers_landed += 1

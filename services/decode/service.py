@@ -64,6 +64,10 @@ LOCAL_MODES = modes_where(is_disaggregated=False)  # colocated: the prefill runs
 
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request's open or generate
 NUM_STREAMS_REMEMBERED = 256  # finished streams whose tokens `resend` can still give (the gateway may have lost some)
+# No global push barrier: step 1 starts once the rest of the push would land within this long at the plan's link
+# rate (a step at 2K here is ~0.06 s): its layers then wait for their own bytes inside the step, which holds up
+# the requests batched with it by about this much at most (`_wait_until_nearly_landed`)
+EARLY_START_S = 0.1
 
 
 class TransferError(RuntimeError):
@@ -312,8 +316,7 @@ class DecodeService(ModelWorkerService):
             if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
                 raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
             if self._starts_while_pushing(state, req):
-                if state.failure:
-                    raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive: {state.failure}")
+                await self._wait_until_nearly_landed(state, req)
                 await self._load_while_pushing(state, req)
                 state.kv_load_s = asyncio.get_running_loop().time() - started
             else:
@@ -425,6 +428,22 @@ class DecodeService(ModelWorkerService):
                 and len(req.layer_push_bytes) == self.store.layout.num_layers
                 and sum(req.layer_push_bytes) == state.expected_bytes and self.engine.decodes_in_the_slab
                 and not state.landed.is_set())
+
+    async def _wait_until_nearly_landed(self, state: DecodeRequest, req: Generate) -> None:
+        """Step 1 starts while the push lands, but only once the rest of it would land, at the plan's link rate,
+        within EARLY_START_S: a layer waiting for its bytes holds the torch thread, and with it every request
+        stepping in the same batch, so the wait it may cause is bounded by about one decode step."""
+        assert req.plan is not None
+        rest = int(req.plan.link_gbps * 1e9 / 8 * EARLY_START_S) if req.plan.link_gbps > 0 else state.expected_bytes
+        state.nearly_landed_at = max(1, state.expected_bytes - rest)
+        state.check_landed()
+        try:
+            await asyncio.wait_for(state.nearly_landed.wait(), self.config.kv_timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive within "
+                                f"{self.config.kv_timeout_s:g} s") from None
+        if state.failure:
+            raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive: {state.failure}")
 
     async def _load_while_pushing(self, state: DecodeRequest, req: Generate) -> None:
         """`_load` without waiting for the push: the cache and the selection are set up over a slab whose layers

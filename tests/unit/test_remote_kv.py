@@ -40,10 +40,12 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
                         parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0,
-                        gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True):
+                        gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True,
+                        land_every_s: float = 0.0):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
-    The decode slab starts as NaN, so any entry used before it arrived would poison the output."""
+    The decode slab starts as NaN, so any entry used before it arrived would poison the output. `land_every_s`:
+    no push barrier, the push lands a layer every this many seconds while step 1 runs."""
     layout = runner.kv_layout(16)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 7)  # different offsets on the two sides
@@ -56,8 +58,16 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     dst.view(dst_slab).fill_(float("nan"))
     _, encode = prefill.metadata_encoder(src_slab, selector, n)
     first = prefill.run(src_slab, ids, Sampling(), lambda layer: None, encode)
-    dst.aux(dst_slab).copy_(src.aux(src_slab))  # the metadata push
-    dst.view(dst_slab)[:pushed_layers, :, :, :n] = src.view(src_slab)[:pushed_layers, :, :, :n]  # proactive push
+
+    def push_layer(layer: int) -> None:  # its metadata, and its rows if the plan pushes them
+        if layer >= 2:
+            at, length = meta.layer_range(layer)
+            dst.aux(dst_slab)[at: at + length] = src.aux(src_slab)[at: at + length]
+        if layer < pushed_layers:
+            dst.view(dst_slab)[layer, :, :, :n] = src.view(src_slab)[layer, :, :, :n]
+    if not land_every_s:
+        for layer in range(layout.num_layers):
+            push_layer(layer)
     a, b = make_dataplane("inproc"), make_dataplane("inproc")
     a.register_region(src.region)
     b.register_region(dst.region)
@@ -87,7 +97,17 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
-    engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote)
+    landing = None
+    if land_every_s:
+        remote.await_pushes(0, False, None)
+
+        async def land() -> None:
+            for layer in range(layout.num_layers):
+                await asyncio.sleep(land_every_s)
+                push_layer(layer)
+                remote.push_landed(layer, None)
+        landing = asyncio.create_task(land())
+    engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote, lazy=bool(land_every_s))
     if read_ahead_layers:  # predict "every entry" of the last layers: step 1 finds them landed or in flight
         ahead = np.zeros((layout.num_layers, layout.num_kv_heads, n), dtype=bool)
         ahead[-read_ahead_layers:] = True
@@ -95,6 +115,10 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     tokens = [first]
     for i in range(1, STEPS):
         tokens.append(await loop.run_in_executor(None, engine.step, "r", tokens[-1], Sampling(), i))  # a torch thread
+        if landing is not None:  # step 1 waited for every layer's push
+            assert landing.done()
+            await landing
+            landing = None
         if background and i == 2:
             await remote.read_blocks(list(range(layout.num_layers * pages)))
     await remote.close()
@@ -111,6 +135,37 @@ async def test_remote_reads_give_the_all_local_tokens(runner, selector, parallel
     assert tokens == colocated_tokens(runner, ids, selector, 0.1)
     assert remote.bytes_on_demand > 0 and remote.num_missing > 0  # it read some, not all
     assert remote.step_local_share[0] < remote.step_local_share[-1] <= 1.0  # what was read stays local
+
+
+@pytest.mark.parametrize("selector", ["quest", "oracle"])
+async def test_step_one_runs_while_the_push_lands_a_layer_at_a_time(runner, selector):
+    """No global push barrier: the metadata and the first four layers land one layer every 20 ms while step 1
+    already runs (a NaN slab: a layer attending before its bytes are in would poison the output). Each layer
+    waits for its own push only, and the tokens are those of all entries local."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 4, True, background=False, land_every_s=0.02)
+    assert tokens == colocated_tokens(runner, ids, selector, 0.1)
+    assert remote.landing_wait_s > 0.02 and remote.step_wait[0] >= remote.landing_wait_s
+
+
+async def test_a_layer_waiting_for_its_push_stops_when_the_request_is_released(runner):
+    """A layer blocked in `ready` (its push has not landed) raises at once when the remote view is closed, or
+    the push fails, instead of holding the torch thread until the read timeout."""
+    layout = runner.kv_layout(16)
+    plane = make_dataplane("inproc")
+    for end in ("close", "fail"):
+        remote = RemoteKv(plane, asyncio.get_running_loop(), KvSource("p", "x", 1, 0, 64, 30.0), layout, 0, 64, 32,
+                          np.zeros((layout.num_layers, 2), dtype=bool), read_timeout_s=30.0)
+        remote.await_pushes(0, False, None)
+        waiting = asyncio.get_running_loop().run_in_executor(None, remote.ready, 3)
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not remote.is_all_local
+        if end == "close":
+            await remote.close()
+        else:
+            remote.push_failed("the link dropped")
+        with pytest.raises(RemoteReadError, match="released" if end == "close" else "dropped"):
+            await asyncio.wait_for(waiting, 2)
 
 
 @pytest.mark.parametrize("selector", ["oracle", "hata_untrained"])
