@@ -2,11 +2,20 @@
 process. One key per (model, selector, length bucket); every write carries the next version."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import nats.errors
 import nats.js.errors
+import structlog
 
 from schemas import Profile, SchemaError, decode, encode
+
+log = structlog.get_logger()
+# A JetStream cluster that has just started answers nothing, or "unavailable", until it has elected its meta
+# leader (seconds): opening the bucket waits that long before kvprofile gives up at start-up
+OPEN_TIMEOUT_S = 30.0
+NOT_READY = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
 
 
 class ProfileStore:
@@ -14,9 +23,20 @@ class ProfileStore:
         self.kv = kv  # nats.js.kv.KeyValue
 
     @classmethod
-    async def open(cls, js: Any, bucket: str, replicas: int = 1) -> "ProfileStore":
-        """The bucket, created with `replicas` copies if it does not exist yet (an existing one is used as is)."""
-        return cls(await js.create_key_value(bucket=bucket, history=5, replicas=replicas))
+    async def open(cls, js: Any, bucket: str, replicas: int = 1, timeout_s: float = OPEN_TIMEOUT_S) -> "ProfileStore":
+        """The bucket, created with `replicas` copies if it does not exist yet (an existing one is used as is).
+        While JetStream is not ready (NOT_READY), asked again with backoff for up to `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + timeout_s, 0.2
+        while True:
+            try:
+                return cls(await js.create_key_value(bucket=bucket, history=5, replicas=replicas))
+            except NOT_READY as exc:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("jetstream_not_ready", bucket=bucket, error=type(exc).__name__, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, 2 * delay)
 
     async def keys(self) -> list[str]:
         try:
