@@ -76,7 +76,9 @@ def transfer_seconds(num_bytes: float, gbps: float) -> float:
 
 def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
     """`auto`: (mode, reason). Full transfer wins when it fits behind the prefill (fast link, short prompt):
-    it keeps attention dense and costs nothing extra. Otherwise selective transfer with SmartGen's paths, exact.
+    it keeps attention dense and costs nothing extra; and where step 1 attends densely anyway (a prompt under the
+    decode worker's floor, `dense_below`), since selective transfer would then read the whole KV at step 1.
+    Otherwise selective transfer with SmartGen's paths, exact.
     A request that consents to low-bit KV (kv_bits, AUTO_KV_BITS) gets quantized transfer where its codes fit
     behind the prefill (dense decoding, all local from step 1), and beyond that smartgen with its push in those
     bits (at 2K, R = 6.5, docs/results/serve-2k-goals: TTST 0.46 s against 2.9 s exact and 5.8 s quantized)."""
@@ -87,6 +89,13 @@ def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
              f"link ({link.source}) for {req.num_tokens} tokens")
     if ratio <= AUTO_MARGIN:
         return "full", f"{facts}: the whole KV fits behind the prefill"
+    k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, req.num_tokens + 1)
+    if k > req.num_tokens:  # the decode worker's floor makes step 1 dense (a short prompt): it would read it all
+        if req.kv_bits:
+            return "quantized", (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, "
+                                 f"so its {req.kv_bits}-bit codes")
+        return "full", (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, so "
+                        f"selective transfer would read all of it then")
     if not req.kv_bits:
         return "smartgen", f"{facts}: full transfer would stall decoding"
     t_codes = transfer_seconds(quantized_bytes(req.layout, req.num_tokens, req.kv_bits), link.gbps)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from schemas import KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes, quantized_bytes
+from schemas import NO_FLOOR, KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes, quantized_bytes
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from schemas import pack_bits, unpack_bits
@@ -181,6 +181,18 @@ def test_auto_with_kv_bits_picks_quantized_where_its_codes_fit_and_a_low_bit_pus
     assert (mode, bits) == ("smartgen", 4)
     exact = replace(request("auto"), layout=lay16)  # no consent: exact KV only, whatever the link
     assert choose_mode(exact, LinkEstimate(1e-3, 200.0, "measured"))[0] == "smartgen"
+
+
+def test_auto_picks_full_where_step_one_would_attend_to_the_whole_prompt():
+    """A prompt under the decode worker's floor (`dense_below`, 1,024 tokens by default) is attended densely at
+    step 1, so selective transfer would read all of it on demand then (smartgen up, 791 tokens at R = 2: TTST 3.2 s):
+    auto moves it whole instead, full or (with kv_bits) quantized, whatever the link."""
+    short = replace(request("auto"), num_tokens=800)
+    mode, why = choose_mode(short, link_for_ratio(2.0))
+    assert mode == "full" and "budget floor" in why
+    assert choose_mode(replace(short, kv_bits=4), link_for_ratio(6.5))[0] == "quantized"
+    assert choose_mode(request("auto"), link_for_ratio(2.0))[0] == "smartgen"  # 2,048 tokens: sparse from step 1
+    assert choose_mode(replace(short, floor=NO_FLOOR), link_for_ratio(2.0))[0] == "smartgen"
 
 
 def test_the_quantized_size_the_broker_reckons_is_quantized_modes_own():
