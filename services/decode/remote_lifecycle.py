@@ -25,6 +25,7 @@ from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
+RELEASE_RETRY_S = 15.0  # a `release` nobody answered (its prefill worker is between NATS servers) is asked again this long
 CONTROL_TIMEOUT_S = 5.0  # release, progress: bookkeeping calls
 BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
 BACKGROUND_RETRY_S = (0.05, 1.0)  # a failed background batch is read again after this long, doubling up to the cap
@@ -48,6 +49,7 @@ class RemoteKvLifecycle:
         self.nc, self.worker_id, self.model_name, self.layout = nc, worker_id, model_name, layout
         self.detach_remote = detach_remote
         self.background_if_it_can_finish = background_if_it_can_finish
+        self._releasing: set[asyncio.Future[None]] = set()  # `release`s asked again in the background
 
     def start(self, state: DecodeRequest) -> None:
         """The request decodes with part of its KV remote: keep the lease, and read the background batches."""
@@ -156,12 +158,37 @@ class RemoteKvLifecycle:
         if state.remote is not None:
             await state.remote.close(RELEASE_TIMEOUT_S)
         source = state.req.source if state.req else None
-        if source is not None:
-            try:
-                await call(self.nc, subjects.worker("prefill", source.prefill_worker_id, "release"),
-                           Release(state.request_id, reason), Ack, CONTROL_TIMEOUT_S)
-            except RemoteError as exc:
-                log.warning("release_failed", prefill_worker_id=source.prefill_worker_id, error=exc.message)
+        if source is not None and not await self._release_lease(source.prefill_worker_id, state.request_id, reason):
+            # NOTE: nobody answered: a prefill worker whose NATS server died answers again once it has reconnected
+            # to another (seconds). Asked again in the background, so the request's end does not wait; given up
+            # on, its lease frees the KV only lease_s later
+            task = asyncio.ensure_future(self._release_again(source.prefill_worker_id, state.request_id, reason))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
+    async def _release_lease(self, prefill_worker_id: str, request_id: str, reason: str) -> bool:
+        """Tell the prefill worker to free the request's KV: True once it has (or refused for good), False while
+        nobody answers."""
+        try:
+            await call(self.nc, subjects.worker("prefill", prefill_worker_id, "release"), Release(request_id, reason),
+                       Ack, CONTROL_TIMEOUT_S)
+        except RemoteError as exc:
+            if exc.code in ("unavailable", "timeout"):
+                log.info("release_unanswered", prefill_worker_id=prefill_worker_id, error=exc.message)
+                return False
+            log.warning("release_failed", prefill_worker_id=prefill_worker_id, error=exc.message)
+        return True
+
+    async def _release_again(self, prefill_worker_id: str, request_id: str, reason: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + RELEASE_RETRY_S, 0.2
+        while loop.time() + delay <= deadline:
+            await asyncio.sleep(delay)
+            if await self._release_lease(prefill_worker_id, request_id, reason):
+                return
+            delay = min(2.0, 2 * delay)
+        log.warning("release_failed", prefill_worker_id=prefill_worker_id, request_id=request_id,
+                    error=f"no answer within {RELEASE_RETRY_S:g} s: its lease frees the KV")
 
     def plan_event(self, state: DecodeRequest, plan_state: str, reason: str = "") -> None:
         """The plan moved to `plan_state`: tell its broker."""
