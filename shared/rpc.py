@@ -1,4 +1,5 @@
-"""Request/reply over NATS with schema messages, and the handler wrapper every endpoint uses.
+"""Request/reply over NATS with schema messages, the handler wrapper every endpoint uses, and the backoff for
+asking again what nobody answered yet.
 
 An error reply is an `ErrorReply` body plus nats.micro's error headers, so `nats micro` tools
 see it as an error too. `call` turns it back into a `RemoteError` on the calling side.
@@ -6,6 +7,7 @@ see it as an error too. `call` turns it back into a `RemoteError` on the calling
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -112,3 +114,22 @@ def subscriber(message_type: type[T], handler: Callable[[T], Awaitable[None]]) -
         await handler(message)
 
     return on_msg
+
+
+class Backoff:
+    """The pauses between tries of something that is not ready yet (a NATS peer between servers, a JetStream
+    cluster still electing its leader): from `first_s`, doubling up to `cap_s`, for as long as the next pause
+    ends within `timeout_s` of when this was made."""
+
+    def __init__(self, timeout_s: float, first_s: float = 0.2, cap_s: float = 2.0):
+        self.deadline, self.delay, self.cap_s = time.monotonic() + timeout_s, first_s, cap_s
+
+    @property
+    def left(self) -> bool:
+        """Whether another try fits before the deadline."""
+        return time.monotonic() + self.delay <= self.deadline
+
+    async def wait(self) -> None:
+        """The pause before the next try."""
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.cap_s, 2 * self.delay)

@@ -158,10 +158,6 @@ class RemoteKv:
                 self._read_ahead_layer(layer, picked)
         self._landed[layer].set()
 
-    def push_failed(self, reason: str) -> None:
-        """(event loop) The push will not complete: every layer still waiting fails at once."""
-        self.fail(reason)
-
     def is_ready(self, layer: int) -> bool:
         landed = self._landed
         return landed is None or landed[layer].is_set()
@@ -407,8 +403,8 @@ class RemoteKv:
             raise RemoteReadError("the request's remote KV was released")
 
     def fail(self, reason: str) -> None:
-        """The prefill node is lost: reads from now on fail at once (the caller cuts the link, which fails the
-        reads in flight)."""
+        """The prefill node is lost, or its push will not complete: reads from now on fail at once (the caller cuts
+        the link, which fails the reads in flight), and so does every layer still waiting for its push."""
         self.failure = self.failure or reason
         self._wake_layers()
 

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 
 from schemas import (Ack, BackgroundBatch, KeepLease, KvLayout, PlanEvent, PlanRegistration, Progress, Release, encode,
                      pack_bits, subjects)
-from shared.rpc import RemoteError, call
+from shared.rpc import Backoff, RemoteError, call
 from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
@@ -180,13 +180,11 @@ class RemoteKvLifecycle:
         return True
 
     async def _release_again(self, prefill_worker_id: str, request_id: str, reason: str) -> None:
-        loop = asyncio.get_running_loop()
-        deadline, delay = loop.time() + RELEASE_RETRY_S, 0.2
-        while loop.time() + delay <= deadline:
-            await asyncio.sleep(delay)
+        backoff = Backoff(RELEASE_RETRY_S)
+        while backoff.left:
+            await backoff.wait()
             if await self._release_lease(prefill_worker_id, request_id, reason):
                 return
-            delay = min(2.0, 2 * delay)
         log.warning("release_failed", prefill_worker_id=prefill_worker_id, request_id=request_id,
                     error=f"no answer within {RELEASE_RETRY_S:g} s: its lease frees the KV")
 

@@ -116,7 +116,7 @@ class DecodeRequest:
         self.landed.set()
         self.nearly_landed.set()
         if self.remote is not None and self.on_layer_landed is not None:
-            self.remote.push_failed(f"the KV push did not complete: {reason}")
+            self.remote.fail(f"the KV push did not complete: {reason}")
 
     def check_landed(self) -> None:
         if self.grant is None:

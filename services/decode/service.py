@@ -32,6 +32,7 @@ import secrets
 from collections import OrderedDict, deque
 from typing import Any
 
+import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
@@ -402,10 +403,7 @@ class DecodeService(ModelWorkerService):
             self.remote_kv.plan_event(state, "all_local")
             return
         assert pushed is not None and req.plan is not None and req.source is not None
-        state.remote = RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
-                                self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
-                                self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
-                                self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req))
+        state.remote = self._remote_kv(state, req, pushed, by_query)
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query)
@@ -416,6 +414,15 @@ class DecodeService(ModelWorkerService):
         if predicted is not None and req.plan.read_ahead:  # ablate "ahead" (or "query") switches it off
             remote.read_ahead(predicted)
         self.remote_kv.start(state)
+
+    def _remote_kv(self, state: DecodeRequest, req: Generate, pushed: np.ndarray, by_query: np.ndarray | None) -> RemoteKv:
+        """The request's view of its KV still on the prefill node: `pushed` (num_layers, num_pages) the plan's
+        blocks, `by_query` (num_layers, num_kv_heads, N) the entries pushed by query (None: none, or not known yet)."""
+        assert self.dataplane and self.store and state.slab is not None and req.plan is not None and req.source is not None
+        return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
+                        self.store.offset(state.slab), state.slab.capacity, len(req.token_ids), pushed, req.plan.parallel,
+                        self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
+                        self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req))
 
     def _starts_while_pushing(self, state: DecodeRequest, req: Generate) -> bool:
         """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own
@@ -437,13 +444,7 @@ class DecodeService(ModelWorkerService):
         rest = int(req.plan.link_gbps * 1e9 / 8 * EARLY_START_S) if req.plan.link_gbps > 0 else state.expected_bytes
         state.nearly_landed_at = max(1, state.expected_bytes - rest)
         state.check_landed()
-        try:
-            await asyncio.wait_for(state.nearly_landed.wait(), self.config.kv_timeout_s)
-        except asyncio.TimeoutError:
-            raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive within "
-                                f"{self.config.kv_timeout_s:g} s") from None
-        if state.failure:
-            raise TransferError(f"the KV from prefill worker {req.prefill_worker_id} did not arrive: {state.failure}")
+        await self._wait_for_kv(state, state.nearly_landed)
 
     async def _load_while_pushing(self, state: DecodeRequest, req: Generate) -> None:
         """`_load` without waiting for the push: the cache and the selection are set up over a slab whose layers
@@ -455,21 +456,16 @@ class DecodeService(ModelWorkerService):
         rid, n, mode, lay = req.request_id, len(req.token_ids), mode_of(req.transfer_mode), self.store.layout
         pushed = pushed_pages(req.plan, lay.num_layers)
         await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
-        remote = state.remote = RemoteKv(
-            self.dataplane, asyncio.get_running_loop(), req.source, lay, self.store.offset(state.slab),
-            state.slab.capacity, n, pushed, req.plan.parallel, self.config.kv_timeout_s,
-            background_read_bytes(req.plan.link_gbps), None, self.config.gather_reads,
-            speculative=req.plan.read_ahead and self._speculates(req))
+        remote = state.remote = self._remote_kv(state, req, pushed, None)
         bitmap = self.engine.query_bitmaps(state.slab, req.selector, n) if mode.pushes_by_query else None
         stop = req.plan.query_stop_layer if bitmap is not None else 0
-        load_codes = None
+        prepare = None
         if req.kv_bits:  # smartgen's low-bit push: a layer's codes into its rows once they have landed
             load_codes = self.engine.pushed_codes_loader(state.slab, req.selector, n, req.kv_bits, pushed)
 
-        def prepare(layer: int) -> None:  # torch thread, once a layer, after it landed
-            if load_codes is not None:
+            def prepare(layer: int) -> None:  # torch thread, once a layer, after it landed
                 load_codes(layer, bitmap(layer) if bitmap is not None and DENSE_LAYERS <= layer < stop else None)
-        remote.await_pushes(stop, req.plan.read_ahead, prepare if load_codes is not None else None)
+        remote.await_pushes(stop, req.plan.read_ahead, prepare)
 
         def layer_landed(layer: int) -> None:  # event loop, in landing order
             remote.push_landed(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)
@@ -493,12 +489,13 @@ class DecodeService(ModelWorkerService):
         return bool(req.selector) and self.engine.has_selector(req.selector) and \
             getattr(self.engine.selector(req.selector), "speculates", False)
 
-    async def _wait_for_kv(self, state: DecodeRequest) -> float:
+    async def _wait_for_kv(self, state: DecodeRequest, until: asyncio.Event | None = None) -> float:
+        """Until the whole push has landed (or `until`, which a failure sets too); TransferError if it cannot."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         source = f"prefill worker {state.req.prefill_worker_id}" if state.req and state.req.prefill_worker_id else "the prefill"
         try:
-            await asyncio.wait_for(state.landed.wait(), self.config.kv_timeout_s)
+            await asyncio.wait_for((until or state.landed).wait(), self.config.kv_timeout_s)
         except asyncio.TimeoutError:
             raise TransferError(f"the KV from {source} did not arrive within {self.config.kv_timeout_s:g} s") from None
         if state.failure:

@@ -2,7 +2,6 @@
 process. One key per (model, selector, length bucket); every write carries the next version."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import nats.errors
@@ -10,6 +9,7 @@ import nats.js.errors
 import structlog
 
 from schemas import Profile, SchemaError, decode, encode
+from shared.rpc import Backoff
 
 log = structlog.get_logger()
 # A JetStream cluster that has just started answers nothing, or "unavailable", until it has elected its meta
@@ -26,17 +26,15 @@ class ProfileStore:
     async def open(cls, js: Any, bucket: str, replicas: int = 1, timeout_s: float = OPEN_TIMEOUT_S) -> "ProfileStore":
         """The bucket, created with `replicas` copies if it does not exist yet (an existing one is used as is).
         While JetStream is not ready (NOT_READY), asked again with backoff for up to `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        deadline, delay = loop.time() + timeout_s, 0.2
+        backoff = Backoff(timeout_s)
         while True:
             try:
                 return cls(await js.create_key_value(bucket=bucket, history=5, replicas=replicas))
             except NOT_READY as exc:
-                if loop.time() + delay > deadline:
+                if not backoff.left:
                     raise
-                log.warning("jetstream_not_ready", bucket=bucket, error=type(exc).__name__, retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(2.0, 2 * delay)
+                log.warning("jetstream_not_ready", bucket=bucket, error=type(exc).__name__, retry_in_s=backoff.delay)
+                await backoff.wait()
 
     async def keys(self) -> list[str]:
         try:

@@ -122,20 +122,16 @@ class DecodeEngine:
         sel = selective.Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
-        layout = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens, query_bitmap) if slab is not None else None
-        if layout is not None and lazy:
-            aux = self.store.aux(slab)  # type: ignore[arg-type]
+        if slab is not None:
+            layout, aux = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens, query_bitmap), self.store.aux(slab)
             sel.restore = lambda layer: sel.selector.restore(
                 layer, [t.to(self.runner.device) for t in layout.read(aux, layer)], num_tokens)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
-            if layout is not None and lazy:
-                continue
-            if layout is not None:
-                tensors = [t.to(self.runner.device) for t in layout.read(self.store.aux(slab), layer)]
-                sel.states[layer] = sel.selector.restore(layer, tensors, num_tokens)
-            else:
+            if sel.restore is None:
                 state = sel.states[layer] = sel.selector.new_state(layer)
                 sel.selector.extend(layer, state, cache.layers[layer].keys[0])
+            elif not lazy:
+                sel.states[layer] = sel.restore(layer)
         if count_blocks:
             sel.count_blocks(self.runner.num_layers, num_tokens, count_blocks)
         self.selections[request_id] = sel

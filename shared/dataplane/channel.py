@@ -1,7 +1,8 @@
 """The byte stream under a TCP data-plane link: the socket itself, or TLS over it.
 
 Both give the link what it needs from a connected, non-blocking socket on the event loop: `recv_exactly` (fill a
-view, ConnectionError at the end), `sendall`, `send_parts` (several buffers as one write), `close`. TLS runs in memory (`ssl.SSLObject` over two `MemoryBIO`s), so the
+view, ConnectionError at the end), `sendall`, `send_parts` (several buffers as one write), `close`. TLS runs in
+memory (`ssl.SSLObject` over two `MemoryBIO`s), so the
 link keeps its own reader and writer tasks and its `recv_into` straight into the KV region either way.
 
 TLS on the data plane (settings `dataplane_tls_ca`, `dataplane_tls_cert`, `dataplane_tls_key`) is mutual: every
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these VMs
@@ -25,8 +27,11 @@ RECV_SLICE = 1 << 20  # receiving in ≤1 MiB slices measured fastest on these V
 LOW_WATER_BYTES = 16 << 10
 
 
-async def _recv_exactly(channel: "Channel", view: memoryview) -> None:
+async def _recv_exactly(channel: "Channel", view: memoryview, before_each: Callable[[int], None] | None = None) -> None:
+    """Fill `view`; `before_each(bytes still to come)` runs before each receive."""
     while view:
+        if before_each is not None:
+            before_each(len(view))
         n = await channel.recv_into(view)
         if n == 0:
             raise ConnectionError("peer closed the data-plane connection")
@@ -46,14 +51,10 @@ class PlainChannel:
         if len(view) < LOW_WATER_BYTES:
             await _recv_exactly(self, view)
             return
+        def low_water(left: int) -> None:  # NOTE: never above what is left: bytes never sent would never wake us
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(left, RECV_SLICE))
         try:
-            while view:
-                # NOTE: never above what is left of `view`: bytes the peer may never send would never wake us
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(len(view), RECV_SLICE))
-                n = await self.recv_into(view)
-                if n == 0:
-                    raise ConnectionError("peer closed the data-plane connection")
-                view = view[n:]
+            await _recv_exactly(self, view, low_water)
         finally:
             if self.sock.fileno() >= 0:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)

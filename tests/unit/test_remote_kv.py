@@ -163,7 +163,7 @@ async def test_a_layer_waiting_for_its_push_stops_when_the_request_is_released(r
         if end == "close":
             await remote.close()
         else:
-            remote.push_failed("the link dropped")
+            remote.fail("the link dropped")
         with pytest.raises(RemoteReadError, match="released" if end == "close" else "dropped"):
             await asyncio.wait_for(waiting, 2)
 
