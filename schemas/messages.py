@@ -137,9 +137,10 @@ class TransferPlan:
     selector: str = ""  # the selector the request runs with, as resolved here ("" = dense: auto chose full)
     # smartgen's query-aware push: per KV head of each layer ≥ 2, how many tokens the prefill selects with that
     # layer's last-position query and pushes (beyond `push_blocks`); 0 = none
-    query_tokens: int = 0
-    query_stop_layer: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1 (the last ones' would come too late)
-    read_ahead: bool = True  # decode reads the later layers' picks as step 1 starts (False: ablate "ahead")
+    query_tokens: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1, as many as the link carries in time
+    query_stop_layer: int = 0
+    query_tail_tokens: int = 0  # … and from query_stop_layer on: step 1's budget, after the prefill's end if need be
+    read_ahead: bool = True  # decode reads a layer's predicted selection while the one before runs (False: ablate "ahead")
     early_start: bool = True  # decode starts step 1 while the push lands, a layer at a time (False: ablate "early")
     # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
     # request's kv_bits, except where auto resolved to a mode that moves exact KV

@@ -41,8 +41,8 @@ AUTO_KV_BITS = tuple(bits for bits in KV_BITS if bits in PUSH_KV_BITS)
 # `overloaded` message with this; the gateway, which admitted the request counting those slots, waits for one
 AT_CAPACITY = "at capacity"
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
-# the three paths, `query` (the query-aware part of the proactive push), `ahead` (step 1's read ahead of what
-# the push leaves out) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
+# the three paths, `query` (the query-aware part of the proactive push), `ahead` (reading a layer's predicted selection
+# while the layer before it runs: InfiniGen's speculation) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
 # without it, decode waits for the whole push first); a request may `ablate` any
 SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with

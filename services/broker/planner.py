@@ -5,11 +5,12 @@ The budget (path 1, docs/architecture.md "The three transfer paths") is a schedu
 (`PushSchedule`): layer l's pushes can leave only once the prefill has stored layer l, and they leave in layer
 order, so the last layers' bytes are what decode would wait for after the prefill. A plan is accepted only if
 the link, at the rate the broker measured, carries all of it by the end of the prefill (plus the last layer's
-metadata, which cannot leave earlier). In that order: the selector metadata (decode cannot select without
-it), layers 0–1 in full (they stay dense), per layer the tokens the prompt's own last query selects
-(`query_tokens` per KV head, up to `query_stop_layer`: what step 1 will attend to), then profile blocks in
-importance order, each where its layer still has room. Roughly n_push ≈ N_blocks · T_prefill / T_full, less
-the last layers'.
+metadata, which cannot leave earlier), with one exception below. In that order: the selector metadata (decode
+cannot select without it), layers 0–1 in full (they stay dense), per layer the tokens the prompt's own last
+query selects (what step 1 will attend to: `query_tokens` per KV head up to `query_stop_layer`, then
+`query_tail_tokens`, step 1's own budget, in the last layers, whether or not they make it by the prefill's end:
+step 1 would read them anyway), then profile blocks in importance order, each where its layer still has room.
+Roughly n_push ≈ N_blocks · T_prefill / T_full, less the last layers'.
 """
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: f
 # NOTE: the schedule assumes the prefill takes this share of its estimated time, against a prefill faster than
 # the measured rate (step 1's layer l waits for layer l's pushed bytes, so a late push costs TTST)
 PUSH_MARGIN = 0.9
-# The query-aware push selects this many times step 1's budget: the last prompt position and the first decoded
-# one pick largely, not exactly, the same entries. Measured on SmolLM2 with quest at 10% under the default floor
-# (`python -m tools.bench.query_overlap`), the share of step 1's selection inside the push, 1.1K (2.1K) tokens:
-# 0.90 (0.81) at 1×, 0.97 (0.93) at 1.5×, 0.99 (0.96) at 2×, 1.00 (0.98) at 3× — 2× buys most of it.
-QUERY_PUSH_FACTOR = 2
+# The query-aware push selects up to this many times step 1's budget where the link carries it by the prefill's
+# end: the last prompt position and the first decoded one pick largely, not exactly, the same entries. Measured on
+# SmolLM2 with quest at 10% under the default floor (`python -m tools.bench.query_overlap`), the share of step 1's
+# selection inside the push, 1.1K (2.1K) tokens: 0.90 (0.81) at 1×, 0.97 (0.93) at 1.5×, 0.99 (0.96) at 2×,
+# 1.00 (0.98) at 3×. Each entry step 1 misses is an on-demand read on its critical path.
+QUERY_PUSH_FACTOR = 3
+# … and at least 1× in every layer, the last ones included, even where that runs past the prefill's end: step 1
+# reads those entries anyway, and a push keeps the link busy from the prefill's first layer on, where on-demand
+# reads would leave it idle until step 1 starts and then wait a round trip per layer (2K, R = 6.5: the push that
+# fitted carried 38 tokens per KV head and step 1 waited 2.5 s for the other ~85% of its selection).
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,12 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     bytes_per_s = link.gbps * 1e9 / 8
     metadata_bytes = pushed_aux_bytes(lay, req.num_tokens, req.aux_bytes, bits)  # the codes region is room only
     layer_metadata = metadata_bytes / (lay.num_layers - DENSE_LAYERS)  # layers ≥ 2 each push their own
-    schedule = PushSchedule(lay.num_layers, t_prefill, bytes_per_s, layer_metadata / bytes_per_s)
+    entry_bytes = lay.num_kv_heads * wire_entry_bytes(lay, bits)  # one token of every KV head, K and V
+    by_query = spec.orders_by_profile and spec.pushes_by_query and not {"proactive", "query"} & set(req.ablate)
+    query_tail = step_one_tokens(req) if by_query else 0  # tokens per KV head; 0: none
+    # the last layer exists only when the prefill ends: its metadata and its query tail leave after it in any case
+    last_layer_s = (layer_metadata + query_tail * entry_bytes) / bytes_per_s
+    schedule = PushSchedule(lay.num_layers, t_prefill, bytes_per_s, last_layer_s)
     for layer in range(DENSE_LAYERS, lay.num_layers):
         schedule.add(layer, layer_metadata)
     query_tokens, query_stop = 0, DENSE_LAYERS
@@ -146,17 +157,25 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
             pushed = order[:0]
             why = "smartgen without the proactive path: metadata only"
         else:
-            if "query" not in req.ablate:
-                query_tokens = query_push_tokens(req, schedule.per_layer(DENSE_LAYERS, lay.num_layers - 1), bits)
-                layer_query = query_tokens * lay.num_kv_heads * wire_entry_bytes(lay, bits)
-                while query_tokens and query_stop < lay.num_layers and schedule.fits(query_stop, layer_query):
-                    schedule.add(query_stop, layer_query)
+            query_part = ""
+            if query_tail:
+                room = schedule.per_layer(DENSE_LAYERS, lay.num_layers - 1)  # the last layer has none: it comes last
+                query_tokens = min(req.num_tokens, QUERY_PUSH_FACTOR * query_tail, max(query_tail, int(room // entry_bytes)))
+                while query_stop < lay.num_layers and schedule.fits(query_stop, query_tokens * entry_bytes):
+                    schedule.add(query_stop, query_tokens * entry_bytes)
                     query_stop += 1
-                if query_stop == DENSE_LAYERS:
-                    query_tokens = 0
+                for layer in range(query_stop, lay.num_layers):  # the tail: 1×, whether or not it fits in time
+                    schedule.add(layer, query_tail * entry_bytes)
+                if query_stop == DENSE_LAYERS:  # not even layer 2 had room: every layer pushes the tail's share
+                    query_tokens = query_tail
+                last = lay.num_layers - 1
+                if query_tokens == query_tail:
+                    query_part = f"{query_tail} tokens per KV head by the prompt's last query in layers 2–{last}"
+                else:
+                    query_part = (f"{query_tokens} tokens per KV head by the prompt's last query in layers "
+                                  f"2–{query_stop - 1}, {query_tail} in layers {query_stop}–{last}")
+                query_part += f" (from layer {query_stop} on whether or not in time), "
             pushed = np.concatenate([order[:dense], _fill(schedule, order[dense:], num_pages, block_bytes)])
-            query_part = (f"{query_tokens} tokens per KV head by the prompt's last query (layers 2–{query_stop - 1}), "
-                          if query_tokens else "")
             why = (f"smartgen{f' ({bits}-bit push)' if bits else ''}: metadata, layers 0–1, {query_part}"
                    f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
                    f"the prefill")
@@ -169,7 +188,8 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
                         profile_version=version, profile_source=source, background=use_background,
                         reason="; ".join(r for r in (reason, why) if r),
                         query_tokens=query_tokens if spec.pushes_by_query else 0,
-                        query_stop_layer=query_stop if spec.pushes_by_query and query_tokens else 0)
+                        query_stop_layer=query_stop if spec.pushes_by_query and query_tokens else 0,
+                        query_tail_tokens=query_tail if spec.pushes_by_query and query_tokens else 0)
     return PlannedTransfer(plan, queue)
 
 
@@ -184,17 +204,12 @@ def _fill(schedule: PushSchedule, blocks: np.ndarray, num_pages: int, block_byte
     return np.asarray(taken, dtype=blocks.dtype)
 
 
-def query_push_tokens(req: OpenPlan, layer_bytes: float, bits: int = 0) -> int:
-    """Tokens per KV head the prefill should select with its last-position query and push in each layer:
-    QUERY_PUSH_FACTOR × what step 1 will attend to (the request's budget under the decode worker's floor, at
-    N + 1 cached tokens), as far as `layer_bytes` a layer allows; 0 where step 1 attends densely."""
-    lay = req.layout
+def step_one_tokens(req: OpenPlan) -> int:
+    """Tokens per KV head step 1 will attend to in a selective layer (the request's budget under the decode
+    worker's floor, at N + 1 cached tokens); 0 where it attends densely."""
     n = req.num_tokens + 1
     k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, n)
-    if k >= n:
-        return 0
-    wanted = min(req.num_tokens, QUERY_PUSH_FACTOR * k)
-    return max(0, min(wanted, int(layer_bytes // (lay.num_kv_heads * wire_entry_bytes(lay, bits)))))
+    return 0 if k >= n else k
 
 
 def smartgen_order(importance: np.ndarray | None, num_tokens: int, page_tokens: int) -> np.ndarray:

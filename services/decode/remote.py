@@ -97,7 +97,7 @@ class RemoteKv:
     landing_wait_s: float = 0.0  # step 1's layers waiting for their pushed bytes (`ready`), part of step_wait
     num_read_local: int = 0  # entries attention read that were local, all steps
     num_read_remote: int = 0
-    num_fetch_reads: int = 0  # reads a layer issued when it attended (what was not local nor read ahead)
+    num_fetch_reads: int = 0  # reads a layer issued when it attended (what was not local nor read speculatively)
     num_speculative_reads: int = 0  # reads of a predicted selection, issued a layer early (`speculate`)
     is_closed: bool = False
     failure: str = ""  # set when the prefill node is lost: every later read fails at once with it
@@ -125,37 +125,31 @@ class RemoteKv:
         self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
-        self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its read ahead (`read_ahead`)
+        self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its speculative read (`speculate`)
         # No global push barrier (`await_pushes`): per layer, set once its pushes have landed; None when every
         # layer has landed and been prepared (or decoding waited for the whole push before it started)
         self._landed: list[threading.Event] | None = None
         self._prepared: list[bool] = []
         self._prepare: Callable[[int], None] | None = None
-        self._query_stop = 0
-        self._reads_ahead = False
         self._step_read_layers: set[int] = set()  # layers that issued a read this step (torch thread)
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
 
     # --- the push still landing: no global barrier (services/decode/service.py `_load_while_pushing`) ---------
-    def await_pushes(self, query_stop_layer: int, read_ahead: bool, prepare: Callable[[int], None] | None) -> None:
+    def await_pushes(self, prepare: Callable[[int], None] | None) -> None:
         """Decoding starts before the prefill's push has landed. Until `push_landed(l)`, layer l's pushed blocks
         count as present (the plan says they come) but attention must not read them: each layer waits in
         `ready`, then runs `prepare(l)` on the torch thread once (dequantizing a low-bit push). Entries the
         prompt's last query picked are known per layer as it lands (`push_landed`)."""
         self._landed = [threading.Event() for _ in range(self.layout.num_layers)]
         self._prepared = [False] * self.layout.num_layers
-        self._prepare, self._query_stop, self._reads_ahead = prepare, query_stop_layer, read_ahead
+        self._prepare = prepare
 
     def push_landed(self, layer: int, picked: np.ndarray | None) -> None:
-        """(event loop) Every byte `layer` pushes is here. `picked` (num_kv_heads, num_tokens) bool, the entries its
-        last-position query picked: pushed below the plan's query_stop_layer (present now), predicted from there
-        on (read ahead now, on the PUSH lane, as step 1 will want them)."""
+        """(event loop) Every byte `layer` pushes is here. `picked` (num_kv_heads, num_tokens) bool: the entries its
+        last-position query picked, pushed with it (present now)."""
         assert self._landed is not None
         if picked is not None:
-            if layer < self._query_stop:
-                self._mark_entries(layer, picked)
-            elif self._reads_ahead:
-                self._read_ahead_layer(layer, picked)
+            self._mark_entries(layer, picked)
         self._landed[layer].set()
 
     def is_ready(self, layer: int) -> bool:
@@ -202,7 +196,7 @@ class RemoteKv:
         selected token indices, or None for every token (dense layers). None if all are local."""
         self._check_readable()
         ahead = self._ahead.pop(layer, None)
-        if ahead is not None:  # what was read ahead for this layer lands first; then only what it missed is read
+        if ahead is not None:  # what was read speculatively for this layer lands first; then only what it missed
             Pending(ahead, None, self.read_timeout_s, self).wait()
         remote, heads = self._remote_part(layer, idx)
         if idx is not None:  # NOTE: the local share counts selected entries; dense layers read everything anyway
@@ -213,7 +207,7 @@ class RemoteKv:
             return None
         self.num_fetch_reads += 1
         self._step_read_layers.add(layer)
-        future = self._start_read(layer, heads, Lane.ON_DEMAND)
+        future = self._start_read(layer, heads)
         return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
 
     def wants_speculation(self, layer: int) -> bool:
@@ -229,7 +223,7 @@ class RemoteKv:
         if heads:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
-            self._ahead[layer] = self._start_read(layer, heads, Lane.ON_DEMAND)
+            self._ahead[layer] = self._start_read(layer, heads)
 
     def _remote_part(self, layer: int, idx: torch.Tensor | None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """Which of the entries `idx` (H_kv, k) selects at `layer` (None: all its tokens) are not here: a bool mask
@@ -252,41 +246,23 @@ class RemoteKv:
                 heads.append((h, tokens))
         return remote, heads
 
-    def _start_read(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> concurrent.futures.Future[None]:
+    def _start_read(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> concurrent.futures.Future[None]:
         """Issue one read of these entries of `layer` on the event loop (from any thread); counted as pending at
         once, so a background read cannot slip in before it starts."""
         with self._pending_lock:
             self._on_demand_pending += 1
-        return asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads, lane), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
 
     # --- event loop ------------------------------------------------------------------------
-    def read_ahead(self, entries: np.ndarray) -> None:
-        """The speculative part of path 2: start reading these (num_layers, num_kv_heads, num_tokens) entries
-        now, one read per layer, all at once; a step's `fetch` of such a layer waits for its read ahead and then
-        reads only what the prediction missed. Step 1 uses it for the last layers, whose entries the prompt's last
-        query picked but whose push would have come after the prefill's end. NOTE: on the PUSH lane, below
-        on-demand reads: a guess must not hold up the reads the step is waiting on now (measured: on the same
-        lane it did, and step 1 was slower with it than without, docs/results/serve-2k-ahead-ablation)."""
-        for layer in range(entries.shape[0]):
-            self._read_ahead_layer(layer, entries[layer])
-
-    def _read_ahead_layer(self, layer: int, entries: np.ndarray) -> None:
-        """`read_ahead` of one layer's (num_kv_heads, num_tokens) entries."""
-        missing = entries & ~self.present[layer]
-        heads = [(h, tokens) for h in range(self.num_kv_heads) if (tokens := np.flatnonzero(missing[h])).size]
-        if heads:
-            self._on_demand_idle.clear()
-            self._ahead[layer] = self._start_read(layer, heads, Lane.PUSH)
-
-    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
         try:
             if self.gather_reads and _mean_run(heads) < GATHER_BELOW_RUN:
                 gather = self._gather(layer, heads)
-                await self._read(gather, lane)
+                await self._read(gather, Lane.ON_DEMAND)
                 num_bytes = gather.num_bytes
             else:
                 segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
-                await self._read(segments, lane)
+                await self._read(segments, Lane.ON_DEMAND)
                 num_bytes = sum(s.length for s in segments)
             for h, tokens in heads:
                 self._mark(layer, h, tokens)

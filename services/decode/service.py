@@ -384,14 +384,9 @@ class DecodeService(ModelWorkerService):
         assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
         rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
         pushed = pushed_pages(req.plan, self.store.layout.num_layers) if mode.keeps_source and req.plan else None
-        by_query = predicted = None  # (L, H, N) bool: pushed by the prompt's last query; picked, not pushed
+        by_query = None  # (L, H, N) bool: pushed by the prompt's last query
         if mode.pushes_by_query:
-            assert req.plan is not None
-            picked = await self.in_torch(self.engine.picked_by_query, state.slab, req.selector, n)
-            stop = req.plan.query_stop_layer
-            by_query, predicted = picked.copy(), picked
-            by_query[stop:] = False
-            predicted[:stop] = False
+            by_query = await self.in_torch(self.engine.picked_by_query, state.slab, req.selector, n)
         if mode.aux is Aux.CODES:
             await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
         else:
@@ -411,8 +406,6 @@ class DecodeService(ModelWorkerService):
         if remote is None:
             await self.remote_kv.all_local(state, 0)
             return
-        if predicted is not None and req.plan.read_ahead:  # ablate "ahead" (or "query") switches it off
-            remote.read_ahead(predicted)
         self.remote_kv.start(state)
 
     def _remote_kv(self, state: DecodeRequest, req: Generate, pushed: np.ndarray, by_query: np.ndarray | None) -> RemoteKv:
@@ -450,7 +443,7 @@ class DecodeService(ModelWorkerService):
         """`_load` without waiting for the push: the cache and the selection are set up over a slab whose layers
         land one after another (in layer order: PrefillDone.layer_push_bytes), and step 1's layer l waits for
         layer l (`RemoteKv.ready`). Each layer's metadata is read as it lands: the selector's state when its
-        attention first runs, the entries the prompt's last query pushed (present) or predicted (read ahead now)."""
+        attention first runs, the entries the prompt's last query pushed (present once landed)."""
         assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
         assert req.plan is not None and req.source is not None
         rid, n, mode, lay = req.request_id, len(req.token_ids), mode_of(req.transfer_mode), self.store.layout
@@ -458,14 +451,13 @@ class DecodeService(ModelWorkerService):
         await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
         remote = state.remote = self._remote_kv(state, req, pushed, None)
         bitmap = self.engine.query_bitmaps(state.slab, req.selector, n) if mode.pushes_by_query else None
-        stop = req.plan.query_stop_layer if bitmap is not None else 0
         prepare = None
         if req.kv_bits:  # smartgen's low-bit push: a layer's codes into its rows once they have landed
             load_codes = self.engine.pushed_codes_loader(state.slab, req.selector, n, req.kv_bits, pushed)
 
             def prepare(layer: int) -> None:  # torch thread, once a layer, after it landed
-                load_codes(layer, bitmap(layer) if bitmap is not None and DENSE_LAYERS <= layer < stop else None)
-        remote.await_pushes(stop, req.plan.read_ahead, prepare)
+                load_codes(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)
+        remote.await_pushes(prepare)
 
         def layer_landed(layer: int) -> None:  # event loop, in landing order
             remote.push_landed(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)

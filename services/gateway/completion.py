@@ -482,6 +482,7 @@ class CompletionRun:
                      "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
                      "query_tokens": plan.query_tokens, "query_stop_layer": plan.query_stop_layer,
+                     "query_tail_tokens": plan.query_tail_tokens,
                      "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
                      "parallel": plan.parallel, "background": plan.background} if plan else None,
             "failure_policy": self.job.failure_policy,

@@ -221,7 +221,7 @@ class PrefillService(ModelWorkerService):
                 assert req.plan is not None
                 transfer.query_push = QueryPush(req.plan.query_tokens, pushed_pages(req.plan, layers),
                                                 self.store.layout.page_tokens, req.handle.floor,
-                                                stop_layer=req.plan.query_stop_layer)
+                                                req.plan.query_stop_layer, req.plan.query_tail_tokens)
             try:
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
                                                            transfer.query_push, req.kv_bits)

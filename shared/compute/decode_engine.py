@@ -61,8 +61,8 @@ class DecodeEngine:
 
     def picked_by_query(self, slab: Slab, selector: str, num_tokens: int) -> np.ndarray:
         """(num_layers, num_kv_heads, num_tokens) bool: the entries the prompt's last query picked per layer (the
-        query-aware push), from the bitmaps in `slab`'s aux area (layers 0–1: none; they arrive whole). Layers
-        below the plan's `query_stop_layer` pushed them; the later ones' are predictions, read as step 1 starts."""
+        query-aware push, which pushed them), from the bitmaps in `slab`'s aux area (layers 0–1: none; they
+        arrive whole)."""
         bitmap = self.query_bitmaps(slab, selector, num_tokens)
         picked = np.zeros((self.runner.num_layers, self.runner.num_kv_heads, num_tokens), dtype=bool)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):

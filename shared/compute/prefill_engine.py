@@ -29,11 +29,12 @@ class QueryPush:
     position selects (its own query, the step rule of selective.select_with_floor with `tokens` per KV head),
     less those the plan's blocks already push. The torch thread fills `picked` as each layer is stored."""
 
-    tokens: int  # TransferPlan.query_tokens
+    tokens: int  # TransferPlan.query_tokens: in layers DENSE_LAYERS … stop_layer − 1
     pushed_pages: np.ndarray  # (num_layers, num_pages) bool: the plan's blocks
     page_tokens: int
     floor: BudgetFloor = DEFAULT_FLOOR
-    stop_layer: int = 0  # TransferPlan.query_stop_layer: from here on the picks are predictions, not pushed
+    stop_layer: int = 0  # TransferPlan.query_stop_layer
+    tail_tokens: int = 0  # TransferPlan.query_tail_tokens: in layers stop_layer … L − 1
     picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
     # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
     codes: EntryCodes | None = None
@@ -127,15 +128,14 @@ class PrefillEngine:
             layout.write(aux, layer, sel.export(state))
             if query_push is not None:
                 picked = np.zeros((keys.shape[0], num_tokens), dtype=bool)
-                if query_push.tokens > 0:
-                    idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], query_push.tokens,
-                                                      num_tokens, query_push.floor)
+                tokens = query_push.tokens if layer < query_push.stop_layer else query_push.tail_tokens
+                if tokens > 0:
+                    idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], tokens, num_tokens,
+                                                      query_push.floor)
                     np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)
                     in_blocks = np.repeat(query_push.pushed_pages[layer], query_push.page_tokens)[:num_tokens]
                     picked[:, in_blocks] = False  # the plan's blocks bring those already
-                # NOTE: from stop_layer on the bitmap is a prediction only (decode reads those entries ahead, as
-                # step 1 starts): pushing them would come after the prefill's end
-                query_push.picked[layer] = picked if layer < query_push.stop_layer else np.zeros_like(picked)
+                query_push.picked[layer] = picked
                 layout.write_query_bitmap(aux, layer, picked)
 
         return layout, encode

@@ -41,8 +41,8 @@ def push_finishes_at(planned, aux_bytes: int, link: LinkEstimate, entry_bytes: f
                      block_bytes: float = BLOCK_BYTES) -> tuple[float, float]:
     """Carry the plan's push over the link, independently of the planner: layer l's bytes (its metadata, its
     blocks, its query entries) can leave once the prefill has stored it, at (l + 1)/30 · T, and go out in layer
-    order. Returns when the last byte leaves and the deadline the planner promises: the prefill's end (T at
-    PUSH_MARGIN × the estimated time) plus the last layer's metadata."""
+    order. Returns when the last byte leaves and the deadline the planner aims at: the prefill's end (T at
+    PUSH_MARGIN × the estimated time) plus the last layer's pushes, which cannot leave earlier."""
     plan = planned.plan
     t_prefill = PUSH_MARGIN * N / link.prefill_tokens_per_s
     rate = link.gbps * 1e9 / 8
@@ -50,10 +50,11 @@ def push_finishes_at(planned, aux_bytes: int, link: LinkEstimate, entry_bytes: f
     per_layer = pushed(plan).sum(axis=1) * float(block_bytes)
     per_layer[2:] += metadata
     per_layer[2:plan.query_stop_layer] += plan.query_tokens * 3 * entry_bytes
+    per_layer[plan.query_stop_layer:] += plan.query_tail_tokens * 3 * entry_bytes
     t = 0.0
     for layer, num_bytes in enumerate(per_layer):
         t = max(t, (layer + 1) / 30 * t_prefill) + num_bytes / rate
-    return t, t_prefill + metadata / rate
+    return t, t_prefill + (metadata + plan.query_tail_tokens * 3 * entry_bytes) / rate
 
 
 def with_block(planned, block: int):
@@ -64,33 +65,38 @@ def with_block(planned, block: int):
 
 
 def test_smartgen_pushes_what_the_link_carries_by_the_end_of_the_prefill():
-    """At R = T_full/T_prefill = 2.5: metadata, layers 0–1, per layer ≥ 2 twice the tokens step 1 will attend to
-    as the prompt's last query picks them (the 10% budget of 2,049 tokens: 205 per KV head, so 410), then
-    profile blocks. The link carries all of it by the end of the prefill (plus the last layer's metadata), and
-    no block left out would have made it: the push fills the link rather than a fixed share of it. The last
-    layer, which exists only when the prefill ends, pushes its metadata alone."""
+    """At R = T_full/T_prefill = 2.5: metadata, layers 0–1, per layer ≥ 2 three times the tokens step 1 will
+    attend to as the prompt's last query picks them (the 10% budget of 2,049 tokens: 205 per KV head, so 615),
+    then profile blocks. The link carries all of it by the end of the prefill (plus the last layer's metadata),
+    and no block left out would have made it: the push fills the link rather than a fixed share of it. The last
+    layer, which exists only when the prefill ends, pushes its metadata and step 1's budget by query (the
+    tail), after the prefill's end."""
     aux, link = 1_000_000, link_for_ratio(2.5)
     planned = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30), link, "b")
     blocks = pushed(planned.plan)
-    assert planned.plan.query_tokens == 410 and planned.plan.query_stop_layer == 29
+    assert (planned.plan.query_tokens, planned.plan.query_stop_layer, planned.plan.query_tail_tokens) == (615, 29, 205)
     assert blocks[:2].all() and not blocks[29].any()
     finish, deadline = push_finishes_at(planned, aux, link)
     assert finish <= deadline * (1 + 1e-9)
     assert all(push_finishes_at(with_block(planned, b), aux, link)[0] > deadline for b in planned.queue[:50])
-    moved = aux + blocks.sum() * BLOCK_BYTES + 410 * 3 * ENTRY_BYTES * 27
+    moved = aux + blocks.sum() * BLOCK_BYTES + 615 * 3 * ENTRY_BYTES * 27 + 205 * 3 * ENTRY_BYTES
     assert moved > 0.95 * link.gbps * 1e9 / 8 * PUSH_MARGIN * N / link.prefill_tokens_per_s  # the link is kept busy
     assert planned.plan.num_push_blocks == blocks.sum()
     assert len(planned.queue) == 30 * 128 - blocks.sum() and not set(planned.queue) & set(np.flatnonzero(blocks.ravel()))
 
 
-def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
-    """A tight link (R = 8): layers 0–1 take most of it; the query-aware push gets what each layer has left,
-    fewer than the budget's tokens, still in time; `ablate: ["query"]` gives that room back to profile
-    blocks; partial never pushes by query."""
+def test_the_query_aware_push_sends_step_ones_budget_even_past_the_prefill_and_can_be_switched_off():
+    """A tight link (R = 8): layers 0–1 take most of it; the query-aware push still sends step 1's budget
+    (205 tokens per KV head) in every layer ≥ 2, in time up to query_stop_layer and after the prefill's end from
+    there on (step 1 would read those entries anyway), and no profile block; `ablate: ["query"]` gives the room
+    back to profile blocks; partial never pushes by query."""
     link = link_for_ratio(8.0)
     tight = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link, "b")
-    assert 0 < tight.plan.query_tokens < 410 and tight.plan.query_stop_layer >= 28
-    assert push_finishes_at(tight, 0, link)[0] <= push_finishes_at(tight, 0, link)[1] * (1 + 1e-9)
+    plan = tight.plan
+    assert plan.query_tokens == plan.query_tail_tokens == 205 and 2 < plan.query_stop_layer < 30
+    assert plan.num_push_blocks == 2 * 128  # layers 0–1 only
+    finish, deadline = push_finishes_at(tight, 0, link)
+    assert finish > deadline  # the tail of layers query_stop_layer… comes late: on-demand reads would come later
     no_query = plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30), link, "b")
     assert no_query.plan.query_tokens == 0 and no_query.plan.num_push_blocks > tight.plan.num_push_blocks
     partial = plan_transfer(request("partial"), "partial", None, link_for_ratio(4.0), "b")
@@ -99,12 +105,12 @@ def test_the_query_aware_push_takes_what_fits_and_can_be_switched_off():
 
 def test_a_low_bit_push_fits_its_codes_where_exact_entries_would_not():
     """kv_bits 4 on smartgen: on the tight link above, each entry costs its record (104 bytes of fp32's
-    512 here), so the query-aware push gets its whole 2× budget and more profile blocks follow, still in time;
+    512 here), so the query-aware push gets its whole 3× budget and more profile blocks follow, still in time;
     the codes region is room the decode node reserves, not bytes that move."""
     link = link_for_ratio(8.0)
     exact = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link, "b")
     low = plan_transfer(request("smartgen", kv_bits=4), "smartgen", positional_importance(30), link, "b")
-    assert exact.plan.query_tokens < low.plan.query_tokens == 410
+    assert exact.plan.query_tokens < low.plan.query_tokens == 615
     assert low.plan.num_push_blocks > exact.plan.num_push_blocks
     record = entry_record_bytes(64, 4)
     finish, deadline = push_finishes_at(low, 0, link, entry_bytes=record, block_bytes=16 * 3 * record)

@@ -39,7 +39,7 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 
 
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
-                        parallel: bool, background: bool, read_ahead_layers: int = 0, read_delay_s: float = 0.0,
+                        parallel: bool, background: bool, read_delay_s: float = 0.0,
                         gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True,
                         land_every_s: float = 0.0):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
@@ -99,7 +99,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     engine.load_from_store("r", dst_slab, n)
     landing = None
     if land_every_s:
-        remote.await_pushes(0, False, None)
+        remote.await_pushes(None)
 
         async def land() -> None:
             for layer in range(layout.num_layers):
@@ -108,10 +108,6 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                 remote.push_landed(layer, None)
         landing = asyncio.create_task(land())
     engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote, lazy=bool(land_every_s))
-    if read_ahead_layers:  # predict "every entry" of the last layers: step 1 finds them landed or in flight
-        ahead = np.zeros((layout.num_layers, layout.num_kv_heads, n), dtype=bool)
-        ahead[-read_ahead_layers:] = True
-        remote.read_ahead(ahead)
     tokens = [first]
     for i in range(1, STEPS):
         tokens.append(await loop.run_in_executor(None, engine.step, "r", tokens[-1], Sampling(), i))  # a torch thread
@@ -156,7 +152,7 @@ async def test_a_layer_waiting_for_its_push_stops_when_the_request_is_released(r
     for end in ("close", "fail"):
         remote = RemoteKv(plane, asyncio.get_running_loop(), KvSource("p", "x", 1, 0, 64, 30.0), layout, 0, 64, 32,
                           np.zeros((layout.num_layers, 2), dtype=bool), read_timeout_s=30.0)
-        remote.await_pushes(0, False, None)
+        remote.await_pushes(None)
         waiting = asyncio.get_running_loop().run_in_executor(None, remote.ready, 3)
         await asyncio.sleep(0.05)
         assert not waiting.done() and not remote.is_all_local
@@ -206,22 +202,6 @@ async def test_background_makes_everything_local(runner):
     assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
     assert remote.is_all_local and remote.bytes_background > 0
     assert remote.step_local_share[-1] == 1.0 and remote.local_blocks().all()
-
-
-async def test_a_read_ahead_lands_before_its_layer_attends(runner):
-    """The speculative read of step 1 (read_ahead): entries predicted for layers 2–7 are read as the step
-    starts, all at once; when attention reaches such a layer it waits for that read rather than reading again,
-    so step 1 finds everything local, and the tokens are unchanged (the slab starts as NaN, so an entry used
-    before it landed would show). Every read takes 50 ms here, so layer 2's own read would not have landed."""
-    ids = prompt_ids(runner.path, PROMPT)[:300]
-    plain_tokens, plain = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, read_delay_s=0.05)
-    tokens, ahead = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, read_ahead_layers=6,
-                                        read_delay_s=0.05)
-    assert tokens == plain_tokens == colocated_tokens(runner, ids, "quest", 0.1)
-    assert ahead.present[2:].all() and ahead.is_all_local  # read whole, once
-    assert ahead.step_local_share[0] == 1.0 > plain.step_local_share[0]
-    read_ahead_bytes = 6 * 2 * ahead.num_kv_heads * len(ids) * ahead.token_bytes  # 6 layers' K and V, all entries
-    assert ahead.bytes_on_demand == read_ahead_bytes > plain.bytes_on_demand
 
 
 async def test_a_closed_remote_refuses_new_reads(runner):
