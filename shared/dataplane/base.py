@@ -34,7 +34,7 @@ class Lane(IntEnum):
 
     ON_DEMAND = 1  # what a decode step is waiting on now: on-demand reads
     PUSH = 2  # full, quantized and proactive pushes during prefill: below on-demand, so one request's multi-MB
-    #           push never holds up another's on-demand read by more than one chunk; and step 1's read ahead
+    #           push never holds up another's on-demand read by more than one chunk (a read may ask for it too)
     BACKGROUND = 3  # speculative transfer of what remains; preemptible, can be paused
 
 

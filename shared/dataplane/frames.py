@@ -41,7 +41,7 @@ STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT = 0, 1, 2
 STATUSES = (STATUS_OK, STATUS_REFUSED, STATUS_CORRUPT)
 FLAG_CHECKSUM = 1
 FLAG_BACKGROUND = 2  # on a READ or GATHER: answer it on the server's BACKGROUND lane
-FLAG_PUSH_LANE = 4  # on a READ or GATHER: answer it on the server's PUSH lane (a read ahead: below on-demand reads)
+FLAG_PUSH_LANE = 4  # on a READ or GATHER: answer it on the server's PUSH lane (a guess: below on-demand reads)
 KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND | FLAG_PUSH_LANE
 
 

@@ -115,6 +115,30 @@ def test_smartgen_ttst_beats_full_on_a_paced_link(paced):
     assert_no_leaks(paced)
 
 
+def test_the_query_tail_goes_past_the_prefill_where_nothing_fits_in_time(paced):
+    """At R = 8 layers 0–1 alone (2 of 8 layers) take longer than the prefill, so not even one layer's
+    query-aware push would land by the prefill's end, and step 1 would read those entries on demand anyway: the
+    prefill still pushes step 1's budget by its last query in every layer ≥ 2 (the query tail), after the
+    prefill's end, and decoding waits for exactly those bytes. They are the only proactive bytes beyond layers
+    0–1 (K and V of 16 bf16 channels: 64 bytes an entry), and the tokens stay those of all-local selective
+    attention."""
+    body = dict(selector="quest", kv_budget=0.1)
+    reference = complete(paced, transfer_mode="colocated", **body)
+    with paced_to_ratio(paced, 8.0):
+        tail = complete(paced, transfer_mode="smartgen", ablate=["background"], **body)
+        dense_only = complete(paced, transfer_mode="smartgen", ablate=["background", "query"], **body)
+    plan = tail["plan"]
+    assert plan["query_stop_layer"] == 2 and plan["query_tokens"] == plan["query_tail_tokens"] > 0, plan
+    assert "from layer 2 on whether or not in time" in plan["reason"]
+    assert dense_only["plan"]["query_tail_tokens"] == 0 and dense_only["plan"]["num_push_blocks"] == plan["num_push_blocks"]
+    # up to tail tokens per KV head of 6 selective layers × 2 KV heads (Quest selects whole pages, so the budget
+    # rounds down to them)
+    entry_bytes = tail["kv_bytes"]["proactive"] - dense_only["kv_bytes"]["proactive"]
+    assert entry_bytes % 64 == 0 and 0.5 * 6 * 2 * plan["query_tail_tokens"] <= entry_bytes // 64 <= 6 * 2 * plan["query_tail_tokens"]
+    assert tail["token_ids"] == dense_only["token_ids"] == reference["token_ids"]
+    assert_no_leaks(paced)
+
+
 def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     """kv_bits on smartgen: what the prefill pushes travels as one record of codes per entry (tiny model: K and V
     of 16 bf16 channels are 64 bytes, 32 with 4-bit values and 8-bit keys), so on a link where the exact push has room for part of
