@@ -95,8 +95,7 @@ def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
              f"link ({link.source}) for {req.num_tokens} tokens")
     if ratio <= AUTO_MARGIN:
         return "full", f"{facts}: the whole KV fits behind the prefill"
-    k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, req.num_tokens + 1)
-    if k > req.num_tokens:  # the decode worker's floor makes step 1 dense (a short prompt): it would read it all
+    if not step_one_tokens(req):  # the decode worker's floor makes step 1 dense (a short prompt): it would read it all
         if req.kv_bits:
             return "quantized", (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, "
                                  f"so its {req.kv_bits}-bit codes")
@@ -187,9 +186,8 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     plan = TransferPlan(**base, push_blocks=pack_bits(flags), num_push_blocks=int(flags.sum()), profile=name,
                         profile_version=version, profile_source=source, background=use_background,
                         reason="; ".join(r for r in (reason, why) if r),
-                        query_tokens=query_tokens if spec.pushes_by_query else 0,
-                        query_stop_layer=query_stop if spec.pushes_by_query and query_tokens else 0,
-                        query_tail_tokens=query_tail if spec.pushes_by_query and query_tokens else 0)
+                        query_tokens=query_tokens, query_stop_layer=query_stop if query_tail else 0,
+                        query_tail_tokens=query_tail)
     return PlannedTransfer(plan, queue)
 
 
