@@ -34,7 +34,7 @@ from shared.dataplane import DataPlane, Gather, Lane, Segment
 GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
 # Speculation costs one more selection per layer; it pays where most layers have to read. A step speculates when
 # at least this share of the layers that can read had to in the step before (step 1 always), and only where the
-# service turned it on (`speculative`: InfiniGen, services/decode/service.py `_speculates`). Measured at 2K, R = 2
+# service turned it on (`speculative`: InfiniGen, services/decode/kv_loader.py `_speculates`). Measured at 2K, R = 2
 # prefill-matched (docs/results/serve-2k-speculation-*): InfiniGen reads in ~80% of its layers every step and
 # speculating cut its on-demand wait 2.49 -> 0.78 s and TBT 0.140 -> 0.126 s; Quest reads in ~20% after step 1,
 # and speculating every step cost more selection time than it saved (TBT 0.073 -> 0.082 s).
@@ -134,7 +134,7 @@ class RemoteKv:
         self._step_read_layers: set[int] = set()  # layers that issued a read this step (torch thread)
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
 
-    # --- the push still landing: no global barrier (services/decode/service.py `_load_while_pushing`) ---------
+    # --- the push still landing: no global barrier (services/decode/kv_loader.py `load_while_pushing`) ---------
     def await_pushes(self, prepare: Callable[[int], None] | None) -> None:
         """Decoding starts before the prefill's push has landed. Until `push_landed(l)`, layer l's pushed blocks
         count as present (the plan says they come) but attention must not read them: each layer waits in

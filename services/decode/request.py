@@ -68,7 +68,7 @@ class DecodeRequest:
     layer_ends: list[int] = field(default_factory=list)
     layers_landed: int = 0
     on_layer_landed: Callable[[int], None] | None = None
-    # set once at most `nearly_landed_at` bytes are still to land: step 1 may start then (`_load_while_pushing`)
+    # set once at most `nearly_landed_at` bytes are still to land: step 1 may start then (service.py `_wait_until_nearly_landed`)
     nearly_landed: asyncio.Event = field(default_factory=asyncio.Event)
     nearly_landed_at: int = 0
     failure: str = ""

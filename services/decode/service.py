@@ -27,19 +27,16 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 from collections import OrderedDict, deque
 from typing import Any
 
-import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, DENSE_LAYERS, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
-                     TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, pushed_pages,
-                     subjects)
+from schemas import (AT_CAPACITY, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+                     TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import OutOfPages, Slab
@@ -50,8 +47,9 @@ from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
 from services.decode.config import DecodeConfig
+from services.decode.kv_loader import KvLoader
 from services.decode.remote import RemoteKv, RemoteReadError
-from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle, background_read_bytes
+from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
 from services.decode.report import final_event, selection_stats, step1_kv_bytes
 from services.decode.request import DecodeRequest, Phase
 
@@ -84,6 +82,7 @@ class DecodeService(ModelWorkerService):
         self.engine: DecodeEngine | None = None
         self.batcher: StepBatcher | None = None  # continuous batching: every running request's steps go together
         self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
+        self.loader: KvLoader | None = None  # the cache on what landed, and the remote view (kv_loader.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)  # aborts of requests not (yet) here
@@ -102,10 +101,11 @@ class DecodeService(ModelWorkerService):
         self.batcher = StepBatcher(self.engine, self.in_torch, self.config.max_batch)
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout,
                                            self.engine.detach_remote, self.config.background_if_it_can_finish)
+        assert self.dataplane
+        self.loader = KvLoader(self.engine, self.store, self.dataplane, self.remote_kv, self.config, self.in_torch)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort), resend=endpoint(ResendTokens, self.resend))
         await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))
-        assert self.dataplane
         self.dataplane.on_link_lost = self.link_lost
 
     # --- handlers ------------------------------------------------------------------------
@@ -316,14 +316,14 @@ class DecodeService(ModelWorkerService):
         try:
             if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
                 raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
-            if self._starts_while_pushing(state, req):
+            if self.loader.starts_while_pushing(state, req):
                 await self._wait_until_nearly_landed(state, req)
-                await self._load_while_pushing(state, req)
+                await self.loader.load_while_pushing(state, req)
                 state.kv_load_s = asyncio.get_running_loop().time() - started
             else:
                 await self._wait_for_kv(state)
                 landed = asyncio.get_running_loop().time()
-                await self._load(state, req)
+                await self.loader.load(state, req)
                 state.kv_load_s = asyncio.get_running_loop().time() - landed
         except (TransferError, RemoteReadError) as exc:
             if req.failure_policy != "recompute":
@@ -379,56 +379,6 @@ class DecodeService(ModelWorkerService):
             tokens.append(first)
             await self._emit(req, TokenEvent(rid, 0, first))
 
-    async def _load(self, state: DecodeRequest, req: Generate) -> None:
-        """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
-        assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
-        rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
-        pushed = pushed_pages(req.plan, self.store.layout.num_layers) if mode.keeps_source and req.plan else None
-        by_query = None  # (L, H, N) bool: pushed by the prompt's last query
-        if mode.pushes_by_query:
-            by_query = await self.in_torch(self.engine.picked_by_query, state.slab, req.selector, n)
-        if mode.aux is Aux.CODES:
-            await self.in_torch(self.engine.load_quantized, rid, state.slab, n, req.kv_bits)
-        else:
-            if req.kv_bits and pushed is not None:  # smartgen's low-bit push: its codes into the slab's rows first
-                await self.in_torch(self.engine.load_pushed_codes, state.slab, req.selector, n, req.kv_bits, pushed,
-                                    by_query)
-            await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
-        if not mode.keeps_source:
-            self.remote_kv.plan_event(state, "all_local")
-            return
-        assert pushed is not None and req.plan is not None and req.source is not None
-        state.remote = self._remote_kv(state, req, pushed, by_query)
-        remote = None if state.remote.is_all_local else state.remote
-        await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
-                            NUM_BLOCKS, mode.pushes_by_query)
-        state.plan_state = "transferring"
-        if remote is None:
-            await self.remote_kv.all_local(state, 0)
-            return
-        self.remote_kv.start(state)
-
-    def _remote_kv(self, state: DecodeRequest, req: Generate, pushed: np.ndarray, by_query: np.ndarray | None) -> RemoteKv:
-        """The request's view of its KV still on the prefill node: `pushed` (num_layers, num_pages) the plan's
-        blocks, `by_query` (num_layers, num_kv_heads, N) the entries pushed by query (None: none, or not known yet)."""
-        assert self.dataplane and self.store and state.slab is not None and req.plan is not None and req.source is not None
-        return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
-                        self.store.offset(state.slab), state.slab.capacity, len(req.token_ids), pushed, req.plan.parallel,
-                        self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
-                        self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req))
-
-    def _starts_while_pushing(self, state: DecodeRequest, req: Generate) -> bool:
-        """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own
-        bytes only, where the KV left on the prefill node is read anyway (partial, smartgen), the prefill said
-        what each layer pushes (and it adds up), and attention reads the slab itself (CPU: no copy to a device
-        that would be taken before the bytes land)."""
-        assert self.engine and self.store
-        mode = mode_of(req.transfer_mode)
-        return (mode.keeps_source and req.plan is not None and req.plan.early_start and req.source is not None
-                and len(req.layer_push_bytes) == self.store.layout.num_layers
-                and sum(req.layer_push_bytes) == state.expected_bytes and self.engine.decodes_in_the_slab
-                and not state.landed.is_set())
-
     async def _wait_until_nearly_landed(self, state: DecodeRequest, req: Generate) -> None:
         """Step 1 starts while the push lands, but only once the rest of it would land, at the plan's link rate,
         within EARLY_START_S: a layer waiting for its bytes holds the torch thread, and with it every request
@@ -438,48 +388,6 @@ class DecodeService(ModelWorkerService):
         state.nearly_landed_at = max(1, state.expected_bytes - rest)
         state.check_landed()
         await self._wait_for_kv(state, state.nearly_landed)
-
-    async def _load_while_pushing(self, state: DecodeRequest, req: Generate) -> None:
-        """`_load` without waiting for the push: the cache and the selection are set up over a slab whose layers
-        land one after another (in layer order: PrefillDone.layer_push_bytes), and step 1's layer l waits for
-        layer l (`RemoteKv.ready`). Each layer's metadata is read as it lands: the selector's state when its
-        attention first runs, the entries the prompt's last query pushed (present once landed)."""
-        assert self.engine and self.store and state.slab is not None and self.dataplane and self.remote_kv
-        assert req.plan is not None and req.source is not None
-        rid, n, mode, lay = req.request_id, len(req.token_ids), mode_of(req.transfer_mode), self.store.layout
-        pushed = pushed_pages(req.plan, lay.num_layers)
-        await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
-        remote = state.remote = self._remote_kv(state, req, pushed, None)
-        bitmap = self.engine.query_bitmaps(state.slab, req.selector, n) if mode.pushes_by_query else None
-        prepare = None
-        if req.kv_bits:  # smartgen's low-bit push: a layer's codes into its rows once they have landed
-            load_codes = self.engine.pushed_codes_loader(state.slab, req.selector, n, req.kv_bits, pushed)
-
-            def prepare(layer: int) -> None:  # torch thread, once a layer, after it landed
-                load_codes(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)
-        remote.await_pushes(prepare)
-
-        def layer_landed(layer: int) -> None:  # event loop, in landing order
-            remote.push_landed(layer, bitmap(layer) if bitmap is not None and layer >= DENSE_LAYERS else None)
-
-        state.layer_ends = list(itertools.accumulate(req.layer_push_bytes))
-        state.on_layer_landed = layer_landed
-        state.check_landed()  # the layers already here
-        await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
-                            NUM_BLOCKS, mode.pushes_by_query, True)
-        state.plan_state = "transferring"
-        self.remote_kv.start(state)
-
-    def _speculates(self, req: Generate) -> bool:
-        """Whether this request's layers read their predicted selection a layer early (services/decode/remote.py
-        SPECULATE_WHEN_READING): only for selectors whose selection is the speculated query's (InfiniGen), where
-        a prediction misses at most the step's own, local, token. Quest's and the others' guesses were measured to
-        cost more selection time than the round trips they saved on this CPU (docs/results, "Speculation")."""
-        assert self.engine is not None
-        # NOTE: has_selector first: on the event loop, never build (load) a selector, only look it up (sizing the
-        # aux area at `open` built it already)
-        return bool(req.selector) and self.engine.has_selector(req.selector) and \
-            getattr(self.engine.selector(req.selector), "speculates", False)
 
     async def _wait_for_kv(self, state: DecodeRequest, until: asyncio.Event | None = None) -> float:
         """Until the whole push has landed (or `until`, which a failure sets too); TransferError if it cannot."""
