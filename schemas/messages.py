@@ -140,6 +140,9 @@ class TransferPlan:
     query_tokens: int = 0  # … in layers DENSE_LAYERS … query_stop_layer − 1, as many as the link carries in time
     query_stop_layer: int = 0
     query_tail_tokens: int = 0  # … and from query_stop_layer on: step 1's budget, after the prefill's end if need be
+    # … or step 1's exact selection (the prefill node runs step 1 first) in the layers whose push, by the link's
+    # backlog when the prefill stores them, would leave only after it could (PrefillDone.exact_from_layer)
+    exact_push: bool = False
     read_ahead: bool = True  # decode reads a layer's predicted selection while the one before runs (False: ablate "ahead")
     early_start: bool = True  # decode starts step 1 while the push lands, a layer at a time (False: ablate "early")
     # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
@@ -189,6 +192,7 @@ class Prefill:
     plan: TransferPlan | None = None  # every mode but colocated
     selector: str = ""  # partial, smartgen: the prefill computes this selector's metadata for every token
     kv_bits: int = 0  # quantized; smartgen's low-bit proactive push
+    kv_budget: float = 0.0  # smartgen's exact push (plan.exact_push): step 1's budget, as Generate.kv_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +212,7 @@ class PrefillDone:
     # bytes pushed per layer, in the order they leave (one link, one lane: they land in that order too), so the
     # decode worker knows layer l has landed once the bytes up to it have, and need not wait for the rest
     layer_push_bytes: list[int] = field(default_factory=list)
+    exact_from_layer: int = 0  # TransferPlan.exact_push: the first layer that pushed step 1's exact selection (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +293,8 @@ class TokenEvent:
     push_landing_wait_s: float = 0.0
     fetch_reads: int = 0  # on-demand reads a layer issued when it attended (all steps)
     speculative_reads: int = 0  # reads of a layer's predicted selection, issued while the layer before it ran
+    ranked_reads: int = 0  # path 3's reads of what a wider selection for the latest query adds (background lane)
+    ranked_bytes: int = 0  # their bytes, part of kv_bytes["background"]
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # colocated, token 0 with Sampling.echo
 

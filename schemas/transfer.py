@@ -43,8 +43,9 @@ AT_CAPACITY = "at capacity"
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
 # the three paths, `query` (the query-aware part of the proactive push), `ahead` (reading a layer's predicted selection
 # while the layer before it runs: InfiniGen's speculation) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
-# without it, decode waits for the whole push first); a request may `ablate` any
-SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early")
+# without it, decode waits for the whole push first), `exact` (where a layer's push would leave after the prefill
+# anyway, the prefill node runs step 1 first and pushes its exact selection); a request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
 # an error naming what failed, or `recompute` the prefill itself and carry on.
 FAILURE_POLICIES = ("fail", "recompute")

@@ -10,6 +10,8 @@ cannot select without it), layers 0–1 in full (they stay dense), per layer the
 query selects (what step 1 will attend to: `query_tokens` per KV head up to `query_stop_layer`, then
 `query_tail_tokens`, step 1's own budget, in the last layers, whether or not they make it by the prefill's end:
 step 1 would read them anyway), then profile blocks in importance order, each where its layer still has room.
+Layers whose push, by the link's backlog when the prefill stores them, would leave only after the prefill node
+could have run step 1 itself carry step 1's exact selection instead (`exact_push`; decided by the prefill node).
 Roughly n_push ≈ N_blocks · T_prefill / T_full, less the last layers'.
 """
 from __future__ import annotations
@@ -141,7 +143,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     schedule = PushSchedule(lay.num_layers, t_prefill, bytes_per_s, last_layer_s)
     for layer in range(DENSE_LAYERS, lay.num_layers):
         schedule.add(layer, layer_metadata)
-    query_tokens, query_stop = 0, DENSE_LAYERS
+    query_tokens, query_stop, exact = 0, DENSE_LAYERS, False
     if not spec.orders_by_profile:  # partial, the baseline: the prompt's first pages (every layer), in memory order
         order = np.arange(num_blocks).reshape(lay.num_layers, num_pages).T.ravel()  # page-major
         pushed = _fill(schedule, order, num_pages, block_bytes)
@@ -175,6 +177,9 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
                                   f"2–{query_stop - 1}, {query_tail} in layers {query_stop}–{last}")
                 query_part += f" (from layer {query_stop} on whether or not in time), "
             pushed = np.concatenate([order[:dense], _fill(schedule, order[dense:], num_pages, block_bytes)])
+            exact = bool(query_tail) and "exact" not in req.ablate
+            if exact:
+                query_part += "step 1's exact selection instead where a layer's push would leave after step 1, "
             why = (f"smartgen{f' ({bits}-bit push)' if bits else ''}: metadata, layers 0–1, {query_part}"
                    f"then {len(pushed) - dense} profile blocks ({len(pushed)} of {num_blocks} blocks) fit behind "
                    f"the prefill")
@@ -187,7 +192,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
                         profile_version=version, profile_source=source, background=use_background,
                         reason="; ".join(r for r in (reason, why) if r),
                         query_tokens=query_tokens, query_stop_layer=query_stop if query_tail else 0,
-                        query_tail_tokens=query_tail)
+                        query_tail_tokens=query_tail, exact_push=exact)
     return PlannedTransfer(plan, queue)
 
 

@@ -65,7 +65,8 @@ class KvLoader:
         return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                         self.store.offset(state.slab), state.slab.capacity, len(req.token_ids), pushed, req.plan.parallel,
                         self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
-                        self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req))
+                        self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req),
+                        ranked=req.plan.background)
 
     def starts_while_pushing(self, state: DecodeRequest, req: Generate) -> bool:
         """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own

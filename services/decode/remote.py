@@ -3,7 +3,8 @@
 
 Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks (and, smartgen's
 query-aware push, single entries) before decoding starts, on-demand reads mark exactly the entries a step
-selected, background reads mark whole blocks.
+selected, background reads mark whole blocks (the broker's, in profile order) or the entries a wider selection for
+the latest query adds (ranked reads, `rank`).
 Tokens decoded here are always local. Threads:
   - the torch thread calls `fetch` inside attention and waits on the returned `Pending` (never on the loop);
   - the event loop runs every read, marks presence once bytes have landed, and runs `read_blocks` and `close`.
@@ -25,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 import torch
 
 from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
 
 
+log = structlog.get_logger()
 GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
 # Speculation costs one more selection per layer; it pays where most layers have to read. A step speculates when
 # at least this share of the layers that can read had to in the step before (step 1 always), and only where the
@@ -39,12 +42,32 @@ GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on avera
 # speculating cut its on-demand wait 2.49 -> 0.78 s and TBT 0.140 -> 0.126 s; Quest reads in ~20% after step 1,
 # and speculating every step cost more selection time than it saved (TBT 0.073 -> 0.082 s).
 SPECULATE_WHEN_READING = 0.5
+# Ranked reads (path 3 by the latest query) are a prefetch: at 2K, R = 2 prefill-matched, about a quarter of what
+# they bring is selected later (2.8 MB read, on-demand 1.4 -> 0.7 MB). Where the link has room that is free; where
+# on-demand reads already keep it busy (R = 6.5: half of each step is spent waiting on them) they delay those
+# reads. So a step ranks only while the running share of a step spent waiting on reads is below this.
+RANK_WHEN_WAITING_BELOW = 0.25
+WAIT_SHARE_WEIGHT = 0.25  # each step's weight in the running share of a step spent waiting on reads (misses are bursty)
 
 
 def _mean_run(heads: list[tuple[int, np.ndarray]]) -> float:
     """Mean length of the runs of consecutive tokens in a read (tokens sorted per head)."""
     runs = sum(1 + int(np.count_nonzero(np.diff(tokens) != 1)) for _, tokens in heads)
     return sum(tokens.size for _, tokens in heads) / runs
+
+
+def _chunks(heads: list[tuple[int, np.ndarray]], max_tokens: int) -> list[list[tuple[int, np.ndarray]]]:
+    """Split (head, tokens) pairs into reads of at most `max_tokens` entries each, in order."""
+    chunks: list[list[tuple[int, np.ndarray]]] = [[]]
+    room = max_tokens
+    for h, tokens in heads:
+        while tokens.size:
+            if not room:
+                chunks.append([])
+                room = max_tokens
+            chunks[-1].append((h, tokens[:room]))
+            tokens, room = tokens[room:], room - min(room, tokens.size)
+    return [c for c in chunks if c]
 
 
 class RemoteReadError(RuntimeError):
@@ -89,8 +112,12 @@ class RemoteKv:
                                               # (smartgen's query-aware push), already landed
     gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
     speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
+    ranked: bool = False  # path 3 by the latest query (`rank`, `read_ranked`)
     bytes_on_demand: int = 0
-    bytes_background: int = 0
+    bytes_background: int = 0  # path 3: ranked reads and the broker's blocks
+    bytes_ranked: int = 0  # of bytes_background, the ranked reads
+    num_ranked_reads: int = 0
+    read_wait_share: float = 0.0  # running share of a step spent waiting on reads, not on the push (torch thread)
     step_local_share: list[float] = field(default_factory=list)
     step_wait: list[float] = field(default_factory=list)
     step_wait_s: float = 0.0  # this step so far (torch thread)
@@ -133,6 +160,11 @@ class RemoteKv:
         self._prepare: Callable[[int], None] | None = None
         self._step_read_layers: set[int] = set()  # layers that issued a read this step (torch thread)
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
+        self._ranking = self.ranked  # this step: see RANK_WHEN_WAITING_BELOW
+        self._step_started, self._landing_before_step = time.perf_counter(), 0.0
+        self._ranked: dict[int, np.ndarray] = {}  # layer → its latest wider selection (H_kv, k'), oldest first
+        self._ranked_queued = asyncio.Event()
+        self._background_turn = asyncio.Lock()  # ranked reads and `read_blocks` put one chunk on the wire at a time
 
     # --- the push still landing: no global barrier (services/decode/kv_loader.py `load_while_pushing`) ---------
     def await_pushes(self, prepare: Callable[[int], None] | None) -> None:
@@ -181,6 +213,8 @@ class RemoteKv:
         self._step_local = self._step_remote = 0
         self.step_wait_s = 0.0
         self._step_read_layers.clear()
+        self._step_started = time.perf_counter()
+        self._landing_before_step = self.landing_wait_s
 
     def end_step(self) -> None:
         self.num_read_local += self._step_local
@@ -190,6 +224,13 @@ class RemoteKv:
         self.step_wait.append(self.step_wait_s)
         selective = self.layout.num_layers - DENSE_LAYERS
         self._speculating = self.speculative and len(self._step_read_layers) >= SPECULATE_WHEN_READING * selective
+        # ranked reads only while the link has room: waiting on reads (not on the push) is a small part of a step
+        step_s = time.perf_counter() - self._step_started
+        read_wait_s = self.step_wait_s - (self.landing_wait_s - self._landing_before_step)
+        share = read_wait_s / step_s if step_s > 0 else 0.0
+        self.read_wait_share = share if not self.step_wait[:-1] else \
+            (1 - WAIT_SHARE_WEIGHT) * self.read_wait_share + WAIT_SHARE_WEIGHT * share
+        self._ranking = self.ranked and self.read_wait_share <= RANK_WHEN_WAITING_BELOW
 
     def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
@@ -256,23 +297,78 @@ class RemoteKv:
     # --- event loop ------------------------------------------------------------------------
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
         try:
-            if self.gather_reads and _mean_run(heads) < GATHER_BELOW_RUN:
-                gather = self._gather(layer, heads)
-                await self._read(gather, Lane.ON_DEMAND)
-                num_bytes = gather.num_bytes
-            else:
-                segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
-                await self._read(segments, Lane.ON_DEMAND)
-                num_bytes = sum(s.length for s in segments)
-            for h, tokens in heads:
-                self._mark(layer, h, tokens)
-            self.bytes_on_demand += num_bytes
+            self.bytes_on_demand += await self._read_entries(layer, heads, Lane.ON_DEMAND)
         finally:
             with self._pending_lock:
                 self._on_demand_pending -= 1
                 is_idle = not self._on_demand_pending
             if is_idle:
                 self._on_demand_idle.set()
+
+    async def _read_entries(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> int:
+        """Read these entries of `layer` (per KV head, sorted token indices) on `lane`, as one gather or as segments
+        (module docstring), and mark them present once landed. Returns the bytes read."""
+        if self.gather_reads and _mean_run(heads) < GATHER_BELOW_RUN:
+            gather = self._gather(layer, heads)
+            await self._read(gather, lane)
+            num_bytes = gather.num_bytes
+        else:
+            segments = [s for h, tokens in heads for s in self._segments(layer, h, tokens)]
+            await self._read(segments, lane)
+            num_bytes = sum(s.length for s in segments)
+        for h, tokens in heads:
+            self._mark(layer, h, tokens)
+        return num_bytes
+
+    # --- path 3 by the latest query (shared/compute/selective.py, "Ranked reads") -----------
+    def wants_ranking(self, layer: int) -> bool:
+        """(torch thread) Rank `layer` again when path 3 is on, it read this step and it still has remote
+        entries (where a step had to read, the query is moving to entries the push did not bring), and the steps
+        so far waited on reads for less than RANK_WHEN_WAITING_BELOW of their time (`read_wait_share`)."""
+        return self._ranking and not self.is_closed and layer in self._step_read_layers \
+            and bool(self.missing_per_layer[layer])
+
+    def rank(self, layer: int, idx: torch.Tensor) -> None:
+        """(torch thread) `idx` (H_kv, k'): `layer`'s selection under a wider budget; `read_ranked` reads its
+        remote part. A layer ranked again replaces its older ranking and goes to the back of the queue."""
+        ranking = idx.cpu().numpy()
+        self.loop.call_soon_threadsafe(self._queue_ranking, layer, ranking)
+
+    def _queue_ranking(self, layer: int, ranking: np.ndarray) -> None:
+        self._ranked.pop(layer, None)
+        self._ranked[layer] = ranking
+        self._ranked_queued.set()
+
+    async def read_ranked(self) -> None:
+        """(event loop task, while the request has remote KV) Read each queued ranking's remote part, oldest first,
+        in background-lane chunks, never while an on-demand read of this request is waiting. What is remote is
+        decided at read time, so entries an on-demand read brought meanwhile are not read twice. A chunk that fails
+        is dropped (these reads only save later on-demand ones); a failed or closed remote view ends the task."""
+        chunk_tokens = max(1, self.background_read_bytes // (2 * self.token_bytes))  # K and V of one entry
+        while not self.is_closed:
+            if not self._ranked:
+                self._ranked_queued.clear()
+                await self._ranked_queued.wait()
+                continue
+            layer = next(iter(self._ranked))
+            ranking = self._ranked.pop(layer)
+            await self._wait_on_demand_idle()
+            _, heads = self._remote_part(layer, torch.from_numpy(ranking))
+            for chunk in _chunks(heads, chunk_tokens):
+                async with self._background_turn:
+                    await self._wait_on_demand_idle()
+                    if self.is_closed or self.failure:
+                        return
+                    try:
+                        num_bytes = await self._read_entries(layer, chunk, Lane.BACKGROUND)
+                    except Exception as exc:  # noqa: BLE001 (see the docstring)
+                        if self.is_closed or self.failure:
+                            return
+                        log.warning("ranked_read_failed", layer=layer, error=str(exc))
+                        break
+                self.bytes_background += num_bytes
+                self.bytes_ranked += num_bytes
+                self.num_ranked_reads += 1
 
     @property
     def is_on_demand_busy(self) -> bool:
@@ -301,10 +397,11 @@ class RemoteKv:
             while units and (not group or size + sum(s.length for s in units[0][3]) <= self.background_read_bytes):
                 group.append(units.pop(0))
                 size += sum(s.length for s in group[-1][3])
-            await self._wait_on_demand_idle()
-            if self.is_closed:
-                return
-            await self._read([s for *_, segs in group for s in segs], Lane.BACKGROUND)
+            async with self._background_turn:  # one background chunk of this request on the wire at a time
+                await self._wait_on_demand_idle()
+                if self.is_closed:
+                    return
+                await self._read([s for *_, segs in group for s in segs], Lane.BACKGROUND)
             for layer, h, tokens, _ in group:
                 self._mark(layer, h, tokens)
             self.bytes_background += size

@@ -2,7 +2,8 @@
 and 3, and the lease): a collaborator of DecodeService, which hands it what it needs when it builds it.
 
   - `start` (once the pushed KV has landed and the RemoteKv exists): keep the prefill's lease alive, and in
-    smartgen read the background batches the broker hands out, one batch after another;
+    smartgen run path 3: the remote view's ranked reads (the entries the latest query makes likely, every step)
+    and the background batches the broker hands out (the rest, in profile order), one batch after another;
   - `after_step` tells the broker a step is done (`progress`) and queues the background batch it answers with;
   - when every entry is local, `all_local` stops remote reads and releases the lease (`end`, which the end of
     the request, an abort or a recompute also call: it runs once);
@@ -57,6 +58,8 @@ class RemoteKvLifecycle:
         state.helpers.append(asyncio.create_task(self._keep_lease(state)))
         if state.req.plan.background:
             state.helpers.append(asyncio.create_task(self._read_background(state)))
+            if state.remote is not None and state.remote.ranked:
+                state.helpers.append(asyncio.create_task(state.remote.read_ranked()))
 
     async def after_step(self, state: DecodeRequest, step: int) -> None:
         now = asyncio.get_running_loop().time()

@@ -44,7 +44,9 @@ def final_event(state: DecodeRequest, req: Generate, selection: Selection | None
                       step1_kv_bytes=state.step1_kv_bytes, step1_compute_s=round(state.step1_compute_s, 6),
                       kv_load_s=round(state.kv_load_s, 6), started_while_pushing=state.on_layer_landed is not None,
                       push_landing_wait_s=round(remote.landing_wait_s, 6) if remote else 0.0, fetch_reads=remote.num_fetch_reads if remote else 0,
-                      speculative_reads=remote.num_speculative_reads if remote else 0)
+                      speculative_reads=remote.num_speculative_reads if remote else 0,
+                      ranked_reads=remote.num_ranked_reads if remote else 0,
+                      ranked_bytes=remote.bytes_ranked if remote else 0)
 
 
 def step1_kv_bytes(state: DecodeRequest, req: Generate, layout: KvLayout, selection: Selection | None) -> int:

@@ -65,6 +65,7 @@ class CompletionRun:
     selected_share: float = 1.0
     final: TokenEvent | None = None  # the stream's last event (transfer figures)
     prefill_s: float | None = None
+    exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
     broker: WorkerInfo | None = None
@@ -118,6 +119,7 @@ class CompletionRun:
                 done = await self._run_prefill(handle, sampling)
                 if done is not None:
                     first, self.prefill_s = done.first_token, done.prefill_s
+                    self.exact_from_layer = done.exact_from_layer
                     self.prompt_logprobs = done.prompt_logprobs
                 try:
                     await self._generate(first, done, sampling)
@@ -257,7 +259,8 @@ class CompletionRun:
             return await self._wait(
                 call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                      Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
-                             self.selector if sends_metadata else "", self.kv_bits),
+                             self.selector if sends_metadata else "", self.kv_bits,
+                             (job.kv_budget or 0.0) if sends_metadata and self.selector else 0.0),
                      PrefillDone, self.timeout_s), self.prefill, "the prefill", watched)
         except (RequestFailed, RemoteError) as exc:
             # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
@@ -462,7 +465,8 @@ class CompletionRun:
             "kv_load_s": final.kv_load_s if final else 0.0,
             "started_while_pushing": final.started_while_pushing if final else False,
             "push_landing_wait_s": final.push_landing_wait_s if final else 0.0,
-            "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads} if final else {},
+            "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads,
+                      "ranked": final.ranked_reads, "ranked_bytes": final.ranked_bytes} if final else {},
             "prefill_s": self.prefill_s,
             "transfer_mode": self.mode or self.job.transfer_mode,
             "requested_mode": self.job.transfer_mode,
@@ -482,7 +486,8 @@ class CompletionRun:
                      "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
                      "query_tokens": plan.query_tokens, "query_stop_layer": plan.query_stop_layer,
-                     "query_tail_tokens": plan.query_tail_tokens,
+                     "query_tail_tokens": plan.query_tail_tokens, "exact_push": plan.exact_push,
+                     "exact_from_layer": self.exact_from_layer,
                      "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
                      "parallel": plan.parallel, "background": plan.background} if plan else None,
             "failure_policy": self.job.failure_policy,

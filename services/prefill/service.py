@@ -9,8 +9,12 @@ Life of a request here:
        partial,   the layer's selector metadata for every token, then the plan's blocks of this layer
        smartgen   (path 1: layers 0–1 and the most important profile blocks); smartgen first sends the
                   entries the layer's own last-position query selects (query-aware push), with their bitmap
-                  inside the metadata.
-  3. The first token is sampled and returned at once; the last layers' pushes may still be in flight.
+                  inside the metadata. With the plan's `exact_push`, a layer whose push would leave only after
+                  the prefill's end anyway (by the link's backlog) is held back, and every later one: once the
+                  prefill is done, step 1 runs here and they push its exact selection (`_holds_back`,
+                  `_push_step_one_selection`).
+  3. The first token is sampled and returned (after step 1, where it ran here); the last layers' pushes may
+     still be in flight.
   4. full, quantized: when every push is acked, the local slab is freed.
      partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease the decode
      node extends (`keep`); it is freed on `release` (every entry is local, or the request ended), on
@@ -34,7 +38,7 @@ from nats.micro.service import Service as MicroService
 
 from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
                      TransferMode, TransferPlan, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
-                     subjects, token_runs)
+                     kv_budget_problem, subjects, token_runs)
 from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages, Slab, slab_rows
@@ -48,6 +52,10 @@ from shared.compute.sampling import FirstToken
 log = structlog.get_logger()
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
 RELEASE_TIMEOUT_S = 30.0
+# The exact push holds a layer back when the bytes before it would keep the link busy at least this long past the
+# prefill's end: about one decode step run here (SmolLM2 at 2K: ~55 ms on this CPU) and the hand-offs around it,
+# so the link never waits for step 1. The last prompt position picks ~83% of step 1's selection (2K and 4K, R = 6.5).
+EXACT_AFTER_S = 0.1
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
@@ -68,6 +76,11 @@ class Transfer:
     read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
     lease: asyncio.TimerHandle | None = None
     query_push: QueryPush | None = None  # smartgen: the entries each layer's last-position query picked
+    exact: bool = False  # plan.exact_push, and the mode pushes by query: layers may be held back for step 1
+    prefill_started: float = 0.0  # perf_counter when the prefill began computing
+    held: list[int] = field(default_factory=list)  # layers held back for step 1's exact selection, in order
+    exact_from_layer: int = 0  # the first of them, once pushed (PrefillDone.exact_from_layer)
+    step_one_s: float = 0.0  # the exact push: step 1 run here (seconds on the torch thread)
 
 
 class PrefillService(ModelWorkerService):
@@ -99,13 +112,16 @@ class PrefillService(ModelWorkerService):
         mode = self._check(req)
         n = len(req.token_ids)
         aux_bytes = req.handle.aux_bytes if mode.aux is not Aux.NONE else 0  # auto → full leaves decode's unused
+        exact = req.plan is not None and req.plan.exact_push and mode.pushes_by_query
         try:
-            slab = self.store.allocate(req.request_id, n, aux_bytes)
+            # NOTE: step 1 run here for the exact push appends the first token's entry: room for one more
+            slab = self.store.allocate(req.request_id, n + 1 if exact else n, aux_bytes)
         except OutOfPages as exc:
             raise RequestRefused("overloaded", str(exc)) from None
         transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
                                                           row_runs=pushed_runs(mode, req.plan, self.store.layout, n),
-                                                          layer_push_bytes=[0] * self.store.layout.num_layers)
+                                                          layer_push_bytes=[0] * self.store.layout.num_layers,
+                                                          exact=exact)
         try:
             encode_layer = await self._encoder(req, transfer)
         except BaseException:
@@ -122,7 +138,7 @@ class PrefillService(ModelWorkerService):
             # NOTE: prefills wait their turn on the torch thread; one aborted meanwhile is skipped, not computed
             if self.active.get(req.request_id) is not transfer:
                 raise RequestRefused("not_found", f"request {req.request_id} was aborted before its prefill")
-            started = time.perf_counter()
+            started = transfer.prefill_started = time.perf_counter()
             first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
             return first, time.perf_counter() - started
 
@@ -135,6 +151,8 @@ class PrefillService(ModelWorkerService):
             raise
         if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
             raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
+        if transfer.held:
+            await self._push_step_one_selection(req, transfer, first.token)
         rate = n / prefill_s
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
@@ -144,7 +162,50 @@ class PrefillService(ModelWorkerService):
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
-                           first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes)
+                           first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
+                           transfer.exact_from_layer)
+
+    def _holds_back(self, transfer: Transfer, layer: int) -> bool:
+        """The exact push (plan.exact_push): hold `layer`'s push back for step 1's exact selection when the bytes
+        queued before it, at the plan's link rate, would keep the link busy past the prefill's end (its layers
+        left, at its pace so far) and step 1 run here (EXACT_AFTER_S): then it would not leave earlier anyway."""
+        plan = transfer.plan
+        if not transfer.exact or layer < DENSE_LAYERS or plan is None or plan.link_gbps <= 0 or \
+                not transfer.prefill_started:
+            return False
+        num_layers = len(transfer.layer_push_bytes)
+        elapsed = time.perf_counter() - transfer.prefill_started
+        prefill_left_s = elapsed / (layer + 1) * (num_layers - 1 - layer)
+        queued = sum(transfer.layer_push_bytes[:layer]) - transfer.num_bytes  # not acked yet
+        return queued * 8 / (plan.link_gbps * 1e9) >= prefill_left_s + EXACT_AFTER_S
+
+    async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
+        """The layers held back (`_holds_back`): run step 1 here, give each of them step 1's exact selection as its
+        picks, then push them in layer order behind those already queued (which keep the link busy meanwhile).
+        PrefillDone waits for this: it says what each layer pushes. Should step 1 fail here, they go with the last
+        prompt query's picks, computed as they were stored."""
+        assert self.engine and self.store and transfer.query_push and transfer.query_push.pick_exact
+        query_push, n, held = transfer.query_push, len(req.token_ids), list(transfer.held)
+
+        def run() -> None:  # torch thread
+            started = time.perf_counter()
+            picks = self.engine.step_one_selection(transfer.slab, n, first, req.selector, req.kv_budget,
+                                                   req.handle.floor)
+            for layer in held:
+                query_push.pick_exact(layer, picks[layer])
+            transfer.step_one_s = time.perf_counter() - started
+
+        try:
+            await self.in_torch(run)
+        except Exception as exc:  # noqa: BLE001 (see the docstring)
+            log.warning("step_one_selection_failed", error=repr(exc))
+        if self.active.get(req.request_id) is not transfer:
+            raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
+        transfer.held, transfer.exact, transfer.exact_from_layer = [], False, held[0]  # nothing more to hold back
+        for layer in held:
+            self._start_push(transfer, layer)
+        log.info("step_one_selection_pushed", from_layer=held[0], step_s=round(transfer.step_one_s, 4),
+                 entries=int(sum(query_push.picked[layer].sum() for layer in held)))
 
     async def abort(self, req: Abort) -> Ack:
         self.aborted.append(req.request_id)
@@ -203,6 +264,8 @@ class PrefillService(ModelWorkerService):
             lay = self.store.layout
             if problem := plan_problem(req.plan, lay.num_layers, len(req.token_ids), lay.page_tokens):
                 raise RequestRefused("bad_request", problem)
+        if req.plan is not None and req.plan.exact_push and (problem := kv_budget_problem(req.kv_budget)):
+            raise RequestRefused("bad_request", f"the plan's exact push runs step 1 and needs its budget: {problem}")
         if problem := mode.kv_bits_problem(req.kv_bits):
             raise RequestRefused("bad_request", problem)
         if len(self.active) >= self.config.max_active_requests:
@@ -243,6 +306,9 @@ class PrefillService(ModelWorkerService):
     def _start_push(self, transfer: Transfer, layer: int) -> None:
         if self.active.get(transfer.handle.request_id) is not transfer:
             return  # aborted while the torch thread was still on it: nothing may push from a freed slab
+        if transfer.held or self._holds_back(transfer, layer):  # held, so every later layer is too (layer order)
+            transfer.held.append(layer)
+            return
         # NOTE: queued in layer order on one lane of one link, so they land in that order (PrefillDone.layer_push_bytes)
         pushes = self._layer_pushes(transfer, layer)
         transfer.layer_push_bytes[layer] = sum(s.length for _, segments in pushes for s in segments)

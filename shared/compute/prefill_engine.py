@@ -11,6 +11,7 @@ import torch
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
 from shared.compute import selective
+from shared.compute.decode_engine import DecodeEngine
 from shared.compute.entry_codes import EntryCodes, pushed_mask
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
@@ -35,6 +36,10 @@ class QueryPush:
     floor: BudgetFloor = DEFAULT_FLOOR
     stop_layer: int = 0  # TransferPlan.query_stop_layer
     tail_tokens: int = 0  # TransferPlan.query_tail_tokens: in layers stop_layer … L − 1
+    # TransferPlan.exact_push: a layer whose push the prefill service held back gets step 1's exact selection as
+    # its picks once the prefill is done (`PrefillEngine.step_one_selection`): `pick_exact(layer, picked)`, set by
+    # `metadata_encoder`, replaces the layer's picks, its bitmap and its codes (nothing of it has left yet)
+    pick_exact: Callable[[int, np.ndarray], None] | None = None
     picked: dict[int, np.ndarray] = field(default_factory=dict)  # layer → (num_kv_heads, N) bool
     # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
     codes: EntryCodes | None = None
@@ -52,6 +57,7 @@ class PrefillEngine:
                                  runner.head_dim, store.layout.page_tokens, getattr(torch, store.layout.dtype))
         self._selectors: dict[str, Selector] = {}
         self.last_query: dict[int, torch.Tensor] = {}  # layer → (H, d), during a run with a query-aware push
+        self._decoder: DecodeEngine | None = None  # step 1 run here (`step_one_selection`), built on first use
 
     def selector(self, name: str) -> Selector:
         """The named selector (raises PreparationMissing or ValueError with the fix), built once."""
@@ -81,6 +87,35 @@ class PrefillEngine:
 
         with self._last_queries() if last_queries else _nothing():
             return first_token(self.runner, token_ids, sampling, store_layer)
+
+    def step_one_selection(self, slab: Slab, num_tokens: int, first: int, selector: str, budget: float,
+                           floor: BudgetFloor) -> dict[int, np.ndarray]:
+        """smartgen's exact push: run decode step 1 here, over the prompt's KV in `slab` (capacity ≥ N + 1) and
+        the selector state rebuilt from the metadata the prefill wrote (as the decode node rebuilds it), feeding
+        the first token `first`. Returns, per selective layer, (num_kv_heads, N) bool: the prompt entries step 1
+        selects. The decode node, running the same step on the same bytes, selects the same ones."""
+        if self._decoder is None:
+            self._decoder = DecodeEngine(self.runner, self.store, self.prep_dir)
+        decoder, rid = self._decoder, f"step-one/{slab.request_id}"
+        decoder.floor = floor
+        decoder.load_from_store(rid, slab, num_tokens)
+        try:
+            decoder.use_selection(rid, selector, budget, slab=slab, query_bitmap=True)
+            selection = decoder.selections[rid]
+            selection.picks = {}
+            decoder.step_logits(rid, first)
+            picks = {}
+            for layer, idx in selection.picks.items():
+                picked = np.zeros((idx.shape[0], num_tokens), dtype=bool)
+                idx_np = idx.cpu().numpy()
+                rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
+                in_prompt = idx_np < num_tokens  # the first token's own entry is the decode node's
+                picked[rows[in_prompt], idx_np[in_prompt]] = True
+                picks[layer] = picked
+            return picks
+        finally:
+            decoder.end(rid)
+            slab.num_tokens = num_tokens
 
     @contextmanager
     def _last_queries(self) -> Iterator[None]:
@@ -118,9 +153,13 @@ class PrefillEngine:
             if layer >= DENSE_LAYERS:
                 encode_metadata(layer, keys)
             if query_push is not None and query_push.codes is not None:
-                mask = pushed_mask(query_push.pushed_pages[layer], query_push.page_tokens, num_tokens, keys.shape[0],
-                                   query_push.picked.get(layer))
-                query_push.num_records[layer] = query_push.codes.encode(aux, layer, keys, values, mask)
+                encode_codes(layer, keys, values)
+
+        def encode_codes(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            assert query_push is not None and query_push.codes is not None
+            mask = pushed_mask(query_push.pushed_pages[layer], query_push.page_tokens, num_tokens, keys.shape[0],
+                               query_push.picked.get(layer))
+            query_push.num_records[layer] = query_push.codes.encode(aux, layer, keys, values, mask)
 
         def encode_metadata(layer: int, keys: torch.Tensor) -> None:
             state = sel.new_state(layer)
@@ -133,11 +172,24 @@ class PrefillEngine:
                     idx = selective.select_with_floor(sel, layer, state, self.last_query[layer], tokens, num_tokens,
                                                       query_push.floor)
                     np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)
-                    in_blocks = np.repeat(query_push.pushed_pages[layer], query_push.page_tokens)[:num_tokens]
-                    picked[:, in_blocks] = False  # the plan's blocks bring those already
-                query_push.picked[layer] = picked
-                layout.write_query_bitmap(aux, layer, picked)
+                record_picks(layer, picked)
 
+        def record_picks(layer: int, picked: np.ndarray) -> None:
+            assert query_push is not None
+            in_blocks = np.repeat(query_push.pushed_pages[layer], query_push.page_tokens)[:num_tokens]
+            picked[:, in_blocks] = False  # the plan's blocks bring those already
+            query_push.picked[layer] = picked
+            layout.write_query_bitmap(aux, layer, picked)
+
+        def pick_exact(layer: int, picked: np.ndarray) -> None:  # a held-back layer, once step 1 has run here
+            record_picks(layer, picked)
+            if query_push is not None and query_push.codes is not None:
+                keys, values = self.store.read_layer(slab, layer, num_tokens)
+                device, dtype = self.runner.device, self.runner.model.dtype
+                encode_codes(layer, keys.to(device, dtype), values.to(device, dtype))
+
+        if query_push is not None:
+            query_push.pick_exact = pick_exact
         return layout, encode
 
     def quantizer(self, slab: Slab, bits: int, num_tokens: int) -> tuple[QuantLayout, LayerEncoder]:

@@ -23,6 +23,11 @@ defined by that very query, the prediction misses at most tokens the step itself
 other selectors it is a guess. Only where `RemoteEntries.wants_speculation` (the decode service's policy: which
 selectors, which steps, and only where the next layer still has remote entries).
 
+Ranked reads (path 3 by the latest query): where a layer had to read this step, its selection for the same query
+is taken again under RANKED_READ_FACTOR × the budget, and what that adds and is not local is handed to the
+remote view (`RemoteEntries.rank`), which reads it on the background lane between on-demand reads: the entries
+the next steps are most likely to select, ranked by the latest query rather than by a static profile.
+
 NOTE: the step's context (`STEP`) is a module global set around one forward pass. Only the engine's single
 torch thread runs the model, so there is never more than one step in flight.
 """
@@ -44,6 +49,9 @@ from schemas import BudgetFloor
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 
 ATTENTION_NAME = "smartgen_selective"
+# Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
+# docstring). One more selection of the layer (~0.1 ms for Quest at 2K on this CPU), only where the layer read.
+RANKED_READ_FACTOR = 2
 
 
 class PendingRead(Protocol):
@@ -85,6 +93,13 @@ class RemoteEntries(Protocol):
         """Start reading the remote part of `idx` (H_kv, k), a prediction of `layer`'s selection; `fetch(layer,
         …)` waits for it, then reads only what it missed."""
 
+    def wants_ranking(self, layer: int) -> bool:
+        """Whether to rank `layer` again under a wider budget this step (it read, and path 3 is on)."""
+
+    def rank(self, layer: int, idx: torch.Tensor) -> None:
+        """`idx` (H_kv, k'), `layer`'s selection for this step's query under a wider budget: read its remote part on
+        the background lane (never blocks)."""
+
 
 @dataclass
 class Selection:
@@ -100,6 +115,7 @@ class Selection:
     restore: Callable[[int], LayerState] | None = None
     block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
     block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
+    picks: dict[int, torch.Tensor] | None = None  # layer → (H_kv, k') what it selected last, when recording
     num_steps: int = 0
     num_sparse_steps: int = 0  # steps that selected (the others attended densely: short context, or k ≥ n)
     mass_sum: float = 0.0
@@ -236,7 +252,12 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         speculates = getattr(sel.selector, "speculates", False)
         probe = _speculated_query(module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
         row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
+        if sel.picks is not None:
+            sel.picks[layer] = row.idx
         row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
+        if sel.remote is not None and sel.remote.wants_ranking(layer):  # path 3 by the latest query
+            wide = min(n, RANKED_READ_FACTOR * k)
+            sel.remote.rank(layer, select_with_floor(sel.selector, layer, state, probe, wide, n, sel.budget.floor))
     # the next layer's selection, predicted from this layer's input: from the last dense layer on, while selective
     if layer + 1 >= DENSE_LAYERS and k < n and sel.remote is not None and sel.remote.wants_speculation(layer + 1):
         _speculate_next_layer(module, layer, b, sel, k, n)

@@ -118,7 +118,7 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     print(f"smartgen at {gbps * 1e3:.1f} Mbit/s: TTFT {sg['ttft_s']:.3f} s, TTST {sg['ttst_s']:.3f} s, "
           f"TBT {sg['tbt_s']:.3f} s, kv_bytes {sg['kv_bytes']}, step-1 local share {sg['step_local_share'][0]:.2f}")
     assert sg["token_ids"] == local["smartgen"]["token_ids"]
-    assert sg["step_local_share"][0] < 1.0 and sg["kv_bytes"]["on_demand"] > 0
+    assert min(sg["step_local_share"]) < 1.0 and sg["kv_bytes"]["on_demand"] > 0  # (step 1 may be: the exact push)
     full_transfer_s = sg["prompt_tokens"] * 46080 * 8 / (gbps * 1e9)
     assert sg["ttst_s"] < 0.5 * full_transfer_s
     # The query-aware push: the prefill sends what its last prompt position selects, which step 1 mostly

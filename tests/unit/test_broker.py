@@ -103,6 +103,21 @@ def test_the_query_aware_push_sends_step_ones_budget_even_past_the_prefill_and_c
     assert partial.plan.query_tokens == 0
 
 
+def test_the_exact_push_is_allowed_where_the_push_goes_by_query_and_can_be_switched_off():
+    """`exact_push` lets the prefill node hold back the layers whose push would leave after its prefill anyway and
+    push step 1's exact selection there (it decides from the link's backlog: tests/integration/test_smartgen.py):
+    on wherever smartgen pushes by query, off with `ablate: ["exact"]` (the rest of the plan unchanged), without
+    the query-aware push, and in partial."""
+    link = link_for_ratio(8.0)
+    plan = plan_transfer(request("smartgen"), "smartgen", positional_importance(30), link, "b").plan
+    assert plan.exact_push and "step 1's exact selection" in plan.reason
+    off = plan_transfer(request("smartgen", ["exact"]), "smartgen", positional_importance(30), link, "b").plan
+    assert not off.exact_push and (off.query_tokens, off.query_stop_layer, off.push_blocks) == \
+        (plan.query_tokens, plan.query_stop_layer, plan.push_blocks)
+    assert not plan_transfer(request("smartgen", ["query"]), "smartgen", positional_importance(30), link, "b").plan.exact_push
+    assert not plan_transfer(request("partial"), "partial", None, link, "b").plan.exact_push
+
+
 def test_a_low_bit_push_fits_its_codes_where_exact_entries_would_not():
     """kv_bits 4 on smartgen: on the tight link above, each entry costs its record (104 bytes of fp32's
     512 here), so the query-aware push gets its whole 3× budget and more profile blocks follow, still in time;

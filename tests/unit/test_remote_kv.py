@@ -41,11 +41,12 @@ def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget:
 async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float, pushed_layers: int,
                         parallel: bool, background: bool, read_delay_s: float = 0.0,
                         gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True,
-                        land_every_s: float = 0.0):
+                        land_every_s: float = 0.0, ranked: bool = False):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
     The decode slab starts as NaN, so any entry used before it arrived would poison the output. `land_every_s`:
-    no push barrier, the push lands a layer every this many seconds while step 1 runs."""
+    no push barrier, the push lands a layer every this many seconds while step 1 runs. `ranked`: path 3 by the
+    latest query runs while decoding (`read_ranked`)."""
     layout = runner.kv_layout(16)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 7)  # different offsets on the two sides
@@ -93,7 +94,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     pushed[:pushed_layers] = True
     source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
-                      pushed, parallel, gather_reads=gather, speculative=speculative)
+                      pushed, parallel, gather_reads=gather, speculative=speculative, ranked=ranked)
     engine = DecodeEngine(runner, dst, floor=NO_FLOOR)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
@@ -108,6 +109,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                 remote.push_landed(layer, None)
         landing = asyncio.create_task(land())
     engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote, lazy=bool(land_every_s))
+    ranked_reads = asyncio.create_task(remote.read_ranked()) if ranked else None
     tokens = [first]
     for i in range(1, STEPS):
         tokens.append(await loop.run_in_executor(None, engine.step, "r", tokens[-1], Sampling(), i))  # a torch thread
@@ -117,6 +119,11 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
             landing = None
         if background and i == 2:
             await remote.read_blocks(list(range(layout.num_layers * pages)))
+        if ranked_reads is not None:  # let the reads queued during the step go out before the next one
+            while remote._ranked or (remote._background_turn.locked()):
+                await asyncio.sleep(0.001)
+    if ranked_reads is not None:
+        ranked_reads.cancel()
     await remote.close()
     return tokens, remote
 
@@ -193,6 +200,21 @@ async def test_speculation_reads_the_next_layer_ahead_and_never_changes_tokens(r
     assert tokens == plain_tokens == colocated_tokens(runner, ids, selector, 0.1)
     assert remote.num_speculative_reads > 0 and plain.num_speculative_reads == 0
     assert remote.num_read_remote < plain.num_read_remote and remote.num_fetch_reads <= plain.num_fetch_reads
+
+
+@pytest.mark.parametrize("selector", ["quest", "oracle"])
+async def test_ranked_reads_bring_what_a_wider_selection_adds_and_never_change_tokens(runner, selector):
+    """Path 3 by the latest query: a layer that read this step ranks again under twice its budget, and what that
+    adds is read on the background lane before the next step. The tokens stay those of every entry local; later
+    steps find more of their selection local than without it; nothing is ranked when it is off."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, ranked=True)
+    plain_tokens, plain = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False)
+    assert tokens == plain_tokens == colocated_tokens(runner, ids, selector, 0.1)
+    assert remote.num_ranked_reads > 0 and remote.bytes_ranked == remote.bytes_background > 0
+    assert plain.num_ranked_reads == 0 and plain.bytes_background == 0
+    assert remote.num_read_remote < plain.num_read_remote
+    assert remote.bytes_on_demand < plain.bytes_on_demand
 
 
 async def test_background_makes_everything_local(runner):

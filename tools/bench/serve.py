@@ -394,6 +394,9 @@ def summarize(records: list[dict]) -> list[dict]:
             # on-demand reads per request: issued by a layer as it attended, or a layer early on a prediction
             "fetch_reads_mean": _mean([x["reads"]["fetch"] for x in rs if x.get("reads")]),
             "speculative_reads_mean": _mean([x["reads"]["speculative"] for x in rs if x.get("reads")]),
+            # path 3 by the latest query: reads of what a wider selection adds, and their bytes (in kv_bytes' background)
+            "ranked_reads_mean": _mean([x["reads"].get("ranked", 0) for x in rs if x.get("reads")]),
+            "ranked_bytes_mean": _mean([x["reads"].get("ranked_bytes", 0) for x in rs if x.get("reads")]),
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
             "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
