@@ -1,9 +1,17 @@
 from dataclasses import dataclass
 
-from shared.config import ModelWorkerConfig
+from shared.config import ConfigError, ModelWorkerConfig
 
 
 @dataclass(slots=True)
 class PrefillConfig(ModelWorkerConfig):
     push_timeout_s: float = 60.0  # a layer push not acked by then fails the request
     lease_s: float = 30.0  # partial, smartgen: KV left here is freed this long after the decode node's last `keep`
+    # the exact push holds layers back only from this share of the layers on (services/prefill/service.py
+    # `_holds_back`: measured, 2/3; 0 lets any selective layer be held back)
+    exact_from_share: float = 2 / 3
+
+    def validate(self) -> None:
+        ModelWorkerConfig.validate(self)
+        if not 0 <= self.exact_from_share <= 1:
+            raise ConfigError(f"exact_from_share {self.exact_from_share} must be in [0, 1]")

@@ -56,11 +56,10 @@ RELEASE_TIMEOUT_S = 30.0
 # prefill's end: about one decode step run here (SmolLM2 at 2K: ~55 ms on this CPU) and the hand-offs around it,
 # so the link never waits for step 1. The last prompt position picks ~83% of step 1's selection (2K and 4K, R = 6.5).
 EXACT_AFTER_S = 0.1
-# … and only in the last third of the layers. Measured at 2K, R = 6.5 (docs/results/serve-2k-exact): held back from
+# … and only in the last third of the layers (PrefillConfig.exact_from_share, 2/3). Measured at 2K, R = 6.5 (docs/results/serve-2k-exact): held back from
 # layer 19–21 of 30, the second token came 0.2–0.4 s sooner than with the last query's picks in 5 of 5 requests;
 # from layer 13, 0.6–0.9 s later in 3 of 3, though the backlog rule held there too (the link, shared with a busy
 # prefill's event loop, falls behind its rate while the prefill runs: not understood in full).
-EXACT_FROM_SHARE = 2 / 3
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
@@ -174,9 +173,9 @@ class PrefillService(ModelWorkerService):
         """The exact push (plan.exact_push): hold `layer`'s push back for step 1's exact selection when the bytes
         queued before it, at the plan's link rate, would keep the link busy past the prefill's end (its layers
         left, at its pace so far) and step 1 run here (EXACT_AFTER_S): then it would not leave earlier anyway.
-        Only in the last third of the layers (EXACT_FROM_SHARE)."""
+        Only from `exact_from_share` of the layers on (the last third by default)."""
         plan, num_layers = transfer.plan, len(transfer.layer_push_bytes)
-        if not transfer.exact or layer < max(DENSE_LAYERS, EXACT_FROM_SHARE * num_layers) or plan is None or \
+        if not transfer.exact or layer < max(DENSE_LAYERS, self.config.exact_from_share * num_layers) or plan is None or \
                 plan.link_gbps <= 0 or not transfer.prefill_started:
             return False
         elapsed = time.perf_counter() - transfer.prefill_started

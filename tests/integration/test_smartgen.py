@@ -38,7 +38,9 @@ def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
                           "SMARTGEN_LINK_GBPS": str(LINK_GBPS),
                           # path 3 whenever planned, though 16 tokens cannot wait for the rest on this link (the
                           # default declines it then: test_background_policy.py)
-                          "SMARTGEN_BACKGROUND_IF_IT_CAN_FINISH": "false"})
+                          "SMARTGEN_BACKGROUND_IF_IT_CAN_FINISH": "false",
+                          # the exact push may hold back any selective layer (by default only the last third)
+                          "SMARTGEN_EXACT_FROM_SHARE": "0"})
     with started_stack(spec, 180) as running:
         running.log_path = log_file  # type: ignore[attr-defined]
         yield running
