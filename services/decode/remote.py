@@ -162,7 +162,7 @@ class RemoteKv:
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
         self._ranking = self.ranked  # this step: see RANK_WHEN_WAITING_BELOW
         self._step_started, self._landing_before_step = time.perf_counter(), 0.0
-        self._ranked: dict[int, np.ndarray] = {}  # layer → its latest wider selection (H_kv, k'), oldest first
+        self._ranked: dict[int, torch.Tensor] = {}  # layer → its latest wider selection (H_kv, k'), oldest first
         self._ranked_queued = asyncio.Event()
         self._background_turn = asyncio.Lock()  # ranked reads and `read_blocks` put one chunk on the wire at a time
 
@@ -228,7 +228,7 @@ class RemoteKv:
         step_s = time.perf_counter() - self._step_started
         read_wait_s = self.step_wait_s - (self.landing_wait_s - self._landing_before_step)
         share = read_wait_s / step_s if step_s > 0 else 0.0
-        self.read_wait_share = share if not self.step_wait[:-1] else \
+        self.read_wait_share = share if len(self.step_wait) == 1 else \
             (1 - WAIT_SHARE_WEIGHT) * self.read_wait_share + WAIT_SHARE_WEIGHT * share
         self._ranking = self.ranked and self.read_wait_share <= RANK_WHEN_WAITING_BELOW
 
@@ -331,10 +331,9 @@ class RemoteKv:
     def rank(self, layer: int, idx: torch.Tensor) -> None:
         """(torch thread) `idx` (H_kv, k'): `layer`'s selection under a wider budget; `read_ranked` reads its
         remote part. A layer ranked again replaces its older ranking and goes to the back of the queue."""
-        ranking = idx.cpu().numpy()
-        self.loop.call_soon_threadsafe(self._queue_ranking, layer, ranking)
+        self.loop.call_soon_threadsafe(self._queue_ranking, layer, idx.cpu())
 
-    def _queue_ranking(self, layer: int, ranking: np.ndarray) -> None:
+    def _queue_ranking(self, layer: int, ranking: torch.Tensor) -> None:
         self._ranked.pop(layer, None)
         self._ranked[layer] = ranking
         self._ranked_queued.set()
@@ -353,7 +352,7 @@ class RemoteKv:
             layer = next(iter(self._ranked))
             ranking = self._ranked.pop(layer)
             await self._wait_on_demand_idle()
-            _, heads = self._remote_part(layer, torch.from_numpy(ranking))
+            _, heads = self._remote_part(layer, ranking)
             for chunk in _chunks(heads, chunk_tokens):
                 async with self._background_turn:
                     await self._wait_on_demand_idle()

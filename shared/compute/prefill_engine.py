@@ -106,12 +106,9 @@ class PrefillEngine:
             decoder.step_logits(rid, first)
             picks = {}
             for layer, idx in selection.picks.items():
-                picked = np.zeros((idx.shape[0], num_tokens), dtype=bool)
-                idx_np = idx.cpu().numpy()
-                rows = np.broadcast_to(np.arange(idx_np.shape[0])[:, None], idx_np.shape)
-                in_prompt = idx_np < num_tokens  # the first token's own entry is the decode node's
-                picked[rows[in_prompt], idx_np[in_prompt]] = True
-                picks[layer] = picked
+                picked = np.zeros((idx.shape[0], num_tokens + 1), dtype=bool)
+                np.put_along_axis(picked, idx.cpu().numpy(), True, axis=1)
+                picks[layer] = picked[:, :num_tokens]  # the first token's own entry is the decode node's
             return picks
         finally:
             decoder.end(rid)
