@@ -14,6 +14,14 @@ from schemas.transfer import DEFAULT_FLOOR, DEFAULT_KV_BUDGET, FAILURE_POLICIES,
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillRate:
+    """A prefill worker's measured prompt rate at one prompt length (shared/prefill_rate.py)."""
+
+    tokens: int  # the prompt length measured (a moving average within its length bucket)
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """Any service → everyone (heartbeat, every `heartbeat_s`): who I am and how loaded I am."""
 
@@ -37,6 +45,7 @@ class WorkerInfo:
     # NATS reconnect uses it to tell a slow request from one whose reply or tokens were lost meanwhile.
     request_ids: list[str] = field(default_factory=list)
     max_requests: int = 0  # model workers: how many requests they take at once (max_active_requests)
+    prefill_rates: list[PrefillRate] = field(default_factory=list)  # prefill: measured rate by prompt length
 
 
 @dataclass(frozen=True, slots=True)

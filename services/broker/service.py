@@ -26,6 +26,7 @@ from nats.micro.service import Service as MicroService
 
 from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, entry_region_bytes, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
                      Progress, TransferPlan, WorkerInfo, WorkerList)
+from shared.prefill_rate import tokens_per_s
 from shared.registry import WorkerRegistry
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime import Service
@@ -69,7 +70,7 @@ class BrokerService(Service):
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenPlan) -> TransferPlan:
         self._check(req)
-        link = self._link_estimate(req.prefill_worker_id)
+        link = self._link_estimate(req.prefill_worker_id, req.num_tokens)
         # NOTE: the one place a mode is resolved; the plan carries the mode and selector to everyone after
         mode, reason = (req.mode, "") if mode_of(req.mode).is_resolved else choose_mode(req, link)
         # auto's default selector serves its selective choice only: chosen full, the request attends densely
@@ -127,11 +128,12 @@ class BrokerService(Service):
         if self.book.get(req.request_id) is not None:
             raise RequestRefused("bad_request", f"request {req.request_id} already has a plan")
 
-    def _link_estimate(self, prefill_worker_id: str) -> LinkEstimate:
-        """The prefill worker's measured send rate and prompt rate where it has measured them; before that, the
-        pacing it reports, then this broker's setting, then the default."""
+    def _link_estimate(self, prefill_worker_id: str, num_tokens: int) -> LinkEstimate:
+        """The prefill worker's measured send rate where it has measured it (before that, the pacing it reports,
+        then this broker's setting, then the default), and its measured prompt rate for `num_tokens`."""
         info = self.registry.get(prefill_worker_id)
-        rate = info.prefill_tokens_per_s if info and info.prefill_tokens_per_s > 0 else self.config.default_prefill_tokens_per_s
+        rate = (tokens_per_s(info.prefill_rates, num_tokens) or info.prefill_tokens_per_s) if info else 0.0
+        rate = rate or self.config.default_prefill_tokens_per_s
         if info and info.send_rate_gbps > 0:
             # NOTE: a paced link cannot beat its pacing: the measured rate over- or under-shoots it by the
             # pacer's slack and the writer's idle gaps (measured +20% on paced loopback), which oversized the push

@@ -10,8 +10,12 @@ class PrefillConfig(ModelWorkerConfig):
     # the exact push holds layers back only from this share of the layers on (services/prefill/service.py
     # `_holds_back`: measured, 2/3; 0 lets any selective layer be held back)
     exact_from_share: float = 2 / 3
+    # at start, a prefill of this many tokens measures the prompt rate the broker's first plan uses (0 = none)
+    warmup_tokens: int = 512
 
     def validate(self) -> None:
         ModelWorkerConfig.validate(self)
         if not 0 <= self.exact_from_share <= 1:
             raise ConfigError(f"exact_from_share {self.exact_from_share} must be in [0, 1]")
+        if self.warmup_tokens < 0:
+            raise ConfigError(f"warmup_tokens {self.warmup_tokens} must be ≥ 0")

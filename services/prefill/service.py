@@ -36,12 +36,13 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, TransferFailed,
+from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling, TransferFailed,
                      TransferMode, TransferPlan, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
                      kv_budget_problem, subjects, token_runs)
 from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages, Slab, slab_rows
+from shared.prefill_rate import PrefillTimes
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.worker import ModelWorkerService
@@ -95,7 +96,8 @@ class PrefillService(ModelWorkerService):
         super().__init__(config)
         self.engine: PrefillEngine | None = None
         self.active: dict[str, Transfer] = {}
-        self.prefill_tokens_per_s = 0.0
+        self.prefill_tokens_per_s = 0.0  # moving average over the prompts served (admin stats)
+        self.prefill_times = PrefillTimes()  # by prompt length, warm-up included: what the broker plans with
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)
         self._freeing: set[asyncio.Task] = set()  # frees run by abort and release, which reply at once
         self.leases_expired = self.metrics.counter("smartgen_kv_leases_expired_total",
@@ -105,10 +107,41 @@ class PrefillService(ModelWorkerService):
         await super().start(nc, micro)
         assert self.runner and self.store
         self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path))
+        await self._warm_up()
         await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True),
                                  abort=endpoint(Abort, self.abort),
                                  release=endpoint(Release, self.release))
         await nc.subscribe(self.subject("keep"), cb=subscriber(KeepLease, self.keep))
+
+    async def _warm_up(self) -> None:
+        """Before taking requests: a short prefill warms the kernels, then one of `warmup_tokens` measures this
+        worker's prompt rate, so the broker's first plan uses it rather than a default (which, 3× too fast on
+        the development CPU, halved the first smartgen request's push budget)."""
+        assert self.engine and self.store and self.runner
+        num_tokens = min(self.config.warmup_tokens, self.runner.max_positions)
+        if num_tokens <= 0:
+            return
+        ids = [(7919 * i) % self.runner.vocab_size for i in range(num_tokens)]  # any tokens: only time matters
+
+        def run() -> float:  # torch thread: seconds of the measured prefill
+            seconds = 0.0
+            for n in (min(32, num_tokens), num_tokens):
+                slab = self.store.allocate("warm-up", n)
+                try:
+                    started = time.perf_counter()
+                    self.engine.run(slab, ids[:n], Sampling(), lambda _layer: None)
+                    seconds = time.perf_counter() - started
+                finally:
+                    self.store.free("warm-up")
+            return seconds
+
+        try:
+            seconds = await self.in_torch(run)
+        except OutOfPages:
+            log.warning("warm_up_skipped", reason="the KV store has no room for it", tokens=num_tokens)
+            return
+        self.prefill_times.observe(num_tokens, seconds)
+        log.info("warmed_up", tokens=num_tokens, prefill_s=round(seconds, 3), tokens_per_s=round(num_tokens / seconds, 1))
 
     # --- handlers ------------------------------------------------------------------------
     async def prefill(self, req: Prefill) -> PrefillDone:
@@ -158,6 +191,8 @@ class PrefillService(ModelWorkerService):
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
         rate = n / prefill_s
+        if self.prefill_times.observe(n, prefill_s):  # a prompt length not measured before: tell the broker now
+            await self.publish_heartbeat()
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
         log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
@@ -441,12 +476,14 @@ class PrefillService(ModelWorkerService):
         self.store.free(request_id)
 
     def load_info(self) -> dict[str, Any]:
-        return {**super().load_info(), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2)}
+        return {**super().load_info(), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+                "prefill_rates": self.prefill_times.report()}
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
         stats["leases_open"] = len(self.active)  # a prefill holds KV for a request until its pushes or reads finish
         stats["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
+        stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in self.prefill_times.report()]
         stats["leases_expired"] = self.leases_expired.value()
         return stats
 

@@ -60,11 +60,16 @@ def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
         url = f"http://127.0.0.1:{port}"
         workers = wait_for_workers(url, {"prefill": 2, "decode": 1, "broker": 1, "kvprofile": 1}, proc, log)
         assert sum(w["role"] == "prefill" for w in workers) == 2
+        warmed = {w["id"]: get_json(w["admin_url"] + "/stats")["prefill_rates"] for w in workers if w["role"] == "prefill"}
+        assert all(len(rates) == 1 and rates[0][1] > 0 for rates in warmed.values()), warmed  # the warm-up's
         used = set()
         for _ in range(4):
             status, body = post_json(url + "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
             assert status == 200, body
-            used.add(body["smartgen"]["prefill_worker_id"])
+            worker_id = body["smartgen"]["prefill_worker_id"]
+            if worker_id not in used:  # its first plan: made with the rate the worker measured at start
+                assert body["smartgen"]["plan"]["prefill_tokens_per_s"] == warmed[worker_id][0][1], body["smartgen"]
+            used.add(worker_id)
         assert len(used) == 2, "the gateway should spread requests over both prefill workers"
         check_concurrent_smartgen(url)
         check_short_chat_is_dense(url)
