@@ -8,8 +8,8 @@ mis-plans every one of them, and a worker that has not prefilled yet gives the b
   average of the prompt length and of the time per token it measured (`PrefillTimes`), seeded at start by a
   warm-up prefill, and reports the buckets in its heartbeat (`WorkerInfo.prefill_rates`);
 - the broker reads the rate for a prompt of N tokens off them (`tokens_per_s`): time per token interpolated
-  linearly in N between the measured lengths, extrapolated above them along the longest two (never falling
-  with N), and taken as the shortest's below them.
+  linearly in N between the measured lengths, extrapolated above them along the slope between the shortest and
+  the longest (never falling with N; none if they are under 2× apart), and taken as the shortest's below them.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from schemas.messages import PrefillRate
 
 MIN_BUCKET = 256  # tokens: shorter prompts share one bucket (their time is mostly fixed costs)
 SMOOTHING = 0.3  # weight of the newest prefill in its bucket's averages
+MIN_SPAN = 2.0  # extrapolate above the longest length measured only from lengths this far apart (ratio)
 
 
 class PrefillTimes:
@@ -59,8 +60,10 @@ def tokens_per_s(rates: Sequence[PrefillRate], num_tokens: int) -> float:
     if num_tokens >= points[-1][0]:
         if len(points) == 1:
             return 1 / points[0][1]
-        (n0, s0), (n1, s1) = points[-2], points[-1]
-        slope = max(0.0, (s1 - s0) / (n1 - n0))  # s per token per token: attention's share grows with N
+        # the slope over the widest span measured (s per token per token: attention's share grows with N); none
+        # where that span is short: two close lengths (2,000 and 2,050 tokens) give a slope made of noise
+        (n0, s0), (n1, s1) = points[0], points[-1]
+        slope = max(0.0, (s1 - s0) / (n1 - n0)) if n1 >= MIN_SPAN * n0 else 0.0
         return 1 / (s1 + slope * (num_tokens - n1))
     i = next(i for i in range(1, len(points)) if num_tokens < points[i][0])
     (n0, s0), (n1, s1) = points[i - 1], points[i]

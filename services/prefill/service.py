@@ -57,10 +57,9 @@ RELEASE_TIMEOUT_S = 30.0
 # prefill's end: about one decode step run here (SmolLM2 at 2K: ~55 ms on this CPU) and the hand-offs around it,
 # so the link never waits for step 1. The last prompt position picks ~83% of step 1's selection (2K and 4K, R = 6.5).
 EXACT_AFTER_S = 0.1
-# … and only in the last third of the layers (PrefillConfig.exact_from_share, 2/3). Measured at 2K, R = 6.5 (docs/results/serve-2k-exact): held back from
-# layer 19–21 of 30, the second token came 0.2–0.4 s sooner than with the last query's picks in 5 of 5 requests;
-# from layer 13, 0.6–0.9 s later in 3 of 3, though the backlog rule held there too (the link, shared with a busy
-# prefill's event loop, falls behind its rate while the prefill runs: not understood in full).
+# Measured at 2K, R = 6.5, in-process data plane, no guard (docs/results/serve-2k-exact-model): held back from
+# layer 17–20 of 30 by the link model, the second token came 0.3–0.6 s sooner than with the last query's picks in
+# 5 of 5 requests. By acked bytes instead, the rule held back from layer 13 and came 0.6–1.4 s later (acks lag).
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
@@ -86,6 +85,7 @@ class Transfer:
     held: list[int] = field(default_factory=list)  # layers held back for step 1's exact selection, in order
     exact_from_layer: int = 0  # the first of them, once pushed (PrefillDone.exact_from_layer)
     step_one_s: float = 0.0  # the exact push: step 1 run here (seconds on the torch thread)
+    link_free_at: float = 0.0  # perf_counter when the plan's link would have sent every push queued so far
 
 
 class PrefillService(ModelWorkerService):
@@ -188,6 +188,7 @@ class PrefillService(ModelWorkerService):
             raise
         if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
             raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
+        link = self._link_during_prefill(transfer, prefill_s)
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
         rate = n / prefill_s
@@ -196,7 +197,7 @@ class PrefillService(ModelWorkerService):
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
         log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
-                 mode=req.transfer_mode)
+                 mode=req.transfer_mode, **link)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
@@ -204,19 +205,32 @@ class PrefillService(ModelWorkerService):
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
                            transfer.exact_from_layer)
 
+    @staticmethod
+    def _link_during_prefill(transfer: Transfer, prefill_s: float) -> dict[str, Any]:
+        """For the log: what the pushes achieved while the prefill computed, against what the plan's link rate
+        allows in that time (a push counts once acked, so this lags by up to one push)."""
+        if transfer.plan is None or transfer.plan.link_gbps <= 0 or not transfer.num_bytes:
+            return {}
+        allowed = transfer.plan.link_gbps * 1e9 / 8 * prefill_s
+        return {"pushed_mb": round(transfer.num_bytes / 1e6, 3),
+                "queued_mb": round((sum(transfer.layer_push_bytes) - transfer.num_bytes) / 1e6, 3),
+                "link_allows_mb": round(allowed / 1e6, 3)}
+
     def _holds_back(self, transfer: Transfer, layer: int) -> bool:
-        """The exact push (plan.exact_push): hold `layer`'s push back for step 1's exact selection when the bytes
-        queued before it, at the plan's link rate, would keep the link busy past the prefill's end (its layers
-        left, at its pace so far) and step 1 run here (EXACT_AFTER_S): then it would not leave earlier anyway.
-        Only from `exact_from_share` of the layers on (the last third by default)."""
+        """The exact push (plan.exact_push): hold `layer`'s push back for step 1's exact selection when the pushes
+        queued before it would keep the plan's link busy past the prefill's end (its layers left, at its pace
+        so far) and step 1 run here (EXACT_AFTER_S): then it would not leave earlier anyway. The link's backlog
+        is the plan's link model (`link_free_at`), not the bytes acked so far: a push is acked only once all of
+        it has landed, and pushes of several layers share the link, so acks lag what the link has carried (by
+        acks, the rule held back from layer 13 of 30 where the link was free before the prefill's end, and
+        the second token came 0.6–1.4 s later). Only from `exact_from_share` of the layers on (0 by default)."""
         plan, num_layers = transfer.plan, len(transfer.layer_push_bytes)
         if not transfer.exact or layer < max(DENSE_LAYERS, self.config.exact_from_share * num_layers) or plan is None or \
                 plan.link_gbps <= 0 or not transfer.prefill_started:
             return False
-        elapsed = time.perf_counter() - transfer.prefill_started
-        prefill_left_s = elapsed / (layer + 1) * (num_layers - 1 - layer)
-        queued = sum(transfer.layer_push_bytes[:layer]) - transfer.num_bytes  # not acked yet
-        return queued * 8 / (plan.link_gbps * 1e9) >= prefill_left_s + EXACT_AFTER_S
+        now = time.perf_counter()
+        prefill_left_s = (now - transfer.prefill_started) / (layer + 1) * (num_layers - 1 - layer)
+        return transfer.link_free_at - now >= prefill_left_s + EXACT_AFTER_S
 
     async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
         """The layers held back (`_holds_back`): run step 1 here, give each of them step 1's exact selection as its
@@ -351,6 +365,9 @@ class PrefillService(ModelWorkerService):
         # NOTE: queued in layer order on one lane of one link, so they land in that order (PrefillDone.layer_push_bytes)
         pushes = self._layer_pushes(transfer, layer)
         transfer.layer_push_bytes[layer] = sum(s.length for _, segments in pushes for s in segments)
+        if transfer.plan is not None and transfer.plan.link_gbps > 0:
+            transfer.link_free_at = max(transfer.link_free_at, time.perf_counter()) + \
+                transfer.layer_push_bytes[layer] * 8 / (transfer.plan.link_gbps * 1e9)
         for path, segments in pushes:
             transfer.pushes.append(asyncio.create_task(self._push(transfer, segments, path)))
 

@@ -32,6 +32,11 @@ def test_the_rate_for_a_length_is_interpolated_and_extrapolated_without_falling_
     assert tokens_per_s(rates, 4096) < 320.0  # above: slower still (attention grows with N)
     noisy = [PrefillRate(512, 300.0), PrefillRate(2048, 320.0)]  # the longer measured faster: no speed-up beyond
     assert tokens_per_s(noisy, 8192) == pytest.approx(320.0)
+    close = [PrefillRate(1990, 346.0), PrefillRate(2050, 334.0)]  # a 3% span: its slope is noise, not attention
+    assert tokens_per_s(close, 4096) == pytest.approx(334.0)
+    wide = [PrefillRate(512, 400.0), PrefillRate(1990, 346.0), PrefillRate(2050, 334.0)]  # the slope from 512 on
+    slope = (1 / 334 - 1 / 400) / (2050 - 512)
+    assert tokens_per_s(wide, 4096) == pytest.approx(1 / (1 / 334 + slope * (4096 - 2050)))
 
 
 def test_worker_info_carries_the_rates():
