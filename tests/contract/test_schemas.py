@@ -15,6 +15,9 @@ PLAN = schemas.TransferPlan("r1", "smartgen", "broker-0", 2, b"\x0f", 4, "m.ques
 EXAMPLES = [
     schemas.WorkerInfo("decode", "decode-1", 42, "host", "http://127.0.0.1:1", "0.1.0", "127.0.0.1:2", "m", 1, 2, 3, 4.5,
                        request_ids=["r1", "r2"]),
+    schemas.WorkerInfo("prefill", "prefill-1", 43, "host", "http://127.0.0.1:3", "0.1.0",
+                       prefill_rates=[schemas.PrefillRate(512, 380.5), schemas.PrefillRate(2048, 333.0)]),
+    schemas.PrefillRate(4096, 270.25),
     schemas.Discover("gateway-1"),
     LAYOUT,
     schemas.KvHandle("r1", "decode-1", "127.0.0.1:2", 2**62, LAYOUT, 20, 4096, 48,
