@@ -33,16 +33,13 @@ class PrefillTimes:
         if num_tokens <= 0 or seconds <= 0:
             return False
         bucket = max(MIN_BUCKET, 1 << (num_tokens - 1).bit_length())
-        per_token = seconds / num_tokens
-        if bucket in self._buckets:
-            tokens, mean = self._buckets[bucket]
-            tokens, per_token = (1 - SMOOTHING) * tokens + SMOOTHING * num_tokens, \
-                (1 - SMOOTHING) * mean + SMOOTHING * per_token
-        else:
-            tokens = num_tokens
-        new = bucket not in self._buckets
-        self._buckets[bucket] = (tokens, per_token)
-        return new
+        point = (num_tokens, seconds / num_tokens)
+        if bucket not in self._buckets:
+            self._buckets[bucket] = point
+            return True
+        self._buckets[bucket] = tuple((1 - SMOOTHING) * old + SMOOTHING * new
+                                      for old, new in zip(self._buckets[bucket], point))
+        return False
 
     def report(self) -> list[PrefillRate]:
         """One point per measured bucket, shortest first."""
@@ -58,10 +55,8 @@ def tokens_per_s(rates: Sequence[PrefillRate], num_tokens: int) -> float:
     if num_tokens <= points[0][0]:
         return 1 / points[0][1]  # shorter than any measured: per-token time no lower (fixed costs weigh more)
     if num_tokens >= points[-1][0]:
-        if len(points) == 1:
-            return 1 / points[0][1]
         # the slope over the widest span measured (s per token per token: attention's share grows with N); none
-        # where that span is short: two close lengths (2,000 and 2,050 tokens) give a slope made of noise
+        # where that span is short (one length; 2,000 and 2,050 tokens give a slope made of noise)
         (n0, s0), (n1, s1) = points[0], points[-1]
         slope = max(0.0, (s1 - s0) / (n1 - n0)) if n1 >= MIN_SPAN * n0 else 0.0
         return 1 / (s1 + slope * (num_tokens - n1))
