@@ -6,6 +6,7 @@
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
+    smartgen eval drift [--selector S] [--factors F,F…] [--json PATH]
     smartgen model prepare | path
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 
 from tools import loadtest, model, prepare_selectors, profiles, up
 from tools.bench import decode_batch, decode_step, interference, serve, simulate, transport
-from tools.eval import accuracy, fidelity
+from tools.eval import accuracy, drift, fidelity
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     profiles.register(commands)
     evaluation = commands.add_parser("eval", help="quality evaluations; each accepts --json PATH")
     evaluations = evaluation.add_subparsers(dest="what", required=True)
-    for tool in (fidelity, accuracy):
+    for tool in (fidelity, accuracy, drift):
         tool.register(evaluations)
     simulate.register(commands)
     model.register(commands)

@@ -127,3 +127,16 @@ def test_an_ablation_row_is_a_smartgen_mode_without_one_path():
     for bad in ("full-no-query", "smartgen-no-nothing", "smartgen-16bit"):
         with pytest.raises(ValueError):
             mode_body(bad, "quest", 0.1)
+
+
+def test_the_drift_replay_counts_misses_and_what_a_wider_ranking_reads_ahead():
+    """One layer, three steps: step 1's selection is local, later steps read what they miss, and with reading ahead
+    a layer that missed (and step 1) brings its wider ranking before the next step."""
+    from tools.eval.drift import replay
+
+    a, b, c, d, e = ((0, t) for t in range(5))
+    picks = {(0, 2): {1.0: {a, b}, 2.0: {a, b, c}},
+             (1, 2): {1.0: {a, c}, 2.0: {a, c, d}},
+             (2, 2): {1.0: {c, d}, 2.0: {c, d, e}}}
+    assert replay(picks, [2], 3, None) == (2, 0)  # c at step 2, d at step 3
+    assert replay(picks, [2], 3, 2.0) == (1, 2)  # c read ahead after step 1; d missed, then e read ahead
