@@ -37,7 +37,6 @@ class WorkerInfo:
     kv_pages_free: int = 0
     kv_pages_total: int = 0
     started_unix: float = 0.0
-    prefill_tokens_per_s: float = 0.0  # prefill: measured prompt rate (moving average); 0 = not measured yet
     send_rate_gbps: float = 0.0  # model workers: the rate their data plane achieved while sending; 0 = unknown
     link_gbps: float = 0.0  # model workers: the pacing their data plane is set to (emulated NIC); 0 = unpaced
     plans: list[PlanRegistration] = field(default_factory=list)  # decode: its live transfer plans (for the broker)

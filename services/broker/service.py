@@ -132,7 +132,7 @@ class BrokerService(Service):
         """The prefill worker's measured send rate where it has measured it (before that, the pacing it reports,
         then this broker's setting, then the default), and its measured prompt rate for `num_tokens`."""
         info = self.registry.get(prefill_worker_id)
-        rate = (tokens_per_s(info.prefill_rates, num_tokens) or info.prefill_tokens_per_s) if info else 0.0
+        rate = tokens_per_s(info.prefill_rates, num_tokens) if info else 0.0
         rate = rate or self.config.default_prefill_tokens_per_s
         if info and info.send_rate_gbps > 0:
             # NOTE: a paced link cannot beat its pacing: the measured rate over- or under-shoots it by the

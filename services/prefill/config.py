@@ -7,8 +7,9 @@ from shared.config import ConfigError, ModelWorkerConfig
 class PrefillConfig(ModelWorkerConfig):
     push_timeout_s: float = 60.0  # a layer push not acked by then fails the request
     lease_s: float = 30.0  # partial, smartgen: KV left here is freed this long after the decode node's last `keep`
-    # the exact push holds layers back only from this share of the layers on (services/prefill/service.py
-    # `_holds_back`); 0: wherever the link's backlog says (the guard of 2/3 it once needed is measured unneeded)
+    # the exact push holds layers back only from this share of the layers on (`Transfer.holds_back` in
+    # services/prefill/pushes.py); 0: wherever the link's backlog says (the guard of 2/3 it once needed is measured
+    # unneeded)
     exact_from_share: float = 0.0
     # at start, a prefill of this many tokens measures the prompt rate the broker's first plan uses (0 = none)
     warmup_tokens: int = 512

@@ -11,7 +11,7 @@ Life of a request here:
                   entries the layer's own last-position query selects (query-aware push), with their bitmap
                   inside the metadata. With the plan's `exact_push`, a layer whose push would leave only after
                   the prefill's end anyway (by the link's backlog) is held back, and every later one: once the
-                  prefill is done, step 1 runs here and they push its exact selection (`_holds_back`,
+                  prefill is done, step 1 runs here and they push its exact selection (`Transfer.holds_back`,
                   `_push_step_one_selection`).
   3. The first token is sampled and returned (after step 1, where it ran here); the last layers' pushes may
      still be in flight.
@@ -28,64 +28,30 @@ import secrets
 import time
 from collections.abc import Coroutine
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling, TransferFailed,
-                     TransferMode, TransferPlan, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
-                     kv_budget_problem, subjects, token_runs)
+                     TransferMode, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
+                     kv_budget_problem, subjects)
 from schemas.transfer import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
-from shared.compute.kvstore import OutOfPages, Slab, slab_rows
-from shared.prefill_rate import PrefillTimes
+from shared.compute.kvstore import OutOfPages
+from shared.prefill_rate import PrefillTimes, tokens_per_s
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
+from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
 from shared.compute.sampling import FirstToken
 
 log = structlog.get_logger()
-RATE_SMOOTHING = 0.3  # weight of the newest prefill in the reported prompt rate
 RELEASE_TIMEOUT_S = 30.0
-# The exact push holds a layer back when the bytes before it would keep the link busy at least this long past the
-# prefill's end: about one decode step run here (SmolLM2 at 2K: ~55 ms on this CPU) and the hand-offs around it,
-# so the link never waits for step 1. The last prompt position picks ~83% of step 1's selection (2K and 4K, R = 6.5).
-EXACT_AFTER_S = 0.1
-# Measured at 2K, R = 6.5, in-process data plane, no guard (docs/results/serve-2k-exact-model): held back from
-# layer 17–20 of 30 by the link model, the second token came 0.3–0.6 s sooner than with the last query's picks in
-# 5 of 5 requests. By acked bytes instead, the rule held back from layer 13 and came 0.6–1.4 s later (acks lag).
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
-
-
-@dataclass
-class Transfer:
-    """One request's KV on its way out: the local slab, where it goes, and the pushes in flight."""
-
-    handle: KvHandle
-    slab: Slab
-    mode: TransferMode
-    plan: TransferPlan | None
-    pushes: list[asyncio.Task[None]] = field(default_factory=list)
-    num_bytes: int = 0
-    aux_ranges: list[tuple[int, int]] = field(default_factory=list)  # per layer: (offset in aux, length); may be empty
-    aux_filled: int = 0  # bytes of the aux area this request fills (≤ the reservation: auto reserves for each choice)
-    layer_push_bytes: list[int] = field(default_factory=list)  # per layer: the bytes its pushes carry, in order
-    row_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer: the token ranges it pushes
-    read_grant: Grant | None = None  # selective modes, after prefill: what the decode node may read
-    lease: asyncio.TimerHandle | None = None
-    query_push: QueryPush | None = None  # smartgen: the entries each layer's last-position query picked
-    exact: bool = False  # plan.exact_push, and the mode pushes by query: layers may be held back for step 1
-    prefill_started: float = 0.0  # perf_counter when the prefill began computing
-    held: list[int] = field(default_factory=list)  # layers held back for step 1's exact selection, in order
-    exact_from_layer: int = 0  # the first of them, once pushed (PrefillDone.exact_from_layer)
-    step_one_s: float = 0.0  # the exact push: step 1 run here (seconds on the torch thread)
-    link_free_at: float = 0.0  # perf_counter when the plan's link would have sent every push queued so far
 
 
 class PrefillService(ModelWorkerService):
@@ -96,7 +62,7 @@ class PrefillService(ModelWorkerService):
         super().__init__(config)
         self.engine: PrefillEngine | None = None
         self.active: dict[str, Transfer] = {}
-        self.prefill_tokens_per_s = 0.0  # moving average over the prompts served (admin stats)
+        self.last_prompt_tokens = 0  # admin stats: the rate at this length
         self.prefill_times = PrefillTimes()  # by prompt length, warm-up included: what the broker plans with
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)
         self._freeing: set[asyncio.Task] = set()  # frees run by abort and release, which reply at once
@@ -188,14 +154,13 @@ class PrefillService(ModelWorkerService):
             raise
         if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
             raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
-        link = self._link_during_prefill(transfer, prefill_s)
+        link = transfer.link_during_prefill(prefill_s)
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
         rate = n / prefill_s
         if self.prefill_times.observe(n, prefill_s):  # a prompt length not measured before: tell the broker now
             await self.publish_heartbeat()
-        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
-            (1 - RATE_SMOOTHING) * self.prefill_tokens_per_s + RATE_SMOOTHING * rate
+        self.last_prompt_tokens = n
         log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
                  mode=req.transfer_mode, **link)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
@@ -205,35 +170,8 @@ class PrefillService(ModelWorkerService):
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
                            transfer.exact_from_layer)
 
-    @staticmethod
-    def _link_during_prefill(transfer: Transfer, prefill_s: float) -> dict[str, Any]:
-        """For the log: what the pushes achieved while the prefill computed, against what the plan's link rate
-        allows in that time (a push counts once acked, so this lags by up to one push)."""
-        if transfer.plan is None or transfer.plan.link_gbps <= 0 or not transfer.num_bytes:
-            return {}
-        allowed = transfer.plan.link_gbps * 1e9 / 8 * prefill_s
-        return {"pushed_mb": round(transfer.num_bytes / 1e6, 3),
-                "queued_mb": round((sum(transfer.layer_push_bytes) - transfer.num_bytes) / 1e6, 3),
-                "link_allows_mb": round(allowed / 1e6, 3)}
-
-    def _holds_back(self, transfer: Transfer, layer: int) -> bool:
-        """The exact push (plan.exact_push): hold `layer`'s push back for step 1's exact selection when the pushes
-        queued before it would keep the plan's link busy past the prefill's end (its layers left, at its pace
-        so far) and step 1 run here (EXACT_AFTER_S): then it would not leave earlier anyway. The link's backlog
-        is the plan's link model (`link_free_at`), not the bytes acked so far: a push is acked only once all of
-        it has landed, and pushes of several layers share the link, so acks lag what the link has carried (by
-        acks, the rule held back from layer 13 of 30 where the link was free before the prefill's end, and
-        the second token came 0.6–1.4 s later). Only from `exact_from_share` of the layers on (0 by default)."""
-        plan, num_layers = transfer.plan, len(transfer.layer_push_bytes)
-        if not transfer.exact or layer < max(DENSE_LAYERS, self.config.exact_from_share * num_layers) or plan is None or \
-                plan.link_gbps <= 0 or not transfer.prefill_started:
-            return False
-        now = time.perf_counter()
-        prefill_left_s = (now - transfer.prefill_started) / (layer + 1) * (num_layers - 1 - layer)
-        return transfer.link_free_at - now >= prefill_left_s + EXACT_AFTER_S
-
     async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
-        """The layers held back (`_holds_back`): run step 1 here, give each of them step 1's exact selection as its
+        """The layers held back (`Transfer.holds_back`): run step 1 here, give each of them step 1's exact selection as its
         picks, then push them in layer order behind those already queued (which keep the link busy meanwhile).
         PrefillDone waits for this: it says what each layer pushes. Should step 1 fail here, they go with the last
         prompt query's picks, computed as they were stored."""
@@ -359,59 +297,16 @@ class PrefillService(ModelWorkerService):
     def _start_push(self, transfer: Transfer, layer: int) -> None:
         if self.active.get(transfer.handle.request_id) is not transfer:
             return  # aborted while the torch thread was still on it: nothing may push from a freed slab
-        if transfer.held or self._holds_back(transfer, layer):  # held, so every later layer is too (layer order)
+        # held back, so every later layer is too (layer order)
+        if transfer.held or transfer.holds_back(layer, self.config.exact_from_share):
             transfer.held.append(layer)
             return
         # NOTE: queued in layer order on one lane of one link, so they land in that order (PrefillDone.layer_push_bytes)
-        pushes = self._layer_pushes(transfer, layer)
-        transfer.layer_push_bytes[layer] = sum(s.length for _, segments in pushes for s in segments)
-        if transfer.plan is not None and transfer.plan.link_gbps > 0:
-            transfer.link_free_at = max(transfer.link_free_at, time.perf_counter()) + \
-                transfer.layer_push_bytes[layer] * 8 / (transfer.plan.link_gbps * 1e9)
+        assert self.store
+        pushes = layer_pushes(self.store, transfer, layer)
+        transfer.queue(layer, sum(s.length for _, segments in pushes for s in segments))
         for path, segments in pushes:
             transfer.pushes.append(asyncio.create_task(self._push(transfer, segments, path)))
-
-    def _layer_pushes(self, transfer: Transfer, layer: int) -> list[tuple[str, list[Segment]]]:
-        """What this layer sends during prefill, per the mode (see the life cycle above), by KV path."""
-        assert self.store
-        handle = transfer.handle
-        pushes = []
-        if transfer.aux_ranges and transfer.aux_ranges[layer][1]:
-            at, length = transfer.aux_ranges[layer]
-            aux = [Segment(self.store.aux_offset(transfer.slab) + at, handle.aux_offset + at, length)]
-            pushes.append((transfer.mode.aux_path, aux))
-        codes = transfer.query_push.codes if transfer.query_push is not None else None
-        if codes is not None:  # the low-bit push: this layer's blocks and query entries, as one run of records
-            assert transfer.query_push is not None
-            at, length = codes.layer_range(layer, transfer.query_push.num_records[layer])
-            if length:
-                aux_at = self.store.aux_offset(transfer.slab)
-                pushes.append((transfer.mode.rows_path, [Segment(aux_at + at, handle.aux_offset + at, length)]))
-            return pushes
-        rows = []
-        if transfer.query_push is not None and layer in transfer.query_push.picked:
-            rows += self._entry_segments(transfer, layer, transfer.query_push.picked[layer])
-        for start, stop in transfer.row_runs[layer]:
-            src = self.store.rows(transfer.slab, layer, start, stop)
-            dst = slab_rows(handle.layout, handle.offset, handle.capacity, layer, start, stop)
-            rows += [Segment(s, d, length) for (s, length), (d, _) in zip(src, dst)]
-        if rows:
-            pushes.append((transfer.mode.rows_path, rows))
-        return pushes
-
-    def _entry_segments(self, transfer: Transfer, layer: int, picked: np.ndarray) -> list[Segment]:
-        """`picked` (num_kv_heads, N) bool entries of `layer`: one K and one V segment per run of consecutive
-        tokens of a head (a slab keeps each head's tokens contiguous)."""
-        assert self.store
-        handle, lay = transfer.handle, self.store.layout
-        src_rows = self.store.rows(transfer.slab, layer, 0, handle.num_tokens)  # (K|V, head) rows, in order
-        dst_rows = slab_rows(handle.layout, handle.offset, handle.capacity, layer, 0, handle.num_tokens)
-        entry = src_rows[0][1] // handle.num_tokens  # one token of one head's K (or V), bytes
-        segments = []
-        for (src, _), (dst, _), heads in zip(src_rows, dst_rows, [*range(lay.num_kv_heads)] * 2):
-            for start, stop in token_runs(picked[heads]):
-                segments.append(Segment(src + start * entry, dst + start * entry, (stop - start) * entry))
-        return segments
 
     async def _push(self, transfer: Transfer, segments: list[Segment], path: str) -> None:
         assert self.dataplane
@@ -493,13 +388,13 @@ class PrefillService(ModelWorkerService):
         self.store.free(request_id)
 
     def load_info(self) -> dict[str, Any]:
-        return {**super().load_info(), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
-                "prefill_rates": self.prefill_times.report()}
+        return {**super().load_info(), "prefill_rates": self.prefill_times.report()}
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
         stats["leases_open"] = len(self.active)  # a prefill holds KV for a request until its pushes or reads finish
-        stats["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
+        # the rate the broker plans the last prompt's length with (its length bucket's moving average)
+        stats["prefill_tokens_per_s"] = round(tokens_per_s(self.prefill_times.report(), self.last_prompt_tokens), 2)
         stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in self.prefill_times.report()]
         stats["leases_expired"] = self.leases_expired.value()
         return stats

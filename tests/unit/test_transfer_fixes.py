@@ -133,26 +133,23 @@ def test_background_runs_only_when_the_rest_can_arrive_in_time():
 
 
 def test_the_exact_push_holds_back_by_the_links_backlog_not_by_late_acks():
-    """`_holds_back` asks when the plan's link would have sent every push queued so far (`link_free_at`), not how
+    """`Transfer.holds_back` asks when the plan's link would have sent every push queued so far (`link_free_at`), not how
     many bytes are unacked: a push is acked only once all of it has landed, so acks lag the link (by acks the
     rule once held back from layer 13 of 30 where the link was free before the prefill's end)."""
     import time
 
     from schemas import TransferPlan
-    from services.prefill.config import PrefillConfig
-    from services.prefill.service import EXACT_AFTER_S, PrefillService, Transfer
+    from services.prefill.pushes import EXACT_AFTER_S, Transfer
 
-    service = PrefillService(PrefillConfig())
     plan = TransferPlan("r", "smartgen", "b", 8, link_gbps=0.008, exact_push=True)  # 1 MB/s
     now = time.perf_counter()
     # layer 9 of 30 stored after 1 s: 2 s of prefill left; 20 MB pushed and none acked yet
     transfer = Transfer(None, None, mode_of("smartgen"), plan, exact=True, prefill_started=now - 1.0,
                         layer_push_bytes=[2_000_000] * 10 + [0] * 20)
     transfer.link_free_at = now + 1.5  # the link is free 0.5 s before the prefill ends: push now
-    assert not service._holds_back(transfer, 9)
+    assert not transfer.holds_back(9, 0.0)
     transfer.link_free_at = now + 2.0 + EXACT_AFTER_S + 0.3  # busy past the prefill's end and step 1: hold back
-    assert service._holds_back(transfer, 9)
-    assert not service._holds_back(Transfer(None, None, mode_of("smartgen"), plan, exact=False, prefill_started=now - 1.0,
-                                            layer_push_bytes=[0] * 30, link_free_at=now + 9), 9)  # exact_push off
-    service.config.exact_from_share = 0.5  # the optional guard: not before layer 15
-    assert not service._holds_back(transfer, 9)
+    assert transfer.holds_back(9, 0.0)
+    assert not Transfer(None, None, mode_of("smartgen"), plan, exact=False, prefill_started=now - 1.0,
+                        layer_push_bytes=[0] * 30, link_free_at=now + 9).holds_back(9, 0.0)  # exact_push off
+    assert not transfer.holds_back(9, 0.5)  # the optional guard (exact_from_share): not before layer 15
