@@ -99,3 +99,17 @@ def test_paired_accuracy_runs_every_configuration_and_resumes(tiny_model_path, t
     assert len(log) == 2
     assert paired.run(*args)["rows"] == report["rows"]
     assert (tmp_path / "paired-samples.jsonl").read_text().splitlines() == log
+
+
+def test_eval_drift_records_a_selectors_choices_and_replays_them(tiny_model_path):
+    """`eval drift` on a tiny model: each prompt's selections over a few steps, replayed; reading ahead never leaves
+    more misses than reading nothing ahead (what is local only grows faster), and it reads something."""
+    from tools.eval import drift
+
+    report = drift.run(str(tiny_model_path), "quest", 0.1, 1536, 6, (1.25, 2.0), ("lcc_stdlib",), progress=lambda *_: None)
+    (row,) = report["rows"]
+    assert row["task"] == "lcc_stdlib" and row["step1_mb"] > 0
+    for f in ("1.25", "2.0"):
+        assert row["factors"][f]["missed_mb"] <= row["missed_mb"] and row["factors"][f]["read_ahead_mb"] > 0
+    with pytest.raises(SystemExit, match="attend densely"):  # under the floor's dense_below nothing is selected
+        drift.run(str(tiny_model_path), "quest", 0.1, 512, 2, (2.0,), ("lcc_stdlib",), progress=lambda *_: None)

@@ -122,6 +122,9 @@ def run(model: str = "", selector: str = "quest", budget: float = DEFAULT_KV_BUD
             engine.end(task)
             store.free(task)
         layers = sorted({layer for _, layer in picks})
+        if not layers:
+            raise SystemExit(f"{task}: {len(ids)} tokens attend densely (the budget floor's dense_below): nothing "
+                             "was selected; use longer prompts")
         selected = sum(len(picks[(0, layer)][1.0]) for layer in layers)
         missed, _ = replay(picks, layers, steps, None)
         row = {"task": task, "prompt_tokens": len(ids), "step1_mb": selected * entry_bytes / 1e6,
