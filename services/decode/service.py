@@ -35,8 +35,8 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, FAILURE_POLICIES, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
-                     TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, plan_problem, pushed_bytes, subjects)
+from schemas import (AT_CAPACITY, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+                     TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, pushed_bytes, subjects)
 from schemas.transfer import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import OutOfPages, Slab
@@ -46,6 +46,7 @@ from shared.profiles import NUM_BLOCKS
 from shared.rpc import RequestRefused, endpoint, subscriber
 from shared.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
+from services.decode.checks import generate_problem
 from services.decode.config import DecodeConfig
 from services.decode.kv_loader import KvLoader
 from services.decode.remote import RemoteKv, RemoteReadError
@@ -57,7 +58,6 @@ log = structlog.get_logger()
 
 
 # colocated, and every disaggregated mode as the broker resolves it (auto reaches decode only at `open`)
-MODES_SERVED = modes_where(resolves_to=())
 LOCAL_MODES = modes_where(is_disaggregated=False)  # colocated: the prefill runs here, at `generate`
 
 
@@ -146,7 +146,8 @@ class DecodeService(ModelWorkerService):
                 raise RequestRefused("not_found", f"no open KV reservation for request {req.request_id}")
             if state.expiry:
                 state.expiry.cancel()
-        problem = self._problem(state, req)
+        assert self.runner and self.store
+        problem = generate_problem(req, state, self.runner, self.store.layout)
         if problem:
             await self._release(state)
             raise RequestRefused("bad_request", problem)
@@ -314,7 +315,7 @@ class DecodeService(ModelWorkerService):
             tokens.append(req.first_token)
         started = asyncio.get_running_loop().time()
         try:
-            if req.first_token < 0:  # only under `recompute` (see _problem): the prefill gave no first token
+            if req.first_token < 0:  # only under `recompute` (see generate_problem): the prefill gave no first token
                 raise TransferError(f"prefill worker {req.prefill_worker_id or '?'} returned no first token")
             if self.loader.starts_while_pushing(state, req):
                 await self._wait_until_nearly_landed(state, req)
@@ -450,42 +451,6 @@ class DecodeService(ModelWorkerService):
         mode = mode_of(req.transfer_mode)
         return pushed_bytes(mode, req.plan, self.store.layout, state.num_tokens, state.aux_filled,
                             req.query_entries, mode.push_width(req.kv_bits))
-
-    def _problem(self, state: DecodeRequest, req: Generate) -> str:
-        """Why `generate` cannot run this request as asked ("" if it can)."""
-        if req.max_tokens < 1:
-            return "max_tokens must be ≥ 1"
-        if req.failure_policy not in FAILURE_POLICIES:
-            return f"failure_policy {req.failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}"
-        if problem := self.runner.token_problem(req.token_ids):  # type: ignore[union-attr]
-            return problem
-        if req.transfer_mode not in MODES_SERVED:
-            return f"decode serves transfer modes {', '.join(MODES_SERVED)}, not {req.transfer_mode!r}"
-        mode = mode_of(req.transfer_mode)
-        if req.resume_tokens:
-            if mode.is_disaggregated or req.first_token >= 0:
-                return "resume_tokens: a request resumes in colocated mode, from its prompt"
-            if len(req.resume_tokens) >= req.max_tokens:
-                return "resume_tokens: nothing is left to generate"
-            if problem := self.runner.token_problem(req.resume_tokens):  # type: ignore[union-attr]
-                return f"resume_tokens: {problem}"
-        if not mode.is_disaggregated:
-            return ""
-        recomputing = req.first_token < 0 and req.failure_policy == "recompute"  # the prefill failed before token 1
-        if req.first_token < 0 and not recomputing:
-            return f"{req.transfer_mode} mode needs the first token from the prefill"
-        if not state.mode.may_run_as(req.transfer_mode):
-            return f"the KV was reserved for {state.mode.name!r}, not {req.transfer_mode!r}"
-        if len(req.token_ids) != state.num_tokens:
-            return "the prompt does not match the reservation's token count"
-        if mode.keeps_source:
-            if not req.selector or req.plan is None or (req.source is None and not recomputing) \
-                    or req.plan.mode != req.transfer_mode:
-                return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
-            lay = self.store.layout  # type: ignore[union-attr]
-            if problem := plan_problem(req.plan, lay.num_layers, state.num_tokens, lay.page_tokens):
-                return problem
-        return mode.kv_bits_problem(req.kv_bits)
 
     # --- cleanup ----------------------------------------------------------------------------
     def _check_fits(self, num_tokens: int, max_tokens: int, aux_bytes: int) -> None:

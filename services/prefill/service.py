@@ -393,9 +393,10 @@ class PrefillService(ModelWorkerService):
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
         stats["leases_open"] = len(self.active)  # a prefill holds KV for a request until its pushes or reads finish
+        rates = self.prefill_times.report()
         # the rate the broker plans the last prompt's length with (its length bucket's moving average)
-        stats["prefill_tokens_per_s"] = round(tokens_per_s(self.prefill_times.report(), self.last_prompt_tokens), 2)
-        stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in self.prefill_times.report()]
+        stats["prefill_tokens_per_s"] = round(tokens_per_s(rates, self.last_prompt_tokens), 2)
+        stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in rates]
         stats["leases_expired"] = self.leases_expired.value()
         return stats
 

@@ -9,7 +9,10 @@ later step's misses read at once (on demand): the misses of steps 2..T, and for 
 bytes read ahead when every layer that missed ranks again under f × the budget after its step (the decode rule) and
 that read lands before the next step (a link with room: the best case for reading ahead).
 Prompts: the serving benchmark's tasks (shared/workloads.py), greedy decoding, all KV local, the decode worker's
-budget floor. Bytes are K and V of one entry of one KV head in bf16, the stack's kv_dtype.
+budget floor. The KV stays in the compute dtype, as in `eval fidelity`; bytes are counted as the stack moves them: K
+and V of one entry of one KV head in bf16, its kv_dtype. The selector's calls are recorded by wrapping
+`selective.select_with_floor` for the run (as tools/bench/query_overlap.py does), which also asks each wider budget
+with the step's own query.
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ def run(model: str = "", selector: str = "quest", budget: float = DEFAULT_KV_BUD
         steps: int = 64, factors: Sequence[float] = (1.25, 2.0), tasks: Sequence[str] = ("lcc_stdlib",),
         progress=print) -> dict:
     """Record each prompt's selections, replay them (module docstring), print the table and return it."""
+    import torch
     from transformers import AutoTokenizer
 
     from shared import workloads
@@ -89,7 +93,7 @@ def run(model: str = "", selector: str = "quest", budget: float = DEFAULT_KV_BUD
     layout = runner.kv_layout(16)
     store = KvStore.with_capacity_mb(layout, 2 * (prompt_tokens + 64 + steps) * runner.kv_bytes_per_token // 2**20 + 1)
     engine = DecodeEngine(runner, store, default_prep_dir(path))
-    entry_bytes = 2 * layout.head_dim * 2  # K and V of one token of one KV head, bf16
+    entry_bytes = 2 * layout.head_dim * torch.finfo(torch.bfloat16).bits // 8  # K and V of one token of one KV head
     rows, started = [], time.monotonic()
     select = selective.select_with_floor
     for task in tasks:
