@@ -8,6 +8,7 @@ garbage with an error reply instead of crashing.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from functools import cache
@@ -48,6 +49,8 @@ def _to_plain(value: Any) -> Any:
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -90,6 +93,11 @@ def _from_plain(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
         return {_from_plain(key_tp, k, where): _from_plain(val_tp, v, f"{where}[{k!r:.40}]") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except (ValueError, TypeError):
+            raise SchemaError(f"{where}: {value!r:.60} is not one of {', '.join(str(m.value) for m in tp)}") from None
     if tp is type(None):
         if value is not None:
             raise SchemaError(f"{where}: expected nil")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.transfer import DEFAULT_FLOOR, DEFAULT_KV_BUDGET, FAILURE_POLICIES, BudgetFloor
+from schemas.constants import DEFAULT_FLOOR, DEFAULT_KV_BUDGET, FAILURE_POLICIES, BudgetFloor, ErrorCode, PlanState
 
-# The transfer modes, their defaults and the plan geometry: schemas/transfer.py.
+# The transfer modes, their defaults and the plan geometry: schemas/modes.py, schemas/geometry.py.
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillRate:
-    """A prefill worker's measured prompt rate at one prompt length (shared/prefill_rate.py)."""
+    """A prefill worker's measured prompt rate at one prompt length (shared/runtime/prefill_rate.py)."""
 
     tokens: int  # the prompt length measured (a moving average within its length bucket)
     tokens_per_s: float
@@ -129,7 +129,7 @@ class TransferPlan:
     """
 
     request_id: str
-    mode: str  # full, partial, quantized or smartgen (auto is resolved here)
+    transfer_mode: str  # full, partial, quantized or smartgen (auto is resolved here)
     broker_worker_id: str
     num_pages: int  # pages of the prompt per layer
     push_blocks: bytes = b""
@@ -200,7 +200,7 @@ class Prefill:
     plan: TransferPlan | None = None  # every mode but colocated
     selector: str = ""  # partial, smartgen: the prefill computes this selector's metadata for every token
     kv_bits: int = 0  # quantized; smartgen's low-bit proactive push
-    kv_budget: float = 0.0  # smartgen's exact push (plan.exact_push): step 1's budget, as Generate.kv_budget
+    kv_budget: float | None = None  # smartgen's exact push (plan.exact_push): step 1's budget, as Generate.kv_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +242,7 @@ class Generate:
     sampling: Sampling
     stream_subject: str  # where TokenEvents go
     selector: str = ""  # "" = dense attention; else a KV selector name (see shared/compute/selectors)
-    kv_budget: float = 0.0  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1
+    kv_budget: float | None = None  # with a selector: a fraction (0, 1] of the cached tokens, or a token count > 1; None without
     plan: TransferPlan | None = None
     source: KvSource | None = None  # partial, smartgen
     kv_bits: int = 0  # quantized; smartgen's low-bit proactive push
@@ -363,7 +363,7 @@ class OpenPlan:
     """Gateway → broker (`broker.<id>.open`): plan a request's transfer. Reply: TransferPlan."""
 
     request_id: str
-    mode: str  # as asked (auto allowed)
+    transfer_mode: str  # as asked (auto allowed)
     model: str
     selector: str
     num_tokens: int  # prompt tokens
@@ -372,7 +372,7 @@ class OpenPlan:
     prefill_worker_id: str
     decode_worker_id: str
     ablate: list[str] = field(default_factory=list)  # SMARTGEN_PATHS switched off
-    kv_budget: float = 0.0  # the request's (0 = DEFAULT_KV_BUDGET): sizes smartgen's query-aware push
+    kv_budget: float | None = None  # the request's (None: DEFAULT_KV_BUDGET): sizes smartgen's query-aware push
     floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's (KvHandle.floor), likewise
     kv_bits: int = 0  # smartgen: the low-bit proactive push (PUSH_KV_BITS) sizes its budget in code bytes
 
@@ -403,7 +403,7 @@ class PlanEvent:
     """Decode or gateway → broker (`broker.<id>.event`, published): a plan moved to `state`."""
 
     request_id: str
-    state: str  # one of PLAN_STATES
+    state: PlanState
     reason: str = ""
 
 
@@ -412,7 +412,7 @@ class PlanRegistration:
     """Inside decode heartbeats: a live plan and what is local, so a restarted broker rebuilds its state."""
 
     plan: TransferPlan
-    state: str
+    state: PlanState
     model: str
     selector: str
     prefill_worker_id: str
@@ -525,7 +525,7 @@ class Ack:
 class ErrorReply:
     """Any service → requester: the request was refused or failed. Sent with nats.micro error headers too."""
 
-    code: str  # "bad_request", "not_found", "overloaded", "internal"
+    code: ErrorCode
     message: str
 
 

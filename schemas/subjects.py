@@ -24,7 +24,7 @@ PROFILE_UPDATED = f"{PREFIX}.profile.updated"
 def use_namespace(namespace: str) -> None:
     """Put every subject of this process under `smartgen.<namespace>.` ("" = plain `smartgen.`), so several
     stacks can share one NATS without hearing each other (SMARTGEN_NAMESPACE; call before any subject is
-    used: shared/natsconn.py does, for every service and tool)."""
+    used: shared/runtime/natsconn.py does, for every service and tool)."""
     global PREFIX, DISCOVER, HEARTBEATS, PROFILE_STATS, PROFILE_UPDATED
     if namespace and not is_token(namespace):
         raise ValueError(f"namespace {namespace!r} must be letters, digits, '-' or '_' (one subject token)")

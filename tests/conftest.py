@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.models import prepare_default_model
+from shared.runtime.models import prepare_default_model
 from tools.tiny_model import make_tiny_model
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so a benchmark's own stack is stopped by its `finally` (`up` has its own handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from shared.models import ModelNotFound, PreparationMissing
+    from shared.runtime.models import ModelNotFound, PreparationMissing
 
     try:
         code = args.run(args)

@@ -65,7 +65,7 @@ def request(url: str, body: object = None, *, method: str | None = None, timeout
 def post_json(url: str, body: object, timeout: float = 120.0, headers: dict[str, str] | None = None,
               method: str = "POST") -> tuple[int, Any]:
     """(status, JSON body) of a request with a JSON `body` (or raw bytes); `headers` e.g.
-    shared.admin_auth.admin_headers(token) for the admin routes that change state."""
+    shared.runtime.admin_auth.admin_headers(token) for the admin routes that change state."""
     reply = request(url, body, method=method, timeout=timeout, headers=headers)
     return reply.status, reply.body
 
@@ -111,7 +111,7 @@ class Gateway:
     """The stack as a client sees it: the OpenAI API, plus the workers' admin routes (pacing, profiles)."""
 
     def __init__(self, url: str, admin_token: str = ""):
-        from shared.admin_auth import admin_token_from_env
+        from shared.runtime.admin_auth import admin_token_from_env
 
         self.url = url.rstrip("/")
         # the bearer token of the admin routes (POST /link, /profiles/build): the stack's, else SMARTGEN_ADMIN_TOKEN(_FILE)
@@ -119,7 +119,7 @@ class Gateway:
 
     def post(self, url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
         """(status, JSON body) of a POST to any of the stack's URLs, with the admin token."""
-        from shared.admin_auth import admin_headers
+        from shared.runtime.admin_auth import admin_headers
 
         return post_json(url, body, timeout, admin_headers(self.admin_token))
 
@@ -140,7 +140,7 @@ class Gateway:
         `token_times_s`, TTFT, TTST and TBT taken from when each token's chunk arrived here (seconds from sending;
         the gateway sends one chunk per token); the gateway's own stamps stay under `gateway_token_times_s`.
         Plus `text` and `e2e_s`. RuntimeError unless the stream completes."""
-        from shared.timeline import Timeline
+        from shared.runtime.timeline import Timeline
 
         is_chat = "messages" in body
         url = self.url + ("/v1/chat/completions" if is_chat else "/v1/completions")

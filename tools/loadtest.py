@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from schemas import DEFAULT_SELECTOR, SERVABLE_TRANSFER_MODES, mode_of
-from shared.workloads import stdlib_files
+from tools.workloads import stdlib_files
 from tools import loadtest_report
 from tools.args import add_json, add_model
 from tools.client import ABORTED, OK, Outcome, get_json, stream_completion
@@ -320,7 +320,7 @@ def run(cfg: LoadConfig) -> dict:
 
 def _own_stack(cfg: LoadConfig) -> AbstractContextManager[Stack]:
     """A stack of the configured size started for the run (stopped on exit), logging to a file in the temp folder."""
-    from shared.models import prepare_default_model
+    from shared.runtime.models import prepare_default_model
     from tools.nats_server import free_port
     from tools.stack import StackSpec, started_stack
 

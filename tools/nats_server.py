@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.config import write_secret_file
+from shared.runtime.config import write_secret_file
 
 
 _HANDED_OUT: set[int] = set()  # ports this process was given and may not have bound yet

@@ -6,7 +6,7 @@
     python -m tools.natsctl [--server URL] kv ls BUCKET         # keys of a JetStream key-value bucket
 
 The server defaults to $SMARTGEN_NATS_URL, else nats://127.0.0.1:4222; credentials and TLS come from the
-same variables the services read (SMARTGEN_NATS_TOKEN or SMARTGEN_NATS_TOKEN_FILE, …; see shared/natsconn.py).
+same variables the services read (SMARTGEN_NATS_TOKEN or SMARTGEN_NATS_TOKEN_FILE, …; see shared/runtime/natsconn.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import os
 import msgpack
 import nats
 
-from shared.config import ConfigError
-from shared.natsconn import client_options
+from shared.runtime.config import ConfigError
+from shared.runtime.natsconn import client_options
 
 
 def _show(data: bytes) -> str:

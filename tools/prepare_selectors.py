@@ -5,7 +5,7 @@
     hata       per layer and KV head: hash weights (num_bits × head_dim) trained so that the Hamming
                similarity of codes ranks keys as the true attention does (cross-entropy against it)
 
-Calibration texts are held out from every evaluation (shared/workloads.py `calibration_texts`): code from the
+Calibration texts are held out from every evaluation (tools/workloads.py `calibration_texts`): code from the
 standard library's calibration split and prose from `hotpotqa_long`, the calibration task, alternately; InfiniGen's
 paper calibrates on a held-out LongBench subset likewise. Each file records the recipe it was made with
 (`RECIPE`, in its metadata): `smartgen model prepare` prepares again when the recipe changed.
@@ -34,7 +34,7 @@ RECIPE = "held-out-v2"  # bump when what a default preparation computes changes 
 def default_recipe() -> str:
     """The recipe a default preparation gets here: RECIPE, marked when the prose half is missing (no data wheels),
     so that installing them later prepares again."""
-    from shared.workloads import _package_file
+    from tools.workloads import _package_file
 
     return RECIPE if _package_file("long_context_eval", "data/synthetic/json/hotpotqa.json") else f"{RECIPE}-code-only"
 
@@ -153,11 +153,11 @@ def run(model: str = "", selector: str = "all", num_prompts: int = NUM_PROMPTS, 
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from shared.workloads import calibration_texts
+    from tools.workloads import calibration_texts
 
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import Geometry, default_prep_dir, prep_path
-    from shared.models import resolve_model
+    from shared.runtime.models import resolve_model
 
     path = resolve_model(model)
     out_dir = Path(out_dir) if out_dir else default_prep_dir(path)

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 async def _kvprofile(nc) -> str:
     """The worker id of a kvprofile service heartbeating on `nc` (SystemExit if none within FIND_TIMEOUT_S)."""
-    from shared.registry import WorkerRegistry
+    from shared.runtime.registry import WorkerRegistry
 
     registry = WorkerRegistry(ttl_s=30)
     await registry.follow(nc, f"cli-{uuid.uuid4().hex[:6]}")
@@ -55,10 +55,10 @@ async def _run(args) -> int:
     import nats
     import numpy as np
 
-    from shared.config import ConfigError
-    from shared.natsconn import client_options, redacted_url
-    from shared.profiles import importance_of
-    from shared.rpc import RemoteError, call
+    from shared.runtime.config import ConfigError
+    from shared.runtime.natsconn import client_options, redacted_url
+    from shared.runtime.profiles import importance_of
+    from shared.runtime.rpc import RemoteError, call
 
     try:
         options = client_options()
@@ -103,7 +103,7 @@ async def _run(args) -> int:
 async def _build(nc, subject: str, args) -> int:
     from tqdm import tqdm
 
-    from shared.rpc import call
+    from shared.runtime.rpc import call
 
     progress_subject = subjects.profile_progress(uuid.uuid4().hex[:12])
     bar = tqdm(total=args.num_prompts, desc=f"profile {args.selector}/{args.prompt_tokens}", unit="prompt")

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.admin_auth import admin_token_from_env
-from shared.config import write_secret_file
+from shared.runtime.admin_auth import admin_token_from_env
+from shared.runtime.config import write_secret_file
 from tools.client import request
 from tools.nats_server import NatsServer, die_with_parent
 
@@ -60,7 +60,7 @@ class Stack:
 
     def nats_options(self) -> dict:
         """nats.connect keyword arguments for this stack's NATS (they hold the token: do not log them)."""
-        from shared.natsconn import client_options
+        from shared.runtime.natsconn import client_options
 
         return client_options(self._service_env({**os.environ, **self.spec.env}))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shared.models import resolve_model
+from shared.runtime.models import resolve_model
 
 
 def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers: int = 4, seed: int = 0,

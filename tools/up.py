@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until the supervisor gives up on a service that keeps
     dying at start-up (1); 2 for bad arguments or a missing model."""
-    from shared.models import ModelNotFound, prepare_default_model, resolve_model
+    from shared.runtime.models import ModelNotFound, prepare_default_model, resolve_model
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
 

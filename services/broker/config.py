@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from shared.config import ConfigError, ServiceConfig
+from shared.runtime.config import ConfigError, ServiceConfig
 
 
 @dataclass(slots=True)

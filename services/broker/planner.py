@@ -22,8 +22,8 @@ import numpy as np
 
 from schemas import (DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits,
                      pushed_aux_bytes, quantized_bytes, wire_entry_bytes)
-from schemas.transfer import Push
-from shared.profiles import page_importance
+from schemas.modes import Push
+from shared.runtime.profiles import page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
 # NOTE: the schedule assumes the prefill takes this share of its estimated time, against a prefill faster than
@@ -121,7 +121,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     num_blocks = lay.num_layers * num_pages
     spec = mode_of(mode)
     kv_bits = 0 if spec.kv_bits_problem(req.kv_bits) else req.kv_bits  # auto chose a mode that moves exact KV: 0
-    base = dict(request_id=req.request_id, mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
+    base = dict(request_id=req.request_id, transfer_mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
                 link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
                 parallel="parallel" not in req.ablate, read_ahead="ahead" not in req.ablate,
                 early_start="early" not in req.ablate, selector=selector,
@@ -211,7 +211,7 @@ def step_one_tokens(req: OpenPlan) -> int:
     """Tokens per KV head step 1 will attend to in a selective layer (the request's budget under the decode
     worker's floor, at N + 1 cached tokens); 0 where it attends densely."""
     n = req.num_tokens + 1
-    k = req.floor.tokens(req.kv_budget or DEFAULT_KV_BUDGET, n)
+    k = req.floor.tokens(req.kv_budget if req.kv_budget is not None else DEFAULT_KV_BUDGET, n)
     return 0 if k >= n else k
 
 

@@ -17,9 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import PLAN_STATES, TransferPlan
+from schemas import PLAN_STATES, PlanState, TransferPlan
 
-FINAL_STATES = ("released", "failed", "expired")
 HISTORY = 100  # finished plans kept for /transfers
 
 
@@ -34,14 +33,14 @@ class Plan:
     decode_worker_id: str
     num_tokens: int
     queue: deque[int]  # speculative queue, most important first
-    state: str = "opening"
+    state: PlanState = PlanState.OPENING
     batch_size: int = 0  # blocks per iteration; fixed when decoding begins
     num_batches: int = 0
     num_blocks_sent: int = 0
     reason: str = ""
     created: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)
-    transitions: list[tuple[str, float]] = field(default_factory=list)  # (state, seconds since created)
+    transitions: list[tuple[PlanState, float]] = field(default_factory=list)  # (state, seconds since created)
 
     @property
     def request_id(self) -> str:
@@ -49,7 +48,7 @@ class Plan:
 
     def summary(self) -> dict[str, Any]:
         p = self.plan
-        return {"request_id": p.request_id, "mode": p.mode, "state": self.state, "reason": self.reason or p.reason,
+        return {"request_id": p.request_id, "mode": p.transfer_mode, "state": self.state, "reason": self.reason or p.reason,
                 "prefill_worker_id": self.prefill_worker_id, "decode_worker_id": self.decode_worker_id,
                 "num_tokens": self.num_tokens, "num_pages": p.num_pages, "num_push_blocks": p.num_push_blocks,
                 "profile": p.profile, "profile_version": p.profile_version, "profile_source": p.profile_source,
@@ -66,7 +65,7 @@ class PlanBook:
         self.ratio, self.ttl_s = ratio, ttl_s
         self.live: dict[str, Plan] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        self.num_by_final_state = {s: 0 for s in FINAL_STATES}
+        self.num_by_final_state = {s: 0 for s in PlanState if s.is_final}
 
     def add(self, plan: Plan) -> Plan:
         if plan.request_id in self.live:
@@ -78,7 +77,7 @@ class PlanBook:
     def get(self, request_id: str) -> Plan | None:
         return self.live.get(request_id)
 
-    def advance(self, request_id: str, state: str, reason: str = "") -> Plan | None:
+    def advance(self, request_id: str, state: PlanState, reason: str = "") -> Plan | None:
         """Move a plan to `state`. Unknown requests are ignored (None); going backwards raises PlanStateError;
         repeating the current state is a no-op."""
         plan = self.live.get(request_id)
@@ -86,15 +85,17 @@ class PlanBook:
             return None
         if state not in PLAN_STATES:
             raise PlanStateError(f"unknown plan state {state!r}")
+        state = PlanState(state)
         if state == plan.state:
             return plan
-        if state not in FINAL_STATES[1:] and PLAN_STATES.index(state) < PLAN_STATES.index(plan.state):
+        may_jump = state in (PlanState.FAILED, PlanState.EXPIRED)  # from any state before RELEASED
+        if not may_jump and PLAN_STATES.index(state) < PLAN_STATES.index(plan.state):
             raise PlanStateError(f"plan {request_id} cannot go from {plan.state} back to {state}")
         plan.state, plan.touched = state, time.monotonic()
         plan.transitions.append((state, plan.touched - plan.created))
         if reason:
             plan.reason = reason
-        if state in FINAL_STATES:
+        if state.is_final:
             del self.live[request_id]
             self.num_by_final_state[state] += 1
             self.history.append(plan.summary())
@@ -107,8 +108,8 @@ class PlanBook:
         if plan is None:
             return [], 0
         plan.touched = time.monotonic()
-        if plan.state == "opening":
-            self.advance(request_id, "transferring")
+        if plan.state is PlanState.OPENING:
+            self.advance(request_id, PlanState.TRANSFERRING)
         if not plan.plan.background or not wanted:
             return [], len(plan.queue)
         if plan.batch_size == 0:
@@ -125,5 +126,5 @@ class PlanBook:
         now = time.monotonic() if now is None else now
         stale = [rid for rid, p in self.live.items() if now - p.touched > self.ttl_s]
         for rid in stale:
-            self.advance(rid, "expired", f"no progress for {self.ttl_s:g} s")
+            self.advance(rid, PlanState.EXPIRED, f"no progress for {self.ttl_s:g} s")
         return stale

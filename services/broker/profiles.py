@@ -11,9 +11,9 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import Profile, ProfileInfo, ProfileQuery, subjects
-from shared.profiles import NUM_BLOCKS, POSITIONAL, bucket_for, importance_of, positional_importance, profile_key
-from shared.registry import WorkerRegistry
-from shared.rpc import RemoteError, call, subscriber
+from shared.runtime.profiles import NUM_BLOCKS, POSITIONAL, bucket_for, importance_of, positional_importance, profile_key
+from shared.runtime.registry import WorkerRegistry
+from shared.runtime.rpc import RemoteError, call, subscriber
 
 log = structlog.get_logger()
 ASK_TIMEOUT_S = 2.0

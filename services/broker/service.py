@@ -24,15 +24,15 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (PLAN_STATES, SMARTGEN_PATHS, BackgroundBatch, entry_region_bytes, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
+from schemas import (PLAN_STATES, SMARTGEN_PATHS, ErrorCode, PlanState, BackgroundBatch, entry_region_bytes, mode_of, modes_where, unpack_bits, ListQuery, OpenPlan, PlanEvent, PlanRegistration,
                      Progress, TransferPlan, WorkerInfo, WorkerList)
-from shared.prefill_rate import tokens_per_s
-from shared.registry import WorkerRegistry
-from shared.rpc import RequestRefused, endpoint, subscriber
-from shared.runtime import Service
+from shared.runtime.prefill_rate import tokens_per_s
+from shared.runtime.registry import WorkerRegistry
+from shared.runtime.rpc import RequestRefused, endpoint, subscriber
+from shared.runtime.service import Service
 from services.broker.config import BrokerConfig
 from services.broker.planner import LinkEstimate, choose_mode, plan_transfer, smartgen_order
-from services.broker.plans import FINAL_STATES, Plan, PlanBook, PlanStateError
+from services.broker.plans import Plan, PlanBook, PlanStateError
 from services.broker.profiles import ProfileCache
 
 log = structlog.get_logger()
@@ -72,20 +72,20 @@ class BrokerService(Service):
         self._check(req)
         link = self._link_estimate(req.prefill_worker_id, req.num_tokens)
         # NOTE: the one place a mode is resolved; the plan carries the mode and selector to everyone after
-        mode, reason = (req.mode, "") if mode_of(req.mode).is_resolved else choose_mode(req, link)
+        mode, reason = (req.transfer_mode, "") if mode_of(req.transfer_mode).is_resolved else choose_mode(req, link)
         # auto's default selector serves its selective choice only: chosen full, the request attends densely
-        selector = req.selector if mode == req.mode or mode_of(mode).needs_selector else ""
+        selector = req.selector if mode == req.transfer_mode or mode_of(mode).needs_selector else ""
         profile = None
         if mode_of(mode).orders_by_profile:
             profile = await self.profiles.get(req.model, req.selector, req.num_tokens, req.layout.num_layers)
         planned = plan_transfer(req, mode, profile.importance if profile else None, link, self.worker_id,
                                 profile.label if profile else ("", 0, ""), reason, selector)
         if req.request_id in self.ended_unplanned:  # its gateway gave up while the profile was fetched
-            raise RequestRefused("not_found", f"request {req.request_id} ended before its plan was opened")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} ended before its plan was opened")
         self.book.add(Plan(planned.plan, req.prefill_worker_id, req.decode_worker_id, req.num_tokens,
                            deque(planned.queue)))
         self.plans_opened.inc(mode=mode)
-        log.info("plan_opened", mode=mode, asked=req.mode, push_blocks=planned.plan.num_push_blocks,
+        log.info("plan_opened", mode=mode, asked=req.transfer_mode, push_blocks=planned.plan.num_push_blocks,
                  queue=len(planned.queue), link_gbps=round(link.gbps, 4), link_source=link.source,
                  profile=planned.plan.profile_source or None)
         return planned.plan
@@ -100,7 +100,7 @@ class BrokerService(Service):
         except PlanStateError as exc:
             log.warning("bad_plan_event", request_id=ev.request_id, error=str(exc))
             return
-        if plan is None and ev.state in FINAL_STATES:
+        if plan is None and PlanState(ev.state).is_final:
             self.ended_unplanned.append(ev.request_id)
         if plan is not None:
             log.info("plan_state", request_id=ev.request_id, state=ev.state, reason=ev.reason or None)
@@ -110,23 +110,23 @@ class BrokerService(Service):
 
     # --- internals -------------------------------------------------------------------------
     def _check(self, req: OpenPlan) -> None:
-        if req.mode not in modes_where(is_disaggregated=True):
-            raise RequestRefused("bad_request", f"the broker plans disaggregated modes, not {req.mode!r}")
+        if req.transfer_mode not in modes_where(is_disaggregated=True):
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"the broker plans disaggregated modes, not {req.transfer_mode!r}")
         if req.num_tokens < 1 or req.layout.num_layers < 1 or req.layout.page_tokens < 1 or req.aux_bytes < 0:
-            raise RequestRefused("bad_request", "a plan needs a prompt, a layout and a non-negative aux area")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "a plan needs a prompt, a layout and a non-negative aux area")
         num_blocks = req.layout.num_layers * -(-req.num_tokens // req.layout.page_tokens)
         if num_blocks > MAX_PLAN_BLOCKS:
-            raise RequestRefused("bad_request", f"a plan of {num_blocks} blocks exceeds the limit of {MAX_PLAN_BLOCKS}")
-        if mode_of(req.mode).needs_selector and not req.selector:
-            raise RequestRefused("bad_request", f"transfer_mode {req.mode!r} needs a selector")
-        if problem := mode_of(req.mode).kv_bits_problem(req.kv_bits):
-            raise RequestRefused("bad_request", problem)
-        if mode_of(req.mode).push_bits and req.aux_bytes < entry_region_bytes(req.layout, req.num_tokens, req.kv_bits):
-            raise RequestRefused("bad_request", "the aux area has no room for the low-bit push's codes")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"a plan of {num_blocks} blocks exceeds the limit of {MAX_PLAN_BLOCKS}")
+        if mode_of(req.transfer_mode).needs_selector and not req.selector:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"transfer_mode {req.transfer_mode!r} needs a selector")
+        if problem := mode_of(req.transfer_mode).kv_bits_problem(req.kv_bits):
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
+        if mode_of(req.transfer_mode).push_bits and req.aux_bytes < entry_region_bytes(req.layout, req.num_tokens, req.kv_bits):
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "the aux area has no room for the low-bit push's codes")
         if not set(req.ablate) <= set(SMARTGEN_PATHS):
-            raise RequestRefused("bad_request", f"ablate names paths from {', '.join(SMARTGEN_PATHS)} only")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"ablate names paths from {', '.join(SMARTGEN_PATHS)} only")
         if self.book.get(req.request_id) is not None:
-            raise RequestRefused("bad_request", f"request {req.request_id} already has a plan")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {req.request_id} already has a plan")
 
     def _link_estimate(self, prefill_worker_id: str, num_tokens: int) -> LinkEstimate:
         """The prefill worker's measured send rate where it has measured it (before that, the pacing it reports,
@@ -150,7 +150,7 @@ class BrokerService(Service):
             plan = self.book.get(reg.plan.request_id)
             if plan is not None:
                 plan.touched = time.monotonic()  # a plan its decode node still registers does not expire
-            elif reg.state not in FINAL_STATES:
+            elif not reg.state.is_final:
                 problem = _registration_problem(reg)
                 if problem:
                     log.warning("bad_plan_registration", worker_id=info.worker_id, error=problem)
@@ -206,7 +206,7 @@ class BrokerService(Service):
         live = list(self.book.live.values())
         return {"workers": {role: sum(w.role == role for w in alive) for role in ("gateway", "prefill", "decode", "kvprofile")},
                 "transfers_open": len(live),
-                "transfers_by_state": {s: sum(p.state == s for p in live) for s in ("opening", "transferring", "all_local")},
+                "transfers_by_state": {s: sum(p.state == s for p in live) for s in PlanState if not s.is_final},
                 "transfers_finished": dict(self.book.num_by_final_state),
                 "profile_fallbacks": self.profiles.num_fallbacks,
                 "speculative_ratio": self.config.speculative_ratio}

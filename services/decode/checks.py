@@ -38,7 +38,7 @@ def generate_problem(req: Generate, state: DecodeRequest, runner: ModelRunner, l
         return "the prompt does not match the reservation's token count"
     if mode.keeps_source:
         if not req.selector or req.plan is None or (req.source is None and not recomputing) \
-                or req.plan.mode != req.transfer_mode:
+                or req.plan.transfer_mode != req.transfer_mode:
             return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
         if problem := plan_problem(req.plan, layout.num_layers, state.num_tokens, layout.page_tokens):
             return problem

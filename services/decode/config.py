@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 
 from schemas import DEFAULT_FLOOR, BudgetFloor
-from shared.config import ConfigError, ModelWorkerConfig
+from shared.runtime.config import ConfigError, ModelWorkerConfig
 
 
 @dataclass(slots=True)
@@ -19,7 +19,7 @@ class DecodeConfig(ModelWorkerConfig):
     # on-demand reads of scattered tokens (token-level selectors) as one gather per layer and chunk, not one segment
     # per run (services/decode/remote.py); false: always segments, as before gathers existed
     gather_reads: bool = True
-    # the budget floor (schemas/transfer.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
+    # the budget floor (schemas/constants.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below
     min_budget_tokens: int = DEFAULT_FLOOR.min_tokens

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from schemas import DENSE_LAYERS, Generate, mode_of, pushed_pages
-from schemas.transfer import Aux
+from schemas import DENSE_LAYERS, Generate, PlanState, mode_of, pushed_pages
+from schemas.modes import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import KvStore
 from shared.dataplane import DataPlane
-from shared.profiles import NUM_BLOCKS
+from shared.runtime.profiles import NUM_BLOCKS
 from services.decode.config import DecodeConfig
 from services.decode.remote import RemoteKv
 from services.decode.remote_lifecycle import RemoteKvLifecycle, background_read_bytes
@@ -45,14 +45,14 @@ class KvLoader:
                                     by_query)
             await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
         if not mode.keeps_source:
-            self.remote_kv.plan_event(state, "all_local")
+            self.remote_kv.plan_event(state, PlanState.ALL_LOCAL)
             return
         assert pushed is not None and req.plan is not None and req.source is not None
         state.remote = self._remote_kv(state, req, pushed, by_query)
         remote = None if state.remote.is_all_local else state.remote
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query)
-        state.plan_state = "transferring"
+        state.plan_state = PlanState.TRANSFERRING
         if remote is None:
             await self.remote_kv.all_local(state, 0)
             return
@@ -107,7 +107,7 @@ class KvLoader:
         state.check_landed()  # the layers already here
         await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, state.slab, remote,
                             NUM_BLOCKS, mode.pushes_by_query, True)
-        state.plan_state = "transferring"
+        state.plan_state = PlanState.TRANSFERRING
         self.remote_kv.start(state)
 
     def _speculates(self, req: Generate) -> bool:

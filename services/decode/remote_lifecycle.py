@@ -19,9 +19,9 @@ import numpy as np
 import structlog
 from nats.aio.client import Client
 
-from schemas import (Ack, BackgroundBatch, KeepLease, KvLayout, PlanEvent, PlanRegistration, Progress, Release, encode,
+from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanEvent, PlanRegistration, PlanState, Progress, Release, encode,
                      pack_bits, subjects)
-from shared.rpc import Backoff, RemoteError, call
+from shared.runtime.rpc import Backoff, RemoteError, call
 from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
@@ -145,7 +145,7 @@ class RemoteKvLifecycle:
         state.all_local_step = step
         log.info("kv_all_local", step=step)
         await asyncio.shield(self.end(state, "all_local"))
-        self.plan_event(state, "all_local")
+        self.plan_event(state, PlanState.ALL_LOCAL)
 
     def end(self, state: DecodeRequest, reason: str) -> asyncio.Future[None]:
         """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent: every call gets the
@@ -176,7 +176,7 @@ class RemoteKvLifecycle:
             await call(self.nc, subjects.worker("prefill", prefill_worker_id, "release"), Release(request_id, reason),
                        Ack, CONTROL_TIMEOUT_S)
         except RemoteError as exc:
-            if exc.code in ("unavailable", "timeout"):
+            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
                 log.info("release_unanswered", prefill_worker_id=prefill_worker_id, error=exc.message)
                 return False
             log.warning("release_failed", prefill_worker_id=prefill_worker_id, error=exc.message)
@@ -191,7 +191,7 @@ class RemoteKvLifecycle:
         log.warning("release_failed", prefill_worker_id=prefill_worker_id, request_id=request_id,
                     error=f"no answer within {RELEASE_RETRY_S:g} s: its lease frees the KV")
 
-    def plan_event(self, state: DecodeRequest, plan_state: str, reason: str = "") -> None:
+    def plan_event(self, state: DecodeRequest, plan_state: PlanState, reason: str = "") -> None:
         """The plan moved to `plan_state`: tell its broker."""
         state.plan_state = plan_state
         plan = state.req.plan if state.req else None
@@ -202,13 +202,13 @@ class RemoteKvLifecycle:
     def registration(self, state: DecodeRequest) -> PlanRegistration | None:
         """A live plan as the broker should know it (repeated in every heartbeat)."""
         req = state.req
-        if req is None or req.plan is None or state.plan_state in ("released", "failed"):
+        if req is None or req.plan is None or state.plan_state.is_final:
             return None
         lay = self.layout
         if state.remote is not None:
             local = state.remote.local_blocks()
         else:
-            local = np.full((lay.num_layers, req.plan.num_pages), state.plan_state == "all_local")
+            local = np.full((lay.num_layers, req.plan.num_pages), state.plan_state is PlanState.ALL_LOCAL)
         return PlanRegistration(req.plan, state.plan_state, self.model_name, req.selector, req.prefill_worker_id,
                                 self.worker_id, state.num_tokens, lay.num_layers, lay.page_tokens, pack_bits(local))
 

@@ -6,10 +6,10 @@ import numpy as np
 
 from schemas import (DENSE_LAYERS, Generate, KvLayout, SelectionStats, TokenEvent, mode_of, pushed_aux_bytes,
                      wire_entry_bytes)
-from schemas.transfer import Aux
+from schemas.modes import Aux
 from shared.compute.modeling import ModelRunner
 from shared.compute.selective import Selection
-from shared.profiles import NUM_BLOCKS, tokens_per_block
+from shared.runtime.profiles import NUM_BLOCKS, tokens_per_block
 from services.decode.request import DecodeRequest
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from schemas import Generate, TransferMode
+from schemas import Generate, PlanState, TransferMode
 from shared.compute.kvstore import Slab
 from shared.dataplane import Grant
 from services.decode.remote import RemoteKv
@@ -76,7 +76,7 @@ class DecodeRequest:
     expiry: asyncio.TimerHandle | None = None
     req: Generate | None = None
     remote: RemoteKv | None = None  # partial, smartgen: the KV still on the prefill node
-    plan_state: str = "opening"  # as the broker knows it (schemas.PLAN_STATES)
+    plan_state: PlanState = PlanState.OPENING  # as the broker knows it
     all_local_step: int = -1
     backlog: int = 0  # background blocks handed out by the broker and not read yet
     helpers: list[asyncio.Task[Any]] = field(default_factory=list)  # lease keeper, background reader

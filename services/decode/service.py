@@ -35,16 +35,16 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, pushed_bytes, subjects)
-from schemas.transfer import Aux
+from schemas.modes import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import OutOfPages, Slab
 from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
-from shared.profiles import NUM_BLOCKS
-from shared.rpc import RequestRefused, endpoint, subscriber
-from shared.worker import ModelWorkerService
+from shared.runtime.profiles import NUM_BLOCKS
+from shared.runtime.rpc import RequestRefused, endpoint, subscriber
+from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
 from services.decode.checks import generate_problem
 from services.decode.config import DecodeConfig
@@ -112,13 +112,13 @@ class DecodeService(ModelWorkerService):
     async def open(self, req: OpenKv) -> KvHandle:
         assert self.store and self.dataplane and self.runner
         if req.transfer_mode not in modes_where(is_disaggregated=True):
-            raise RequestRefused("bad_request", f"open is for disaggregated transfer modes, not {req.transfer_mode!r}")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"open is for disaggregated transfer modes, not {req.transfer_mode!r}")
         if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
-            raise RequestRefused("bad_request", f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
                                                 f"fit 1..{self.runner.max_positions}")
         aux_bytes = await self._aux_bytes(req)
         if req.request_id in self.aborted:  # NOTE: the abort overtook this open while it sized the aux area
-            raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
         self._check_fits(req.num_tokens, req.max_tokens, aux_bytes)
         self._admit(req.request_id)
         slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
@@ -137,20 +137,20 @@ class DecodeService(ModelWorkerService):
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode in LOCAL_MODES:
             if req.request_id in self.aborted:  # the client left before this generate was handled
-                raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
             self._admit(req.request_id)
             state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode))
         else:
             state = self.active.get(req.request_id)
             if state is None or state.phase is not Phase.RESERVED:
-                raise RequestRefused("not_found", f"no open KV reservation for request {req.request_id}")
+                raise RequestRefused(ErrorCode.NOT_FOUND, f"no open KV reservation for request {req.request_id}")
             if state.expiry:
                 state.expiry.cancel()
         assert self.runner and self.store
         problem = generate_problem(req, state, self.runner, self.store.layout)
         if problem:
             await self._release(state)
-            raise RequestRefused("bad_request", problem)
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if state.slab is None:  # colocated: its KV goes in a slab here too, as in every mode
             try:
                 self._check_fits(len(req.token_ids), req.max_tokens, 0)
@@ -168,10 +168,10 @@ class DecodeService(ModelWorkerService):
                 Budget(req.kv_budget)
             except (ValueError, PreparationMissing) as exc:
                 await self._release(state)
-                raise RequestRefused("bad_request", str(exc)) from None
+                raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
             if state.phase is Phase.ABORTED:
                 await self._release(state)
-                raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
         if state.grant is not None:
             try:
                 state.aux_filled = self._aux_filled(state, req)
@@ -206,10 +206,10 @@ class DecodeService(ModelWorkerService):
         """The gateway lost token events on the way (NATS is at most once): the tokens from `from_index` on, and
         the stream's last event if it is out."""
         if req.from_index < 0:
-            raise RequestRefused("bad_request", "from_index must be ≥ 0")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "from_index must be ≥ 0")
         sent = self.sent.get(req.request_id)
         if sent is None:
-            raise RequestRefused("not_found", f"request {req.request_id} is not (or no longer) known here")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} is not (or no longer) known here")
         tokens, final = sent
         return TokenBacklog(req.request_id, req.from_index, tokens[req.from_index:], final[0] if final else None)
 
@@ -296,7 +296,7 @@ class DecodeService(ModelWorkerService):
                     finals.append(final)  # NOTE: before it is sent, so a `resend` racing it finds it
                 if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
                     await self._emit(req, final)
-                await asyncio.shield(self._release(state, "failed" if reason in ("error", "abort") else "released",
+                await asyncio.shield(self._release(state, PlanState.FAILED if reason in ("error", "abort") else PlanState.RELEASED,
                                                    error or reason))
                 if reason in ("length", "stop"):
                     await self._emit(req, final)
@@ -367,7 +367,7 @@ class DecodeService(ModelWorkerService):
         state.recompute_reason = why
         self.recomputes.inc()
         if req.plan is not None:
-            self.remote_kv.plan_event(state, "failed", f"recomputed on the decode node: {why}")
+            self.remote_kv.plan_event(state, PlanState.FAILED, f"recomputed on the decode node: {why}")
         # NOTE: stops the remote reads in the background (one may wait on a peer that is gone); the slab keeps
         # its pages until _release, which waits for that, so nothing still landing can hit reused memory.
         self.remote_kv.end(state, "recompute")
@@ -415,7 +415,7 @@ class DecodeService(ModelWorkerService):
         if mode.aux is Aux.NONE:
             return 0
         if mode.aux is Aux.METADATA and not req.selector:
-            raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs a selector")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"transfer_mode {req.transfer_mode!r} needs a selector")
         try:
             args = (mode.aux, req.num_tokens, req.selector, req.kv_bits, mode.pushes_by_query)
             if self.engine.has_selector(req.selector):  # sizes only: no need to queue behind the model's steps
@@ -426,7 +426,7 @@ class DecodeService(ModelWorkerService):
                 aux_bytes = max(aux_bytes, self.engine.aux_bytes(Aux.CODES, req.num_tokens, "", req.kv_bits))
             return aux_bytes
         except (ValueError, PreparationMissing) as exc:
-            raise RequestRefused("bad_request", str(exc)) from None
+            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
 
     def _aux_filled(self, state: DecodeRequest, req: Generate) -> int:
         """The part of the slab's aux area the prefill fills for the mode that runs: all of it, but for `auto`,
@@ -436,12 +436,12 @@ class DecodeService(ModelWorkerService):
         try:
             needed = self.engine.aux_bytes(mode.aux, state.num_tokens, req.selector, req.kv_bits, mode.pushes_by_query)
         except (ValueError, PreparationMissing) as exc:
-            raise RequestRefused("bad_request", str(exc)) from None
+            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
         if req.prefill_aux_bytes and req.prefill_aux_bytes != needed:
-            raise RequestRefused("bad_request", f"the prefill filled {req.prefill_aux_bytes} aux bytes; this decode worker "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"the prefill filled {req.prefill_aux_bytes} aux bytes; this decode worker "
                                                 f"expects {needed} for {req.transfer_mode} (different selector preparation?)")
         if needed > state.slab.aux_bytes:
-            raise RequestRefused("bad_request", f"{req.transfer_mode} with kv_bits {req.kv_bits} needs {needed} aux bytes; "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"{req.transfer_mode} with kv_bits {req.kv_bits} needs {needed} aux bytes; "
                                                 f"the reservation for {state.mode.name} has {state.slab.aux_bytes}")
         return needed
 
@@ -457,7 +457,7 @@ class DecodeService(ModelWorkerService):
         """A request bigger than this worker's whole store can never run here: a 400, not a 429."""
         assert self.store
         if self.store.pages_needed(num_tokens + max_tokens, aux_bytes) > self.store.num_pages_total:
-            raise RequestRefused("bad_request", f"{num_tokens} + {max_tokens} tokens of KV exceed this worker's "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"{num_tokens} + {max_tokens} tokens of KV exceed this worker's "
                                                 f"whole store ({self.store.num_pages_total * self.store.layout.page_tokens} "
                                                 "tokens): ask for fewer tokens or raise kv_cache_mb")
 
@@ -467,13 +467,13 @@ class DecodeService(ModelWorkerService):
         try:
             return self.store.allocate(request_id, capacity, aux_bytes)
         except OutOfPages as exc:
-            raise RequestRefused("overloaded", str(exc)) from None
+            raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
 
     def _admit(self, request_id: str) -> None:
         if request_id in self.active:
-            raise RequestRefused("bad_request", f"request {request_id} is already here")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {request_id} is already here")
         if len(self.active) >= self.config.max_active_requests:
-            raise RequestRefused("overloaded", f"{AT_CAPACITY}: {len(self.active)} requests in progress")
+            raise RequestRefused(ErrorCode.AT_CAPACITY, f"at capacity: {len(self.active)} requests in progress")
 
     async def _expire(self, request_id: str) -> None:
         state = self.active.get(request_id)
@@ -481,7 +481,7 @@ class DecodeService(ModelWorkerService):
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
-    async def _release(self, state: DecodeRequest, plan_state: str = "failed", reason: str = "") -> None:
+    async def _release(self, state: DecodeRequest, plan_state: PlanState = PlanState.FAILED, reason: str = "") -> None:
         """Free everything a request holds. Idempotent."""
         if self.active.get(state.request_id) is state:
             del self.active[state.request_id]
@@ -489,7 +489,7 @@ class DecodeService(ModelWorkerService):
             state.expiry.cancel()
         assert self.remote_kv
         await asyncio.shield(self.remote_kv.end(state, reason or plan_state))
-        if state.plan_state not in ("released", "failed"):
+        if not state.plan_state.is_final:
             self.remote_kv.plan_event(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
             await self.dataplane.retire(state.grant.ticket, RELEASE_TIMEOUT_S)

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from services.gateway.requests import ApiError
-from shared.metrics import Registry
+from shared.runtime.metrics import Registry
 
 RECHECK_S = 0.5  # a waiter looks at the capacity again this often (a decode worker may have joined)
 

@@ -23,7 +23,7 @@ from services.gateway.openapi import openapi_document
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
-from shared.registry import WorkerRegistry
+from shared.runtime.registry import WorkerRegistry
 
 
 class Gateway(Protocol):

@@ -29,13 +29,13 @@ from typing import Any, TypeVar
 import structlog
 from nats.aio.client import Client
 
-from schemas import (AT_CAPACITY, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
+from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
                      PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
                      TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
-from schemas.transfer import Aux
-from shared.rpc import RemoteError, call
-from shared.timeline import Timeline
-from shared.registry import WorkerRegistry
+from schemas.modes import Aux
+from shared.runtime.rpc import RemoteError, call
+from shared.runtime.timeline import Timeline
+from shared.runtime.registry import WorkerRegistry
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
 
@@ -127,13 +127,13 @@ class CompletionRun:
                     # NOTE: the decode worker that reserved the KV died after `open`: nobody answers `generate`, or
                     # it stopped its heartbeats. Under recompute the request starts over on another one, colocated,
                     # from its prompt.
-                    if getattr(exc, "code", "unavailable") != "unavailable" or job.failure_policy != "recompute":
+                    if getattr(exc, "code", ErrorCode.UNAVAILABLE) is not ErrorCode.UNAVAILABLE or job.failure_policy != "recompute":
                         raise
                     await self._migrate(f"decode worker {self.decode.worker_id} did not answer generate", sampling)
                     first, done = -1, None
         except RemoteError as exc:
-            status = {"overloaded": 429, "unavailable": 503, "bad_request": 400}.get(exc.code, 502)
-            raise ApiError(status, f"{exc.message}", code=exc.code) from None
+            status = 429 if exc.code.is_busy else {ErrorCode.UNAVAILABLE: 503, ErrorCode.BAD_REQUEST: 400}.get(exc.code, 502)
+            raise ApiError(status, f"{exc.message}", code=ErrorCode.OVERLOADED if exc.code.is_busy else exc.code) from None
         self._watch_prefill = "push" if done is not None else ""
         self._next_index = 0 if first < 0 else 1
         if first >= 0:
@@ -173,7 +173,7 @@ class CompletionRun:
         self._watch_prefill = ""
         if self._plan_asked and self.plan is not None:  # the transfer plan ends with the worker it fed
             await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
-                                  encode(PlanEvent(job.request_id, "failed", f"{why}; resumed colocated")))
+                                  encode(PlanEvent(job.request_id, PlanState.FAILED, f"{why}; resumed colocated")))
         self.decode = self.registry.pick("decode", exclude=set(self.migrated_from))
         if self.decode is None:
             raise RequestFailed(f"{why}, and no other decode worker is registered to resume on")
@@ -183,7 +183,7 @@ class CompletionRun:
         self.recompute_reason = f"{why}; resumed on decode worker {self.decode.worker_id} after {len(self.token_ids)} tokens"
         self.mode, self.kv_bits = "colocated", 0
         resume = Generate(job.request_id, "colocated", job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
-                          sampling, subject, self.selector, (job.kv_budget or 0.0) if self.selector else 0.0,
+                          sampling, subject, self.selector, job.kv_budget if self.selector else None,
                           failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
         try:
             await self._on_some_decode(lambda: call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
@@ -194,28 +194,28 @@ class CompletionRun:
     async def _on_some_decode(self, ask: Callable[[], Awaitable[T]]) -> T:
         """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages) or
         does not answer at all (`unavailable`: it died), move on to the next least loaded. When every live one refused with all its request slots taken
-        (AT_CAPACITY), try them all again every DECODE_FULL_RETRY_S for up to DECODE_FULL_WAIT_S: admission
+        (ErrorCode.AT_CAPACITY), try them all again every DECODE_FULL_RETRY_S for up to DECODE_FULL_WAIT_S: admission
         counted a slot that is not there (yet), e.g. on a worker that died and still counts until its heartbeats
         expire. Otherwise (no room for the request's KV pages), a 429 at once."""
         assert self.decode
-        refused: dict[str, str] = {}
+        refused: dict[str, RemoteError] = {}
         deadline = asyncio.get_running_loop().time() + DECODE_FULL_WAIT_S
         while True:
             try:
                 return await ask()
             except RemoteError as exc:
                 # NOTE: `unavailable`: nobody answers on its subjects, it died (its heartbeats have not expired yet)
-                if exc.code not in ("overloaded", "unavailable"):
+                if not (exc.code.is_busy or exc.code is ErrorCode.UNAVAILABLE):
                     raise
-                refused[self.decode.worker_id] = exc.message
+                refused[self.decode.worker_id] = exc
             following = self.registry.pick("decode", exclude=refused)
-            if following is None and all(m.startswith(AT_CAPACITY) for m in refused.values()) \
+            if following is None and all(e.code is ErrorCode.AT_CAPACITY for e in refused.values()) \
                     and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(DECODE_FULL_RETRY_S)
                 refused.clear()
                 following = self.registry.pick("decode")
             if following is None:
-                why = "; ".join(f"{worker_id}: {message}" for worker_id, message in refused.items())
+                why = "; ".join(f"{worker_id}: {exc.message}" for worker_id, exc in refused.items())
                 raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
             self.decode = following
 
@@ -238,11 +238,11 @@ class CompletionRun:
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
-                                        self.decode.worker_id, job.ablate, job.kv_budget or 0.0, handle.floor,
+                                        self.decode.worker_id, job.ablate, job.kv_budget, handle.floor,
                                         job.kv_bits),
                                TransferPlan,
                                CONTROL_TIMEOUT_S)
-        self.mode, self.selector, self.decode_layers = self.plan.mode, self.plan.selector, handle.layout.num_layers
+        self.mode, self.selector, self.decode_layers = self.plan.transfer_mode, self.plan.selector, handle.layout.num_layers
         self.kv_bits = self.plan.kv_bits
         return handle
 
@@ -260,11 +260,11 @@ class CompletionRun:
                 call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
                      Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
                              self.selector if sends_metadata else "", self.kv_bits,
-                             (job.kv_budget or 0.0) if sends_metadata and self.selector else 0.0),
+                             job.kv_budget if sends_metadata and self.selector else None),
                      PrefillDone, self.timeout_s), self.prefill, "the prefill", watched)
         except (RequestFailed, RemoteError) as exc:
             # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
-            if job.failure_policy != "recompute" or getattr(exc, "code", "") in ("bad_request", "overloaded"):
+            if job.failure_policy != "recompute" or getattr(exc, "code", None) in (ErrorCode.BAD_REQUEST, ErrorCode.OVERLOADED, ErrorCode.AT_CAPACITY):
                 raise
             self.recompute_reason = f"prefill worker {self.prefill.worker_id} failed before the first token: {exc}"
             log.warning("prefill_failed_recompute", error=str(exc))
@@ -281,7 +281,7 @@ class CompletionRun:
         return await self._wait(call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                           Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
                                    self.stop_token_ids, sampling, subjects.stream(job.request_id),
-                                   self.selector, (job.kv_budget or 0.0) if self.selector else 0.0, self.plan,
+                                   self.selector, job.kv_budget if self.selector else None, self.plan,
                                    done.source if done else None, self.kv_bits,
                                    self.prefill.worker_id if self.prefill else "",
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
@@ -413,7 +413,7 @@ class CompletionRun:
             if self._plan_asked and broker_id:
                 try:
                     await self.nc.publish(subjects.worker("broker", broker_id, "event"),
-                                          encode(PlanEvent(self.job.request_id, "failed", f"aborted: {reason}")))
+                                          encode(PlanEvent(self.job.request_id, PlanState.FAILED, f"aborted: {reason}")))
                 except Exception as exc:  # NATS closing: the broker expires the plan instead
                     log.warning("plan_event_failed", error=str(exc))
         if self.finish_reason == "stop_string":
@@ -482,7 +482,7 @@ class CompletionRun:
             "step_wait_s": final.step_wait_s if final else [],
             "all_local_step": final.all_local_step if final and final.all_local_step >= 0 else None,
             "background_declined": bool(final and final.background_declined),
-            "plan": {"mode": plan.mode, "reason": plan.reason, "profile": plan.profile or None,
+            "plan": {"mode": plan.transfer_mode, "reason": plan.reason, "profile": plan.profile or None,
                      "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
                      "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
                      "query_tokens": plan.query_tokens, "query_stop_layer": plan.query_stop_layer,

@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 
 from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES
-from shared.config import ConfigError, ServiceConfig
+from shared.runtime.config import ConfigError, ServiceConfig
 
 
 @dataclass(slots=True)

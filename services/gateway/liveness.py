@@ -18,7 +18,7 @@ import time
 from nats.aio.client import Client
 
 from schemas import WorkerInfo
-from shared.registry import WorkerRegistry
+from shared.runtime.registry import WorkerRegistry
 
 
 class RequestFailed(RuntimeError):

@@ -13,14 +13,14 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 from transformers import AutoConfig, AutoTokenizer
 
-from shared.metrics import LatencyMetrics
-from shared.models import resolve_model
-from shared.runtime import Service
+from shared.runtime.metrics import LatencyMetrics
+from shared.runtime.models import resolve_model
+from shared.runtime.service import Service
 from services.gateway import api
 from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
-from shared.registry import WorkerRegistry
+from shared.runtime.registry import WorkerRegistry
 
 class GatewayService(Service):
     role = "gateway"

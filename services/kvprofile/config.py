@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from shared.config import ConfigError, ServiceConfig
+from shared.runtime.config import ConfigError, ServiceConfig
 
 
 @dataclass(slots=True)
@@ -14,7 +14,7 @@ class KvProfileConfig(ServiceConfig):
     dtype: str = "auto"
     torch_threads: int = 0
     page_tokens: int = 16
-    kv_dtype: str = "bfloat16"  # as the decode workers keep KV (shared/config.py ModelWorkerConfig.kv_dtype)
+    kv_dtype: str = "bfloat16"  # as the decode workers keep KV (shared/runtime/config.py ModelWorkerConfig.kv_dtype)
 
     def validate(self) -> None:
         ServiceConfig.validate(self)

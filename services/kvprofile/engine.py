@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from schemas import Sampling
-from shared import workloads
-from shared.profiles import observed_importance, tokens_per_block
+from shared.runtime import calibration
+from shared.runtime.profiles import observed_importance, tokens_per_block
 
 Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
@@ -40,7 +40,7 @@ class ProfileBuilder:
             from shared.compute.decode_engine import DecodeEngine
             from shared.compute.kvstore import KvStore
             from shared.compute.modeling import ModelRunner, set_torch_threads
-            from shared.models import resolve_model
+            from shared.runtime.models import resolve_model
             from shared.compute.selectors import default_prep_dir
 
             set_torch_threads(self.torch_threads)
@@ -64,9 +64,9 @@ class ProfileBuilder:
     def prompts(self, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
         """Calibration prompts: multi-document QA (never used by an evaluation), else standard-library code."""
         engine = self.engine
-        samples = workloads.TASKS[workloads.CALIBRATION_TASK](self._tokenizer, num_prompts, prompt_tokens, seed=7)
+        samples = calibration.hotpotqa_long(self._tokenizer, num_prompts, prompt_tokens, seed=7)
         if len(samples) < num_prompts:
-            samples += workloads.lcc_stdlib(self._tokenizer, num_prompts - len(samples), prompt_tokens, seed=7)
+            samples += calibration.lcc_stdlib(self._tokenizer, num_prompts - len(samples), prompt_tokens, seed=7)
         limit = engine.runner.max_positions - 1
         return [self._tokenizer(s.prompt)["input_ids"][-min(prompt_tokens, limit):] for s in samples[:num_prompts]]
 

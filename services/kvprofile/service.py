@@ -27,13 +27,13 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (SELECTORS, Ack, BuildProfile, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
+from schemas import (SELECTORS, Ack, BuildProfile, ErrorCode, BuildProgress, ListQuery, Profile, ProfileInfo, ProfileKey, ProfileList,
                      ProfileQuery, SelectionStats, encode, from_plain, kv_budget_problem,
                      subjects)
-from shared.profiles import NUM_BLOCKS, bucket_for, importance_of, observed_importance, online_update, profile_key
-from shared.rpc import RequestRefused, endpoint, subscriber
-from shared.runtime import Service
-from shared.compute.torch_thread import TorchThread
+from shared.runtime.profiles import NUM_BLOCKS, bucket_for, importance_of, observed_importance, online_update, profile_key
+from shared.runtime.rpc import RequestRefused, endpoint, subscriber
+from shared.runtime.service import Service
+from shared.runtime.torch_thread import TorchThread
 from services.kvprofile.config import KvProfileConfig
 from services.kvprofile.engine import ProfileBuilder
 from services.kvprofile.store import ProfileStore
@@ -73,7 +73,7 @@ class KvProfileService(Service):
     # --- handlers ------------------------------------------------------------------------
     async def get(self, query: ProfileQuery) -> Profile:
         if query.num_tokens < 1:
-            raise RequestRefused("bad_request", "num_tokens must be positive")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "num_tokens must be positive")
         return await self.show(ProfileKey(profile_key(query.model, query.selector, bucket_for(query.num_tokens))))
 
     async def show(self, query: ProfileKey) -> Profile:
@@ -81,7 +81,7 @@ class KvProfileService(Service):
         _check_key(query.key)
         profile = await self.store.get(query.key)
         if profile is None:
-            raise RequestRefused("not_found", f"no profile {query.key!r}: build one with `smartgen profile build`")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"no profile {query.key!r}: build one with `smartgen profile build`")
         return profile
 
     async def list(self, query: ListQuery) -> ProfileList:
@@ -92,7 +92,7 @@ class KvProfileService(Service):
         assert self.store
         _check_key(query.key)
         if not await self.store.delete(query.key):
-            raise RequestRefused("not_found", f"no profile {query.key!r}")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"no profile {query.key!r}")
         log.info("profile_deleted", key=query.key)
         await self._announce(ProfileInfo(query.key, 0, "", deleted=True))
         return Ack()
@@ -100,11 +100,11 @@ class KvProfileService(Service):
     async def build(self, req: BuildProfile) -> ProfileInfo:
         assert self.store and self.nc
         if req.selector not in SELECTORS:
-            raise RequestRefused("bad_request", f"selector {req.selector!r} is not one of {', '.join(SELECTORS)}")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"selector {req.selector!r} is not one of {', '.join(SELECTORS)}")
         if not (16 <= req.prompt_tokens and 1 <= req.num_prompts <= 64 and 1 <= req.decode_steps <= 512):
-            raise RequestRefused("bad_request", "a build needs prompt_tokens ≥ 16, 1–64 prompts and 1–512 decode steps")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "a build needs prompt_tokens ≥ 16, 1–64 prompts and 1–512 decode steps")
         if problem := kv_budget_problem(req.kv_budget):
-            raise RequestRefused("bad_request", problem)
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         loop = asyncio.get_running_loop()
         nc = self.nc
 
@@ -121,7 +121,7 @@ class KvProfileService(Service):
                 NUM_BLOCKS, on_progress)
         except (ValueError, FileNotFoundError) as exc:  # unknown selector, missing preparation or model
             self.builds.inc(status="refused")
-            raise RequestRefused("bad_request", str(exc)) from None
+            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
         finally:
             self.builds_running -= 1
         model = await self.torch_thread.run(lambda: self.builder.model_name)  # NOTE: loads the model if need be
@@ -263,7 +263,7 @@ def _bucket_answers(handler: Callable[[web.Request], Awaitable[web.Response]]) -
 
 def _check_key(key: str) -> None:
     if len(key) > MAX_KEY_CHARS or not PROFILE_KEY.fullmatch(key):
-        raise RequestRefused("bad_request", f"{key[:60]!r} is not a profile key (model.selector.bucket, as "
+        raise RequestRefused(ErrorCode.BAD_REQUEST, f"{key[:60]!r} is not a profile key (model.selector.bucket, as "
                                             "`smartgen profile list` shows them)")
 
 

@@ -9,7 +9,7 @@ import nats.js.errors
 import structlog
 
 from schemas import Profile, SchemaError, decode, encode
-from shared.rpc import Backoff
+from shared.runtime.rpc import Backoff
 
 log = structlog.get_logger()
 # A JetStream cluster that has just started answers nothing, or "unavailable", until it has elected its meta

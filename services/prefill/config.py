@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from shared.config import ConfigError, ModelWorkerConfig
+from shared.runtime.config import ConfigError, ModelWorkerConfig
 
 
 @dataclass(slots=True)

@@ -34,16 +34,16 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (AT_CAPACITY, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling, TransferFailed,
+from schemas import (ErrorCode, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling, TransferFailed,
                      TransferMode, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
                      kv_budget_problem, subjects)
-from schemas.transfer import Aux, Push
+from schemas.modes import Aux, Push
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages
-from shared.prefill_rate import PrefillTimes, tokens_per_s
-from shared.rpc import RequestRefused, endpoint, subscriber
+from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
+from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
-from shared.worker import ModelWorkerService
+from shared.runtime.worker import ModelWorkerService
 from services.prefill.config import PrefillConfig
 from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
@@ -120,7 +120,7 @@ class PrefillService(ModelWorkerService):
             # NOTE: step 1 run here for the exact push appends the first token's entry: room for one more
             slab = self.store.allocate(req.request_id, n + 1 if exact else n, aux_bytes)
         except OutOfPages as exc:
-            raise RequestRefused("overloaded", str(exc)) from None
+            raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
         transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
                                                           row_runs=pushed_runs(mode, req.plan, self.store.layout, n),
                                                           layer_push_bytes=[0] * self.store.layout.num_layers,
@@ -140,7 +140,7 @@ class PrefillService(ModelWorkerService):
         def run() -> tuple[FirstToken, float]:  # torch thread: the first token, and the prefill's own time in seconds
             # NOTE: prefills wait their turn on the torch thread; one aborted meanwhile is skipped, not computed
             if self.active.get(req.request_id) is not transfer:
-                raise RequestRefused("not_found", f"request {req.request_id} was aborted before its prefill")
+                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted before its prefill")
             started = transfer.prefill_started = time.perf_counter()
             first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
             return first, time.perf_counter() - started
@@ -153,7 +153,7 @@ class PrefillService(ModelWorkerService):
             await self._finish(req.request_id, cancel=True)
             raise
         if self.active.get(req.request_id) is not transfer:  # aborted meanwhile: its slab is already freed
-            raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted during its prefill")
         link = transfer.link_during_prefill(prefill_s)
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
@@ -191,7 +191,7 @@ class PrefillService(ModelWorkerService):
         except Exception as exc:  # noqa: BLE001 (see the docstring)
             log.warning("step_one_selection_failed", error=repr(exc))
         if self.active.get(req.request_id) is not transfer:
-            raise RequestRefused("not_found", f"request {req.request_id} was aborted during its prefill")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted during its prefill")
         transfer.held, transfer.exact, transfer.exact_from_layer = [], False, held[0]  # nothing more to hold back
         for layer in held:
             self._start_push(transfer, layer)
@@ -234,33 +234,33 @@ class PrefillService(ModelWorkerService):
         assert self.store and self.runner
         served = modes_where(is_disaggregated=True, resolves_to=())
         if req.transfer_mode not in served:
-            raise RequestRefused("bad_request", f"prefill serves transfer modes {', '.join(served)}, "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"prefill serves transfer modes {', '.join(served)}, "
                                                 f"not {req.transfer_mode!r}")
         mode = mode_of(req.transfer_mode)
         if req.request_id in self.active:
-            raise RequestRefused("bad_request", f"request {req.request_id} is already being prefilled here")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already being prefilled here")
         if req.request_id in self.aborted:
-            raise RequestRefused("not_found", f"request {req.request_id} was aborted")
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
         if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
-            raise RequestRefused("bad_request", "the prompt is empty or does not match the KV handle's token count")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "the prompt is empty or does not match the KV handle's token count")
         if problem := self.runner.token_problem(req.token_ids):
-            raise RequestRefused("bad_request", problem)
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if req.handle.layout != self.store.layout:
-            raise RequestRefused("bad_request", f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
         if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:
-            raise RequestRefused("bad_request", "the KV handle's slab does not fit the prompt")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "the KV handle's slab does not fit the prompt")
         if mode.pushes is Push.PLAN_BLOCKS:
-            if req.plan is None or req.plan.mode != req.transfer_mode or (mode.aux is Aux.METADATA and not req.selector):
-                raise RequestRefused("bad_request", f"transfer_mode {req.transfer_mode!r} needs its plan and a selector")
+            if req.plan is None or req.plan.transfer_mode != req.transfer_mode or (mode.aux is Aux.METADATA and not req.selector):
+                raise RequestRefused(ErrorCode.BAD_REQUEST, f"transfer_mode {req.transfer_mode!r} needs its plan and a selector")
             lay = self.store.layout
             if problem := plan_problem(req.plan, lay.num_layers, len(req.token_ids), lay.page_tokens):
-                raise RequestRefused("bad_request", problem)
+                raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if req.plan is not None and req.plan.exact_push and (problem := kv_budget_problem(req.kv_budget)):
-            raise RequestRefused("bad_request", f"the plan's exact push runs step 1 and needs its budget: {problem}")
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"the plan's exact push runs step 1 and needs its budget: {problem}")
         if problem := mode.kv_bits_problem(req.kv_bits):
-            raise RequestRefused("bad_request", problem)
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if len(self.active) >= self.config.max_active_requests:
-            raise RequestRefused("overloaded", f"{AT_CAPACITY}: {len(self.active)} requests in progress")
+            raise RequestRefused(ErrorCode.AT_CAPACITY, f"at capacity: {len(self.active)} requests in progress")
         return mode
 
     async def _encoder(self, req: Prefill, transfer: Transfer) -> LayerEncoder | None:
@@ -280,7 +280,7 @@ class PrefillService(ModelWorkerService):
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
                                                            transfer.query_push, req.kv_bits)
             except (ValueError, PreparationMissing) as exc:
-                raise RequestRefused("bad_request", str(exc)) from None
+                raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
             ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
         else:
             return None
@@ -288,7 +288,7 @@ class PrefillService(ModelWorkerService):
         # NOTE: an `auto` reservation has room for each of its choices; the decode worker checks the part filled
         # (PrefillDone.aux_bytes) against its own reckoning
         if needed > req.handle.aux_bytes:
-            raise RequestRefused("bad_request", f"the decode node reserved {req.handle.aux_bytes} aux bytes; this "
+            raise RequestRefused(ErrorCode.BAD_REQUEST, f"the decode node reserved {req.handle.aux_bytes} aux bytes; this "
                                                 f"request needs {needed} (different selector preparation?)")
         transfer.aux_filled = needed
         transfer.aux_ranges = ranges

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling, entry_region_bytes
-from schemas.transfer import Aux
+from schemas.modes import Aux
 from shared.compute import selective
 from shared.compute.entry_codes import EntryCodes, pushed_mask
 from shared.compute.slab_cache import SlabCache

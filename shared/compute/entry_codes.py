@@ -5,7 +5,7 @@ background reads stay exact (a background read later overwrites a pushed entry w
 
 An entry is one (layer, KV head, token): its K and its V, each a head_dim vector quantized as one partition
 (asymmetric, x ≈ scale·q + min, fp16 scale and minimum; quantization.py's rule), V in `kv_bits` and K in
-PUSH_KEY_BITS (8): a key quantized per token loses its outlier channels (schemas/transfer.py). Per-entry
+PUSH_KEY_BITS (8): a key quantized per token loses its outlier channels (schemas/constants.py). Per-entry
 partitions let any set of entries travel on its own.
 
 Where, in the request's aux area (after the selector metadata, whose size it does not change):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from schemas import KvLayout
-from shared.dataplane.agent import SharedArena
+from shared.runtime.arena import SharedArena
 
 
 class OutOfPages(RuntimeError):

@@ -44,7 +44,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from shared.profiles import token_blocks
+from shared.runtime.profiles import token_blocks
 from schemas import BudgetFloor
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 

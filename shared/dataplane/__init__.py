@@ -9,7 +9,7 @@ from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, 
 def make_dataplane(kind: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
                    link_gbps: float = 0.0, checksums: bool = True, cluster_secret: str = "",
                    tls: tuple[str, str, str] | None = None) -> DataPlane:
-    """TCP or the in-process fake. (RDMA needs a rendezvous; `shared.worker` builds it.) A TCP plane only links
+    """TCP or the in-process fake. (RDMA needs a rendezvous; `shared.runtime.worker` builds it.) A TCP plane only links
     with peers that hold the same `cluster_secret` (shared/dataplane/handshake.py; "" = an open plane), and with
     `tls` (CA, certificate, key: PEM files) only through mutual TLS with peers the CA signed (channel.py)."""
     if kind == "tcp":

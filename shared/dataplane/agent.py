@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import mmap
-import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ import msgpack
 import numpy as np
 import structlog
 
+from shared.runtime.arena import SharedArena
 from shared.dataplane.base import (ChecksumMismatch, DataPlane, DataPlaneError, Gather, Grant, Lane, Segment,
                                    TicketRefused)
 
@@ -41,16 +41,6 @@ STATS_EVERY_S = 0.5  # how often the agent sends its counters (the worker's stat
 CANCEL_WAIT_S = 30.0  # a cancelled call: how long the worker waits for the agent to confirm it stopped
 _ERRORS: dict[str, type[DataPlaneError]] = {"TicketRefused": TicketRefused, "ChecksumMismatch": ChecksumMismatch,
                                             "DataPlaneError": DataPlaneError}
-
-
-class SharedArena:
-    """`size` bytes of shared memory (a memfd, zeroed), mapped here; a child given `fd` maps the same pages."""
-
-    def __init__(self, size: int):
-        self.fd = os.memfd_create("smartgen-kv", 0)
-        os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size)
-        self.view = memoryview(self.map)  # lives as long as the process: the KvStore's arena is never freed
 
 
 # --- the worker's side ------------------------------------------------------------------------------------
@@ -334,7 +324,7 @@ class _Agent:
 
 async def _agent(channel_fd: int, arena_fd: int) -> None:
     from shared.dataplane import make_dataplane
-    from shared.logging import setup_logging
+    from shared.runtime.logging import setup_logging
 
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=channel_fd))
     unpacker = msgpack.Unpacker(raw=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import env_name
+from shared.runtime.config import env_name
 from tests.contract.service_configs import CONFIG_CLASSES, config_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_a_worker_bound_to_every_interface_advertises_its_own_address():
     """Inside a container (SMARTGEN_HOST=0.0.0.0, no advertise host) the address in heartbeats is this host's
     own, not 0.0.0.0 nor a shared service name; an explicit advertise host still wins."""
     from services.decode.config import DecodeConfig
-    from shared.config import load_config, own_address
+    from shared.runtime.config import load_config, own_address
 
     bound_all = load_config(DecodeConfig, [], {"SMARTGEN_HOST": "0.0.0.0"})
     assert bound_all.public_host == own_address() and bound_all.public_host not in ("0.0.0.0", "")
@@ -155,7 +155,7 @@ def test_compose_binary_rejects_a_broken_file(tmp_path):
 def test_service_matches_its_config(services, role, tmp_path):
     """Command runs the role's module; every SMARTGEN_* variable is a field of its config; published ports are
     the ports the config sets (workers publish none); the config builds from that environment."""
-    from shared.config import load_config
+    from shared.runtime.config import load_config
 
     cls = config_class(role)
     service = services[role]
@@ -193,7 +193,7 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
     """compose/nats-cluster.yml, as the real Compose binary merges it: three NATS members that route to each
     other, every service given all three URLs (its config parses them as one cluster) and started after all three
     are healthy, and kvprofile's bucket at 3 copies; the real nats-server accepts the member's config."""
-    from shared.config import load_config
+    from shared.runtime.config import load_config
     from tools.nats_server import nats_server_binary
 
     result = run_compose(tmp_path, "-f", str(ROOT / "compose" / "nats-cluster.yml"), "config", "--format", "json",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import env_name, load_config
+from shared.runtime.config import env_name, load_config
 from tests.contract.service_configs import CONFIG_CLASSES, config_class
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
 
 
-# The bare budget, no floor (schemas/transfer.py BudgetFloor): these stacks test the sparse mechanics (remote
+# The bare budget, no floor (schemas/constants.py BudgetFloor): these stacks test the sparse mechanics (remote
 # reads, selections, transfer) on prompts far shorter than the floor's dense threshold of 1,024 tokens
 NO_FLOOR_ENV = {"SMARTGEN_SELECTIVE_MIN_TOKENS": "0", "SMARTGEN_MIN_BUDGET_TOKENS": "1", "SMARTGEN_SINK_TOKENS": "0",
                 "SMARTGEN_RECENT_TOKENS": "0"}

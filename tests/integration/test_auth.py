@@ -13,10 +13,10 @@ import nats
 import psutil
 import pytest
 
-from shared.admin_auth import admin_headers
-from shared.config import ServiceConfig
+from shared.runtime.admin_auth import admin_headers
+from shared.runtime.config import ServiceConfig
 from tools.nats_server import NatsServer
-from shared.natsconn import connect_options
+from shared.runtime.natsconn import connect_options
 from tools.stack import Stack
 from tests.certificates import make_certificates
 from tests.integration.conftest import get_json, model_workers, post_json

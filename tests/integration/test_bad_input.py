@@ -15,7 +15,7 @@ import pytest
 
 import schemas
 from schemas import ErrorReply, decode, encode, subjects
-from shared.rpc import ERROR_CODE_HEADER
+from shared.runtime.rpc import ERROR_CODE_HEADER
 from tests.integration.conftest import get_json, post_json
 
 REPLY_WITHIN_S = 2.0
@@ -243,7 +243,7 @@ async def test_an_abort_that_overtakes_its_open_or_generate_leaves_nothing(clean
     """A client that leaves while its request's decode.open (or colocated generate) is still queued: the abort
     arrives first, and the open or generate that follows is refused instead of holding a slab and a ticket
     until the reservation expires."""
-    from shared.rpc import RemoteError, call
+    from shared.runtime.rpc import RemoteError, call
     from tests.integration.conftest import assert_no_leaks
 
     ids = {w["role"]: w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}

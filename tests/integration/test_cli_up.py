@@ -88,7 +88,7 @@ def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
 def check_exported_secrets(log: Path, workers: list[dict]) -> list[str]:
     """`smartgen up` prints where this run's tokens are (files of mode 0600), not the tokens; the admin token
     from that file paces a worker's link. Returns the tokens."""
-    from shared.admin_auth import admin_headers
+    from shared.runtime.admin_auth import admin_headers
 
     line = next(ln for ln in log.read_text().splitlines() if "export SMARTGEN_NATS_URL=" in ln)
     exported = dict(kv.split("=", 1) for kv in line.split("export ", 1)[1].split())

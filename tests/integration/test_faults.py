@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.admin_auth import admin_headers
+from shared.runtime.admin_auth import admin_headers
 from tools.client import open_stream, post_json, request
 from tools.leaks import find_leaks
 from tools.nats_server import free_port

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shared.admin_auth import admin_headers
+from shared.runtime.admin_auth import admin_headers
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec
 from tests.integration.conftest import assert_no_leaks, get_json, model_workers, post_json

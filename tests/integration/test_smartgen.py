@@ -14,7 +14,7 @@ import pytest
 from schemas import BuildProfile, Profile, ProfileInfo, ProfileKey, ProfileQuery, subjects
 from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
-from shared.rpc import RemoteError, call
+from shared.runtime.rpc import RemoteError, call
 from tools.stack import Stack, StackSpec, started_stack
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, post_json
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.gateway.admission import Admission
 from services.gateway.requests import ApiError
-from shared.metrics import Registry
+from shared.runtime.metrics import Registry
 
 
 def admission(capacity: int, max_waiting: int = 4, queue_timeout_s: float = 5.0) -> tuple[Admission, dict]:

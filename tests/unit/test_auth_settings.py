@@ -7,10 +7,10 @@ import pytest
 from aiohttp import web
 from aiohttp import test_utils  # NOTE: not `import TestClient`: pytest would try to collect it
 
-from shared.admin_auth import admin_headers, admin_token_from_env
-from shared.config import ConfigError, ModelWorkerConfig, ServiceConfig, load_config, write_secret_file
-from shared.natsconn import client_options, connect_options, redacted_url
-from shared.runtime import Service, build_admin_app
+from shared.runtime.admin_auth import admin_headers, admin_token_from_env
+from shared.runtime.config import ConfigError, ModelWorkerConfig, ServiceConfig, load_config, write_secret_file
+from shared.runtime.natsconn import client_options, connect_options, redacted_url
+from shared.runtime.service import Service, build_admin_app
 
 
 def test_secrets_stay_out_of_repr_and_str():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.workloads import Sample
+from tools.workloads import Sample
 from tools.bench import cluster, report, simulate
 from tools.bench.serve import mode_body, summarize
 from tools.eval import accuracy

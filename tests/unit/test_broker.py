@@ -11,7 +11,7 @@ from schemas import NO_FLOOR, KvLayout, OpenPlan, entry_record_bytes, entry_regi
 from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from schemas import pack_bits, unpack_bits
-from shared.profiles import positional_importance
+from shared.runtime.profiles import positional_importance
 
 LAYOUT = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_tokens=16, dtype="float32", token_bytes=46080)
 N = 2048  # 128 pages per layer, 3,840 blocks of 24,576 bytes; the whole KV is 94,371,840 bytes

@@ -12,7 +12,8 @@ import pytest
 from shared.dataplane import (ChecksumMismatch, DataPlaneError, Gather, Grant, Lane, Segment, TicketRefused,
                               make_dataplane)
 from shared.dataplane import frames
-from shared.dataplane.agent import AgentDataPlane, SharedArena
+from shared.dataplane.agent import AgentDataPlane
+from shared.runtime.arena import SharedArena
 from shared.dataplane.base import split_into_chunks
 from tests.segments import push_and_read_exactly
 

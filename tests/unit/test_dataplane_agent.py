@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from shared.dataplane import DataPlaneError, Grant, Segment
-from shared.dataplane.agent import AgentDataPlane, SharedArena
+from shared.dataplane.agent import AgentDataPlane
+from shared.runtime.arena import SharedArena
 from tests.unit.test_dataplane import SIZE, pair
 
 

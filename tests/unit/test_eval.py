@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import workloads
+from tools import workloads
 from tools.eval.metrics import code_sim_score, qa_f1_score, rouge_score, string_match, task_score
 
 

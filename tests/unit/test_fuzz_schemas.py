@@ -9,6 +9,7 @@ shows the counts).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -48,6 +49,8 @@ def valid(tp: typing.Any) -> st.SearchStrategy:
         return st.lists(valid(args[0]), max_size=2 if dataclasses.is_dataclass(args[0]) else 3)
     if origin is dict:
         return st.dictionaries(valid(args[0]), valid(args[1]), max_size=3)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
     leaves = {type(None): st.none(), bool: st.booleans(), int: st.integers(INT64_MIN, UINT64_MAX),
               float: st.floats(allow_nan=False), str: st.text(max_size=16), bytes: st.binary(max_size=32)}
     return leaves[tp]

@@ -5,7 +5,7 @@ import pytest
 
 from schemas import decode, encode
 from schemas.messages import PrefillRate, WorkerInfo
-from shared.prefill_rate import PrefillTimes, tokens_per_s
+from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
 
 
 def test_prefills_of_different_lengths_keep_apart_and_the_same_length_averages():

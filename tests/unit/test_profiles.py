@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from schemas import pack_bits, unpack_bits
-from shared.profiles import (bucket_for, blend, observed_importance, page_importance, positional_importance,
+from shared.runtime.profiles import (bucket_for, blend, observed_importance, page_importance, positional_importance,
                              profile_key, token_blocks, tokens_per_block)
 
 

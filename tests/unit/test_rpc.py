@@ -1,4 +1,4 @@
-"""shared/rpc.py over a real nats-server: a `concurrent` endpoint reads its next message while a long handler
+"""shared/runtime/rpc.py over a real nats-server: a `concurrent` endpoint reads its next message while a long handler
 still runs (a prefill waiting its turn must be seen by the service, not sit unread in NATS); a plain one
 handles them one after another."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from nats.micro import add_service
 from nats.micro.service import ServiceConfig
 
 from schemas import Ack
-from shared.rpc import call, endpoint
+from shared.runtime.rpc import call, endpoint
 
 
 @dataclass(frozen=True, slots=True)

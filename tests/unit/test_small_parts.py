@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import ConfigError, ModelWorkerConfig, load_config
-from shared.metrics import Registry
-from shared.timeline import Timeline, ctl
+from shared.runtime.config import ConfigError, ModelWorkerConfig, load_config
+from shared.runtime.metrics import Registry
+from shared.runtime.timeline import Timeline, ctl
 
 
 def test_timeline_of_a_known_stream():

@@ -1,4 +1,4 @@
-"""The transfer contract (schemas/transfer.py): the mode table is consistent, auto resolves only to what it
+"""The transfer contract (schemas/modes.py, schemas/geometry.py): the mode table is consistent, auto resolves only to what it
 declares, the one kv_budget rule, and the plan geometry on which prefill (what it pushes) and decode (what it
 waits for) must agree to the byte. Also the decode request's phases and the pub/sub `subscriber` wrapper."""
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 import schemas
 from schemas import (KV_BITS, MODES, SELECTIVE_MODES, TRANSFER_MODES, KvLayout, OpenPlan, TransferPlan, budget_tokens,
                      kv_budget_problem, mode_of, modes_where, pack_bits, plan_problem, pushed_bytes, pushed_runs)
-from schemas.transfer import Aux, Push
+from schemas.modes import Aux, Push
 from services.broker.planner import LinkEstimate, choose_mode
 from services.decode.request import DecodeRequest, Phase, PhaseError
 from shared.compute.kvstore import KvStore, layout_for
-from shared.rpc import subscriber
+from shared.runtime.rpc import subscriber
 
 LAYOUT = layout_for(num_layers=4, num_kv_heads=2, head_dim=8, page_tokens=16, dtype=torch.float32)
 N = 40  # 3 pages per layer, the last one half full

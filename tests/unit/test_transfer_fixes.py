@@ -17,8 +17,8 @@ from services.decode.remote_lifecycle import RemoteKvLifecycle
 from services.decode.request import DecodeRequest
 from shared.compute.kvstore import layout_for
 from shared.dataplane import Lane
-from shared.profiles import online_update, positional_importance
-from shared.registry import WorkerRegistry
+from shared.runtime.profiles import online_update, positional_importance
+from shared.runtime.registry import WorkerRegistry
 
 LAYOUT = layout_for(num_layers=4, num_kv_heads=2, head_dim=8, page_tokens=16, dtype=torch.float32)
 N = 32  # two pages

@@ -42,8 +42,8 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
     from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import default_prep_dir
-    from shared.models import resolve_model
-    from shared.workloads import stdlib_files
+    from shared.runtime.models import resolve_model
+    from tools.workloads import stdlib_files
 
     batches = batches or [1, 2, 4, 8]
     path = resolve_model(model)

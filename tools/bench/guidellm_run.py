@@ -62,7 +62,7 @@ def table(route: str, rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from shared.models import default_model_path
+    from shared.runtime.models import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", required=True, help="the gateway, e.g. http://127.0.0.1:8000")

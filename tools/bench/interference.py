@@ -96,8 +96,8 @@ async def _measure(peer, context: int, steps: int, rates: list[float]) -> list[d
     from shared.compute.selectors import default_prep_dir
     from shared.dataplane import Grant, make_dataplane
     from shared.dataplane.agent import AgentDataPlane
-    from shared.models import resolve_model
-    from shared.workloads import stdlib_files
+    from shared.runtime.models import resolve_model
+    from tools.workloads import stdlib_files
 
     torch.set_num_threads(1)  # as `smartgen up` gives a model process on this machine
     loop = asyncio.get_running_loop()

@@ -1,5 +1,5 @@
 """How much the low-bit push's per-entry codes cost in answers (the measurement behind PUSH_KEY_BITS in
-schemas/transfer.py): for one prompt of each serving-benchmark task, dense greedy decoding over the prompt's KV
+schemas/constants.py): for one prompt of each serving-benchmark task, dense greedy decoding over the prompt's KV
 (rounded to bf16, the store's dtype) with every entry's K and V through per-entry codes of the given widths,
 against the same KV uncoded: the KL divergence of the first decoded step's distribution, and how many greedy
 tokens stay equal before the first difference. Every prompt entry is coded, which is what the push does at
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared import workloads
-    from shared.models import prepare_default_model, resolve_model
+    from tools import workloads
+    from shared.runtime.models import prepare_default_model, resolve_model
 
     if not args.model:
         prepare_default_model()

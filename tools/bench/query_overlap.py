@@ -40,7 +40,7 @@ def overlap(num_tokens: int, selector: str, kv_budget: float) -> dict[float, flo
     from shared.compute.prefill_engine import PrefillEngine, QueryPush
     from shared.compute.selectors import DENSE_LAYERS, default_prep_dir
     from shared.compute.selectors.metadata import MetadataLayout
-    from shared.models import resolve_model
+    from shared.runtime.models import resolve_model
 
     path = resolve_model("")
     runner = ModelRunner(path)

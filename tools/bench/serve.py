@@ -19,7 +19,7 @@
    from kvprofile's calibration documents (shared/workloads.CALIBRATION_TASK, which no measured task uses);
    online updates are frozen while measuring, so no row learns from the prompts it measures. --online-profile
    adds a `smartgen-online` row that learns while it runs (labelled as such).
-4. Each mode serves `requests` prompts from the local long-context workloads (shared/workloads.py) through the
+4. Each mode serves `requests` prompts from the local long-context workloads (tools/workloads.py) through the
    OpenAI API, streamed, `max_tokens` each past EOS, `concurrency` at a time; modes that move no KV (colocated)
    run once per length, unpaced. Times are this client's clock, one SSE chunk per token; e2e its wall time.
 5. Writes runs.json (every request, and one summary per mode × setting: n, mean, p50; p99 from 20 requests),
@@ -162,7 +162,7 @@ def machine_info(model_name: str) -> dict[str, Any]:
 
 def build_samples(tokenizer, tasks: list[str], n: int, prompt_tokens: int):
     """n samples cycling over the tasks whose data is installed (each task's own prompt template)."""
-    from shared import workloads
+    from tools import workloads
 
     pools = [workloads.TASKS[t](tokenizer, n, prompt_tokens) for t in tasks]
     pools = [p for p in pools if p]
@@ -176,7 +176,7 @@ def run(cfg: BenchConfig) -> dict:
     returns what runs.json holds."""
     from transformers import AutoTokenizer
 
-    from shared.models import prepare_default_model, resolve_model
+    from shared.runtime.models import prepare_default_model, resolve_model
 
     if not cfg.model:
         prepare_default_model()
@@ -275,8 +275,8 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict],
 def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list) -> dict[str, dict]:
     """The selector's profile for every length bucket the measured prompts fall in (a prompt of N tokens is
     served from the bucket built for N), calibrated on kvprofile's own documents; bucket → build reply."""
-    from shared.profiles import bucket_for
-    from shared.workloads import CALIBRATION_TASK
+    from shared.runtime.profiles import bucket_for
+    from tools.workloads import CALIBRATION_TASK
 
     lengths = [len(tokenizer(s.prompt)["input_ids"]) for s in samples]
     if CALIBRATION_TASK in {s.task for s in samples}:

@@ -6,7 +6,7 @@
     smartgen eval accuracy --paired …   in one process, with paired intervals (tools/eval/paired.py)
 
 1. Starts its own stack (embedded NATS, 1 prefill + 1 decode) unless `--url` names a running gateway.
-2. Builds `samples` prompts per task from local data (shared/workloads.py, LongBench templates).
+2. Builds `samples` prompts per task from local data (tools/workloads.py, LongBench templates).
 3. Sends every prompt through the OpenAI API once per (mode, selector): greedy, each task's own answer length;
    QA and report prompts as a chat message when the model has a chat template (as LongBench does for chat models).
    Modes that select nothing (colocated, full, quantized…) run once; the selective ones once per selector.
@@ -75,8 +75,8 @@ def run(modes: list[str], selectors: list[str], kv_budget: float, tasks: list[st
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from shared import workloads
-    from shared.models import prepare_default_model, resolve_model
+    from tools import workloads
+    from shared.runtime.models import prepare_default_model, resolve_model
 
     if not model:
         prepare_default_model()

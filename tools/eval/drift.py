@@ -8,7 +8,7 @@ Replay, per selective layer, with every entry of step 1's selection local (a com
 later step's misses read at once (on demand): the misses of steps 2..T, and for each factor f the misses left and the
 bytes read ahead when every layer that missed ranks again under f × the budget after its step (the decode rule) and
 that read lands before the next step (a link with room: the best case for reading ahead).
-Prompts: the serving benchmark's tasks (shared/workloads.py), greedy decoding, all KV local, the decode worker's
+Prompts: the serving benchmark's tasks (tools/workloads.py), greedy decoding, all KV local, the decode worker's
 budget floor. The KV stays in the compute dtype, as in `eval fidelity`; bytes are counted as the stack moves them: K
 and V of one entry of one KV head in bf16, its kv_dtype. The selector's calls are recorded by wrapping
 `selective.select_with_floor` for the run (as tools/bench/query_overlap.py does), which also asks each wider budget
@@ -79,13 +79,13 @@ def run(model: str = "", selector: str = "quest", budget: float = DEFAULT_KV_BUD
     import torch
     from transformers import AutoTokenizer
 
-    from shared import workloads
+    from tools import workloads
     from shared.compute import selective
     from shared.compute.decode_engine import DecodeEngine
     from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import default_prep_dir
-    from shared.models import resolve_model
+    from shared.runtime.models import resolve_model
 
     path = resolve_model(model)
     runner = ModelRunner(path)

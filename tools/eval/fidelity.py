@@ -8,7 +8,7 @@ Per selector and budget:
   ppl_ratio         perplexity of the true continuation, selective / dense
   attention_mass    share of the dense attention probability that the selected tokens hold (layers ≥ 2)
   scores            per task: the LongBench metric of free-running greedy answers, dense and selective
-Documents: code and ACL paper bodies alternately (shared/workloads.py `evaluation_documents`), none of them
+Documents: code and ACL paper bodies alternately (tools/workloads.py `evaluation_documents`), none of them
 seen by the selectors' calibration. The KV stays in the compute dtype; selectors run under the decode worker's
 budget floor unless --no-floor. The dense prefill is computed once per document and its cache copied for every
 configuration.
@@ -83,12 +83,12 @@ def evaluate(model: str = "", selectors: list[str] = ("oracle",), budgets: list[
     import torch
     from transformers import AutoTokenizer
 
-    from shared import workloads
+    from tools import workloads
     from shared.compute.decode_engine import DecodeEngine
     from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import default_prep_dir
-    from shared.models import resolve_model
+    from shared.runtime.models import resolve_model
 
     if workloads.CALIBRATION_TASK in tasks:
         raise SystemExit(f"{workloads.CALIBRATION_TASK} is what profiles and selectors calibrate on: evaluate other tasks")

@@ -55,7 +55,7 @@ def compare(served: list[dict], reference: list[dict]) -> dict:
 
 
 def main() -> None:
-    from shared.models import default_model_path
+    from shared.runtime.models import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", required=True)

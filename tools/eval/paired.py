@@ -54,12 +54,12 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
         resamples: int = 2000) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from shared import workloads
+    from tools import workloads
     from shared.compute.decode_engine import DecodeEngine
     from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import default_prep_dir
-    from shared.models import prepare_default_model, resolve_model
+    from shared.runtime.models import prepare_default_model, resolve_model
     from tools.bench.serve import machine_info
 
     if not model:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas import SELECTORS
-from shared.models import PreparationMissing, prep_dir_of
+from shared.runtime.models import PreparationMissing, prep_dir_of
 from shared.compute.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
 from shared.compute.selectors.hata import HataSelector
 from shared.compute.selectors.infinigen import InfiniGenSelector

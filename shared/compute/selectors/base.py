@@ -27,7 +27,7 @@ MetadataSpec = list[tuple[tuple[int, ...], torch.dtype]]
 @dataclass(frozen=True, slots=True)
 class Budget:
     """A fraction of the cached tokens (0 < value ≤ 1) or a token count (value > 1, whole): the one rule of
-    schemas/transfer.py (`kv_budget_problem`), under its floor (dense below a context length, a minimum, and
+    schemas/constants.py (`kv_budget_problem`), under its floor (dense below a context length, a minimum, and
     the sinks and recent window always kept)."""
 
     value: float

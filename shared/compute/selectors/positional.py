@@ -2,7 +2,7 @@
 
 The first `num_sinks` tokens (attention sinks) and the most recent tokens fill the budget. It needs no
 metadata at all, which is why positions alone can be pushed before anything is known; it is also the
-profile the KV-profile service falls back to when it holds none for a request (shared/profiles.py).
+profile the KV-profile service falls back to when it holds none for a request (shared/runtime/profiles.py).
 """
 from __future__ import annotations
 

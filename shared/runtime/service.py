@@ -2,7 +2,7 @@
 
 A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and `__main__` calls
 `run_service`. The runner, in order: logging → admin HTTP server (routes that change state behind the
-admin token, shared/admin_auth.py) → NATS (credentials and TLS from shared/natsconn.py) → nats.micro
+admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
 registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
 SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
 """
@@ -27,12 +27,12 @@ from nats.micro.service import Service as MicroService
 
 from schemas import Discover, WorkerInfo, encode, subjects
 from shared import __version__
-from shared.admin_auth import require_admin_token
-from shared.config import ServiceConfig
-from shared.logging import setup_logging
-from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
-from shared.natsconn import connect_options, redacted_url
-from shared.rpc import subscriber
+from shared.runtime.admin_auth import require_admin_token
+from shared.runtime.config import ServiceConfig
+from shared.runtime.logging import setup_logging
+from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
+from shared.runtime.natsconn import connect_options, redacted_url
+from shared.runtime.rpc import subscriber
 
 log = structlog.get_logger()
 SHUTDOWN_GRACE_S = 10.0  # after SIGINT/SIGTERM the process ends within this, cleanly or not (tools/stack.py kills at 15 s)
@@ -237,7 +237,7 @@ def service_main(config_cls: type, service_cls: type[Service]) -> None:
     """The whole of a service's `__main__`: config from flags and env, then run until SIGINT/SIGTERM."""
     import sys
 
-    from shared.config import ConfigError, load_config
+    from shared.runtime.config import ConfigError, load_config
 
     try:
         config = load_config(config_cls, sys.argv[1:])

@@ -38,7 +38,7 @@ class ServiceConfig:
     log_level: str = "info"
     heartbeat_s: float = 1.0
     restarts: int = 0  # how many times a supervisor (`smartgen up`) started this service again after it died
-    # NATS credentials (see shared/natsconn.py): a token, or a user and password; none = an open server
+    # NATS credentials (see shared/runtime/natsconn.py): a token, or a user and password; none = an open server
     nats_token: str = field(default="", repr=False)
     nats_token_file: str = ""  # a file holding nats_token (e.g. /run/secrets/nats_token)
     nats_user: str = ""

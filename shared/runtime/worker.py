@@ -15,17 +15,17 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import RdmaEndpoint, subjects
-from shared.config import ModelWorkerConfig
+from shared.runtime.config import ModelWorkerConfig
 from shared.dataplane import DataPlane, DataPlaneError, Lane, make_dataplane
 from shared.dataplane.agent import AgentDataPlane
 from shared.dataplane.rdma import rdma_devices
 from shared.compute.kvstore import KvStore
-from shared.metrics import LatencyMetrics
+from shared.runtime.metrics import LatencyMetrics
 from shared.compute.modeling import ModelRunner, set_torch_threads
-from shared.compute.torch_thread import TorchThread
-from shared.models import resolve_model
-from shared.rpc import call, endpoint
-from shared.runtime import Service
+from shared.runtime.torch_thread import TorchThread
+from shared.runtime.models import resolve_model
+from shared.runtime.rpc import call, endpoint
+from shared.runtime.service import Service
 
 T = TypeVar("T")
 log = structlog.get_logger()

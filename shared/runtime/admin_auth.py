@@ -1,6 +1,6 @@
 """The admin token: who may use the admin routes that change state.
 
-Every service's admin server (shared/runtime.py build_admin_app) runs `require_admin_token`: GET and HEAD
+Every service's admin server (shared/runtime/service.py build_admin_app) runs `require_admin_token`: GET and HEAD
 are open (health, metrics, stats), as are a service's public paths (the gateway's OpenAI API, /v1/…);
 any other method needs `Authorization: Bearer <token>`, the token set by SMARTGEN_ADMIN_TOKEN or
 SMARTGEN_ADMIN_TOKEN_FILE. Without a configured token those routes answer 403: off until someone turns
@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from shared.config import ServiceConfig
+from shared.runtime.config import ServiceConfig
 
 SAFE_METHODS = ("GET", "HEAD")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

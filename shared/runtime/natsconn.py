@@ -1,7 +1,7 @@
 """How every SmartGen process reaches NATS: the server's URL plus, when configured, credentials and TLS.
 
 `connect_options(config)` turns a ServiceConfig into `nats.connect` keyword arguments; the services
-(shared/runtime.py), the CLIs (natsctl, `smartgen profile`) and the tests all go through it, so a setting
+(shared/runtime/service.py), the CLIs (natsctl, `smartgen profile`) and the tests all go through it, so a setting
 that works for one works for all. Tools without a config of their own use `client_options()`, which reads
 the same SMARTGEN_* variables the services read.
 
@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from schemas import subjects
-from shared.config import ServiceConfig, load_config
+from shared.runtime.config import ServiceConfig, load_config
 
 
 def connect_options(config: ServiceConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import structlog
 from nats.aio.client import Client
 
 from schemas import Discover, WorkerInfo, encode, subjects
-from shared.rpc import subscriber
+from shared.runtime.rpc import subscriber
 
 log = structlog.get_logger()
 

@@ -16,7 +16,7 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.request import Request
 
-from schemas import ErrorReply, SchemaError, decode, encode
+from schemas import ErrorCode, ErrorReply, SchemaError, decode, encode
 
 T = TypeVar("T")
 ERROR_HEADER = "Nats-Service-Error"
@@ -29,7 +29,7 @@ log = structlog.get_logger()
 class RemoteError(RuntimeError):
     """The other side answered with an error (or did not answer)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: ErrorCode, message: str):
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
 
@@ -37,7 +37,7 @@ class RemoteError(RuntimeError):
 class RequestRefused(Exception):
     """Raised inside a handler to refuse a request with a code the caller can act on."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
 
@@ -46,16 +46,16 @@ async def call(nc: Client, subject: str, message: Any, reply_type: type[T], time
     try:
         msg = await nc.request(subject, encode(message), timeout=timeout)
     except nats.errors.NoRespondersError:
-        raise RemoteError("unavailable", f"no worker answers on {subject}") from None
+        raise RemoteError(ErrorCode.UNAVAILABLE, f"no worker answers on {subject}") from None
     except nats.errors.TimeoutError:
-        raise RemoteError("timeout", f"no reply on {subject} within {timeout:g} s") from None
+        raise RemoteError(ErrorCode.TIMEOUT, f"no reply on {subject} within {timeout:g} s") from None
     if msg.headers and ERROR_HEADER in msg.headers:
-        err = decode(ErrorReply, msg.data) if msg.data else ErrorReply("internal", msg.headers[ERROR_HEADER])
+        err = decode(ErrorReply, msg.data) if msg.data else ErrorReply(ErrorCode.INTERNAL, msg.headers[ERROR_HEADER])
         raise RemoteError(err.code, err.message)
     return decode(reply_type, msg.data)
 
 
-async def respond_error(req: Request, code: str, message: str) -> None:
+async def respond_error(req: Request, code: ErrorCode, message: str) -> None:
     # NOTE: messages can echo what a caller sent; a header value must stay one short line of text
     message = message[:MAX_ERROR_CHARS]
     header = "".join(c if c.isprintable() else " " for c in message[:MAX_ERROR_HEADER_CHARS])
@@ -81,7 +81,7 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
         try:
             message = decode(message_type, req.data)
         except SchemaError as exc:
-            await respond_error(req, "bad_request", str(exc))
+            await respond_error(req, ErrorCode.BAD_REQUEST, str(exc))
             return
         request_id = getattr(message, "request_id", None)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -93,7 +93,7 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
                 return
             except Exception as exc:  # the service keeps running; the caller learns at once
                 log.exception("handler_failed", subject=req.subject)
-                await respond_error(req, "internal", f"{type(exc).__name__}: {exc}")
+                await respond_error(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
                 return
             await req.respond(encode(reply))
 

@@ -1,0 +1,122 @@
+"""The constants and defaults every side shares, the plan's states, the error codes on the wire, and the one
+kv_budget rule. Imports nothing of the project: messages.py takes its defaults from here."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+# KV selectors (shared/compute/selectors); `hata_untrained` is HATA with random projections, only when asked for
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrained")
+DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the request names none
+DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
+KV_BITS = (2, 4)  # quantized transfer's code widths
+DEFAULT_KV_BITS = 2
+PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
+# ... whose keys travel in 8 bits whatever kv_bits says: a key quantized per token loses its outlier channels
+# (SmolLM2, 2K prompts, dense, tools/bench/push_codes_fidelity.py: first-step KL 0.017–0.07 with 4-bit keys,
+# 0.004–0.011 with 8-bit keys and 4-bit values; KIVI and KVQuant find the same)
+PUSH_KEY_BITS = 8
+# `auto` with kv_bits: the request's consent to low-bit KV at this width, so the broker may also choose quantized
+# transfer or smartgen's low-bit push (the widths both take); without kv_bits auto moves exact KV only
+AUTO_KV_BITS = tuple(bits for bits in KV_BITS if bits in PUSH_KV_BITS)
+DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
+# the three paths, `query` (the query-aware part of the proactive push), `ahead` (reading a layer's predicted selection
+# while the layer before it runs: InfiniGen's speculation) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
+# without it, decode waits for the whole push first), `exact` (where a layer's push would leave after the prefill
+# anyway, the prefill node runs step 1 first and pushes its exact selection); a request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact")
+# What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
+# an error naming what failed, or `recompute` the prefill itself and carry on.
+FAILURE_POLICIES = ("fail", "recompute")
+# KV paths, as counted in `kv_bytes` and `smartgen_kv_transfer_bytes_total{path}`.
+KV_PATHS = ("full", "quantized", "metadata", "proactive", "on_demand", "background")
+
+
+class PlanState(StrEnum):
+    """A transfer plan's states, in order; FAILED and EXPIRED can follow any state before RELEASED."""
+
+    OPENING = "opening"
+    TRANSFERRING = "transferring"
+    ALL_LOCAL = "all_local"
+    RELEASED = "released"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        """Nothing follows it: the plan is over."""
+        return self in (PlanState.RELEASED, PlanState.FAILED, PlanState.EXPIRED)
+
+
+PLAN_STATES = tuple(PlanState)
+
+
+class ErrorCode(StrEnum):
+    """Why a request over NATS was refused or failed (ErrorReply.code). The callee raises the first five; the caller
+    adds UNAVAILABLE (no responder) and TIMEOUT (no reply in time)."""
+
+    BAD_REQUEST = "bad_request"  # the request is wrong: asking again will not help
+    NOT_FOUND = "not_found"  # it names something the worker does not hold
+    OVERLOADED = "overloaded"  # the worker cannot take it now (no KV pages): ask again later
+    AT_CAPACITY = "at_capacity"  # every request slot (max_active_requests) is taken: the gateway waits for one
+    INTERNAL = "internal"  # the worker failed
+    UNAVAILABLE = "unavailable"
+    TIMEOUT = "timeout"
+
+    @property
+    def is_busy(self) -> bool:
+        """The worker is full for now; another worker, or the same one later, may take the request."""
+        return self in (ErrorCode.OVERLOADED, ErrorCode.AT_CAPACITY)
+
+
+# --- the one kv_budget rule ------------------------------------------------------------------------------
+def kv_budget_problem(value: object, max_tokens: int | None = None) -> str:
+    """Why `value` is no KV budget ("" when it is one): a fraction of the cached tokens in (0, 1], or a whole
+    number of tokens ≥ 1 (at most `max_tokens` where that is known). Booleans are neither."""
+    limit = f" to {max_tokens}" if max_tokens else ""
+    rule = f"kv_budget must be a fraction in (0, 1] or a whole number of tokens from 1{limit}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return rule
+    if isinstance(value, float) and math.isnan(value):
+        return rule
+    if 0 < value <= 1:
+        return ""
+    is_whole = isinstance(value, int) or (math.isfinite(value) and float(value).is_integer())
+    if is_whole and value >= 1 and (max_tokens is None or value <= max_tokens):
+        return ""
+    return rule
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetFloor:
+    """The floor every sparse-attention system has under its budget: a step over fewer than `dense_below` cached
+    tokens attends densely; above it, a budget keeps at least `min_tokens`, and the first `sinks` and the last
+    `recent` tokens are always selected (they count toward the budget)."""
+
+    min_tokens: int = 128
+    dense_below: int = 1024
+    sinks: int = 4
+    recent: int = 32
+
+    def tokens(self, value: float, num_tokens: int) -> int:
+        """The entries per KV head a step over `num_tokens` cached tokens attends to under budget `value`."""
+        if num_tokens < self.dense_below:
+            return num_tokens
+        return min(num_tokens, max(budget_tokens(value, num_tokens), self.min_tokens))
+
+
+DEFAULT_FLOOR = BudgetFloor()
+NO_FLOOR = BudgetFloor(min_tokens=1, dense_below=0, sinks=0, recent=0)  # the bare budget (tests of the mechanics)
+
+
+def budget_tokens(value: float, num_tokens: int) -> int:
+    """The token count a budget `value` (see kv_budget_problem) keeps of `num_tokens` cached tokens, ≥ 1."""
+    k = math.ceil(value * num_tokens) if value <= 1 else int(value)
+    return max(1, min(num_tokens, k))
+
+
+__all__ = ["SELECTORS", "DEFAULT_SELECTOR", "DEFAULT_KV_BUDGET", "KV_BITS", "DEFAULT_KV_BITS", "PUSH_KV_BITS",
+           "PUSH_KEY_BITS", "AUTO_KV_BITS", "DENSE_LAYERS", "SMARTGEN_PATHS", "FAILURE_POLICIES", "KV_PATHS",
+           "PlanState", "PLAN_STATES", "ErrorCode", "kv_budget_problem", "BudgetFloor", "DEFAULT_FLOOR",
+           "NO_FLOOR", "budget_tokens"]
