@@ -122,6 +122,17 @@ class Selection:
     num_selections: int = 0
     num_selected: int = 0
     num_candidates: int = 0
+    _scratch: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # gather buffers (K, V)
+
+    def scratch(self, which: int, like: torch.Tensor) -> torch.Tensor:
+        """A (rows, d) buffer of `like`'s dtype and device for the selected K (0) or V (1) of one layer, sized by the
+        budget's widest selection so far (grown, never per step): attention gathers into it, then reads it."""
+        buf = self._scratch.get(which)
+        rows = like.shape[0] * (self.budget.tokens(like.shape[1]) + self.budget.floor.sinks + self.budget.floor.recent)
+        if buf is None or buf.shape[0] < rows or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._scratch[which] = like.new_empty(max(rows, buf.shape[0] if buf is not None else 0) + 64 * like.shape[0],
+                                                        like.shape[-1])
+        return buf
 
     def count_blocks(self, num_layers: int, num_prompt_tokens: int, num_blocks: int) -> None:
         """Also count which relative blocks of the prompt each step selects (for online profiles)."""
@@ -290,8 +301,9 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
         return sdpa_attention_forward(module, query, _as(query, keys[None]), _as(query, values[None]), None,
                                       scaling=scaling)[0]
     assert sel is not None
-    gather = idx[..., None].expand(-1, -1, keys.shape[-1])
-    k_sel, v_sel = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)  # (H_kv, k', d)
+    # one index_select per K and V into the row's preallocated buffers (a strided gather with an expanded index
+    # costs ~40× as much on CPU), then SDPA over the KV heads with enable_gqa (no repeat_interleave copies)
+    k_sel, v_sel = gather_rows(keys, idx, sel.scratch(0, keys)), gather_rows(values, idx, sel.scratch(1, values))
     if row.pending is not None:
         row.pending.wait()  # the local entries above were gathered while the remote read was in flight
         rows, cols = row.pending.remote.nonzero(as_tuple=True)
@@ -299,8 +311,8 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
         v_sel[rows, cols] = values[rows, idx[rows, cols]]
     group = query.shape[1] // keys.shape[0]
     k_sel, v_sel = _as(query, k_sel), _as(query, v_sel)
-    k_sel, v_sel = k_sel.repeat_interleave(group, dim=0), v_sel.repeat_interleave(group, dim=0)  # (H, k', d)
-    out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling,
+                                                           enable_gqa=group > 1)
     n = keys.shape[1]
     sel.num_selected += idx.numel()
     sel.num_candidates += n * idx.shape[0]
@@ -320,14 +332,37 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
 def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
     """`idx` (H_kv, k') with the first `sinks` and the last `recent` of `n` tokens added, per KV head, without
     duplicates; every row gets the longest row's length (a shorter one is topped up with its most recent tokens
-    not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent."""
+    not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent. The same indices as the reference
+    (selectors/reference.py, a top-k over a score of every token), by a mask and one nonzero: no top-k, no sort."""
     mask = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
     mask.scatter_(1, idx, True)
     mask[:, :sinks] = True
     mask[:, max(0, n - recent):] = True
-    width = int(mask.sum(dim=1).max())
-    score = mask.float() * 2 + torch.arange(n, device=idx.device) / n  # chosen first, then the most recent
-    return score.topk(width, dim=1).indices.sort(dim=1).values
+    counts = mask.sum(dim=1)
+    width = int(counts.max())
+    short = width - counts  # (H_kv,) tokens each row is topped up with, its most recent ones not in it
+    if bool(short.any()):
+        free = ~mask
+        from_end = free.flip(1).cumsum(1).flip(1)  # free tokens at or after each position
+        mask |= free & (from_end <= short[:, None])
+    return mask.nonzero()[:, 1].view(idx.shape[0], width)  # row-major: each row ascending
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (H_kv, n, d), a view whose rows are contiguous (a slab layer), idx (H_kv, k) → x[h, idx[h]] (H_kv, k, d):
+    one index_select over the heads' rows, into `out` ((≥ H_kv·k, d) buffer of x's dtype) when given."""
+    h, n, d = x.shape
+    k = idx.shape[1]
+    if x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % d:
+        return torch.gather(x, 1, idx[..., None].expand(-1, -1, d))
+    step = x.stride(0) // d  # rows from one head to the next (the slab's capacity)
+    flat = x.as_strided(((h - 1) * step + n, d), (d, 1))
+    at = idx + torch.arange(0, h * step, step, device=idx.device)[:, None]
+    if out is None or out.shape[0] < h * k:
+        return flat.index_select(0, at.view(-1)).view(h, k, d)
+    buf = out[: h * k]
+    torch.index_select(flat, 0, at.view(-1), out=buf)
+    return buf.view(h, k, d)
 
 
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

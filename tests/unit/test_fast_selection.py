@@ -1,0 +1,134 @@
+"""The fast selective step (issue #33) selects exactly what the reference selects (selectors/reference.py, the
+code before it): the same indices per KV head for every selector and the floor, the same gathered entries, the
+same attention output, and the same greedy tokens on a tiny model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas import BudgetFloor, Sampling
+from shared.compute import selective
+from shared.compute.decode_engine import DecodeEngine
+from shared.compute.kvstore import KvStore
+from shared.compute.modeling import ModelRunner
+from shared.compute.selectors import Geometry, make_selector
+from shared.compute.selectors import reference
+from shared.compute.selectors.hata import HataSelector
+from shared.compute.selectors.infinigen import InfiniGenSelector
+from tests.reference import prompt_ids
+from tools import prepare_selectors
+from tools.tiny_model import make_tiny_model
+
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 8
+
+
+def _selectors(geometry: Geometry):
+    gen = torch.Generator().manual_seed(1)
+    d, h = geometry.head_dim, geometry.num_kv_heads
+    skew = {layer: torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0] for layer in range(geometry.num_layers)}
+    channels = {layer: torch.randperm(d, generator=gen)[: d // 4].expand(h, -1).contiguous()
+                for layer in range(geometry.num_layers)}
+    return [make_selector("quest", geometry), make_selector("positional", geometry), make_selector("oracle", geometry),
+            HataSelector(geometry), HataSelector(geometry, num_bits=72),  # 72 bits: not whole words (byte table)
+            InfiniGenSelector(geometry, skew, channels)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 2), (4, 4)])
+@pytest.mark.parametrize("n", [37, 300, 1030])
+def test_select_matches_reference(heads, kv_heads, n):
+    """Every selector's `select`, with and without the floor, is index for index the reference's."""
+    geometry = Geometry(num_layers=3, num_heads=heads, num_kv_heads=kv_heads, head_dim=64, page_tokens=16)
+    gen = torch.Generator().manual_seed(n + heads)
+    keys = torch.randn(kv_heads, n, 64, generator=gen)
+    for selector in _selectors(geometry):
+        state = selector.new_state(2)
+        selector.extend(2, state, keys[:, : n - 5])
+        selector.extend(2, state, keys)  # incremental, as decode steps append
+        for trial in range(4):
+            query = torch.randn(heads, 64, generator=gen) * (1 + trial)
+            for k in (1, 7, n // 10, n // 3, n):
+                got, want = selector.select(2, state, query, k), reference.select(selector, 2, state, query, k)
+                assert torch.equal(got, want), (selector.name, k)
+                for floor in (BudgetFloor(min_tokens=1, dense_below=0, sinks=4, recent=32),
+                              BudgetFloor(min_tokens=1, dense_below=0, sinks=0, recent=0)):
+                    got = selective.select_with_floor(selector, 2, state, query, k, n, floor)
+                    assert torch.equal(got, reference.select_with_floor(selector, 2, state, query, k, n, floor))
+
+
+def test_floor_tops_up_short_rows_like_the_reference():
+    """Rows of different lengths after adding sinks and recent: topped up with their most recent free tokens."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (50, 64, 333):
+        for _ in range(20):
+            k = int(torch.randint(3, n // 2, (1,), generator=gen))
+            idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(3)]).sort(1).values
+            idx[0, : k // 2] = torch.arange(k // 2)  # overlaps the sinks on one row only
+            idx[1, -(k // 3):] = torch.arange(n - k // 3, n)  # and the recent window on another
+            idx = idx.sort(1).values
+            for sinks, recent in ((4, 32), (0, 8), (3, 0), (4, n)):
+                want = reference.with_sinks_and_recent(idx, n, sinks, recent)
+                assert torch.equal(selective._with_sinks_and_recent(idx, n, sinks, recent), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_and_attention_match_reference(dtype):
+    """One index_select into a buffer gathers what torch.gather did; SDPA with enable_gqa over it gives the
+    repeat_interleave'd result bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 700, 64, generator=gen).to(dtype)  # (H_kv, capacity, d), a slab layer
+    keys, values = rows[:, :613], torch.randn(3, 700, 64, generator=gen).to(dtype)[:, :613]
+    idx = torch.stack([torch.randperm(613, generator=gen)[:90] for _ in range(3)]).sort(1).values
+    buf = keys.new_empty(400, 64)
+    got = selective.gather_rows(keys, idx, buf)
+    want = torch.gather(keys, 1, idx[..., None].expand(-1, -1, 64))
+    assert torch.equal(got, want) and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(selective.gather_rows(values, idx), torch.gather(values, 1, idx[..., None].expand(-1, -1, 64)))
+    query = torch.randn(1, 9, 1, 64, generator=gen)
+    k_sel, v_sel = want.float(), torch.gather(values, 1, idx[..., None].expand(-1, -1, 64)).float()
+    reference_out = torch.nn.functional.scaled_dot_product_attention(
+        query, k_sel.repeat_interleave(3, 0)[None], v_sel.repeat_interleave(3, 0)[None], scale=0.125)
+    fast = torch.nn.functional.scaled_dot_product_attention(query, got.float()[None],
+                                                            selective.gather_rows(values, idx).float()[None],
+                                                            scale=0.125, enable_gqa=True)
+    assert torch.equal(fast, reference_out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, real_model_path):
+    folder = tmp_path_factory.mktemp("tiny-fast")
+    make_tiny_model(folder, tokenizer_from=real_model_path)
+    prep = folder / "prep"
+    prepare_selectors.run(str(folder), "all", num_prompts=1, prompt_tokens=256, out_dir=prep)
+    floor = BudgetFloor(min_tokens=8, dense_below=0, sinks=4, recent=8)
+    runner = ModelRunner(folder)
+    return DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), prep, floor), prompt_ids(folder, PROMPT)
+
+
+def _decode(engine, ids, selector, steps, log):
+    tokens = [engine.prefill_local("r", ids, Sampling())]
+    engine.use_selection("r", selector, 0.1)
+    for i in range(1, steps):
+        tokens.append(engine.step("r", tokens[-1], Sampling(), i))
+    engine.end("r")
+    return tokens
+
+
+@pytest.mark.parametrize("selector", ["quest", "hata", "infinigen", "positional", "oracle"])
+def test_greedy_tokens_and_selections_match_reference(tiny, selector, monkeypatch):
+    """The tiny model decodes the same greedy tokens, selecting the same indices at every layer and step, with the
+    fast selection as with the reference one."""
+    engine, ids = tiny
+    runs = {}
+    for name, choose in (("fast", selective.select_with_floor), ("reference", reference.select_with_floor)):
+        log: list[torch.Tensor] = []
+
+        def recording(*args, choose=choose, log=log):
+            idx = choose(*args)
+            log.append(idx.clone())
+            return idx
+        monkeypatch.setattr(selective, "select_with_floor", recording)
+        runs[name] = (_decode(engine, ids, selector, 10, log), log)
+    (fast_tokens, fast_log), (ref_tokens, ref_log) = runs["fast"], runs["reference"]
+    assert fast_tokens == ref_tokens
+    assert len(fast_log) == len(ref_log) > 0
+    assert all(torch.equal(a, b) for a, b in zip(fast_log, ref_log))
