@@ -2,7 +2,8 @@
 sharing its cores: the step time of B requests stepped together (DecodeEngine.step_batch) and the tokens per
 second that gives, B = 1, 2, 4, 8, dense and with a selector; each step timed both batch-invariant (every row
 projected as if alone, the decode worker's default) and with one shared matmul (`batch_invariant: false`),
-alternately, so the two columns are measured side by side.
+alternately, so the two columns are measured side by side; with a selector, dense and selective steps of the
+same batch size alternate too (the selective/dense ratio is taken within one run).
 
 Each request has its own slab with the same context length (its own copy of one prefilled prompt).
 """
@@ -24,12 +25,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--context", type=int, default=512, help="context length of every request")
     bench.add_argument("--batch", default="1,2,4,8", help="batch sizes")
     bench.add_argument("--selector", default="", help="also with this selector at a 10%% budget (e.g. quest)")
+    bench.add_argument("--steps", type=int, default=12, help="timed steps per configuration (the first 2 are warm-up)")
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
     bench.set_defaults(run=command)
 
 
 def command(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     run(context=args.context, batches=[int(b) for b in args.batch.split(",")], selector=args.selector,
-        json_path=args.json)
+        steps=args.steps, json_path=args.json)
 
 
 def run(model: str = "", context: int = 512, batches: list[int] | None = None, selector: str = "", steps: int = 12,
@@ -50,30 +56,40 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
     runner = ModelRunner(path)
     largest = max(batches)
     layout = runner.kv_layout(16, "bfloat16")
-    store = KvStore.with_capacity_mb(layout, (largest + 1) * (context + 2 * steps * len(batches) + 16) * layout.token_bytes // 2**20 + 1)
+    store = KvStore.with_capacity_mb(layout, (2 * largest + 2) * (context + 2 * steps * len(batches) + 16) * layout.token_bytes // 2**20 + 1)
     engine = DecodeEngine(runner, store, default_prep_dir(path))
     text = "\n".join(p.read_text(errors="replace") for p in stdlib_files(40_000)[:3])
     ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][:context]
     rows = {}
-    for name in ("dense", selector) if selector else ("dense",):
+    names = ("dense", selector) if selector else ("dense",)
+    for name in names:  # every configuration's requests exist at once: their steps are interleaved below
         for b in range(largest):
-            engine.prefill_local(f"r{b}", ids, _greedy(), max_new_tokens=2 * steps * len(batches) + 1)
+            engine.prefill_local(f"{name}{b}", ids, _greedy(), max_new_tokens=2 * steps * len(batches) + 1)
             if name != "dense":
-                engine.use_selection(f"r{b}", name, DEFAULT_KV_BUDGET)
-        for size in batches:
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(steps):
-                for invariant in (True, False):
-                    runner.batch_invariant = invariant
+                engine.use_selection(f"{name}{b}", name, DEFAULT_KV_BUDGET)
+    for size in batches:
+        times: dict[tuple[str, bool], list[float]] = {(name, v): [] for name in names for v in (True, False)}
+        for _ in range(steps):
+            for invariant in (True, False):
+                runner.batch_invariant = invariant
+                for name in names:  # round-robin: dense and the selector share whatever else runs on the cores
                     started = time.perf_counter()
-                    engine.step_batch([(f"r{b}", ids[-1]) for b in range(size)])
-                    times[invariant].append(time.perf_counter() - started)
-            invariant_ms, shared_ms = (statistics.median(times[v][2:]) * 1e3 for v in (True, False))
+                    engine.step_batch([(f"{name}{b}", ids[-1]) for b in range(size)])
+                    times[name, invariant].append(time.perf_counter() - started)
+        for name in names:
+            invariant_ms, shared_ms = (statistics.median(times[name, v][2:]) * 1e3 for v in (True, False))
             rows[f"{name}@{size}"] = {"selector": name, "batch": size, "step_ms": invariant_ms,
                                       "tokens_per_s": size / invariant_ms * 1e3, "shared_step_ms": shared_ms,
                                       "shared_tokens_per_s": size / shared_ms * 1e3}
+    runner.batch_invariant = True
+    for name in names:
         for b in range(largest):
-            engine.end(f"r{b}")
+            engine.end(f"{name}{b}")
+    if selector:
+        print(f"{selector} against dense, same batch (interleaved steps): "
+              + ", ".join(f"B={size}: {rows[f'{selector}@{size}']['step_ms'] / rows[f'dense@{size}']['step_ms']:.2f}× "
+                          f"(shared {rows[f'{selector}@{size}']['shared_step_ms'] / rows[f'dense@{size}']['shared_step_ms']:.2f}×)"
+                          for size in batches))
     base = {r["selector"]: r for r in rows.values() if r["batch"] == batches[0]}
     print(f"context {context} tokens, {runner.name}; ratios against batch {batches[0]}")
     print("batch-invariant (the default) | shared matmul (batch_invariant: false)")

@@ -67,7 +67,7 @@ def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET,
     threads = threads or [torch.get_num_threads()]
     rounds = len(threads) * steps + profile * len(threads) + 1
     layout = runner.kv_layout(16, kv_dtype)
-    store = KvStore.with_capacity_mb(layout, (len(names) + 1) * (context + rounds) * layout.token_bytes // 2**20 + 1)
+    store = KvStore.with_capacity_mb(layout, (len(names) + 2) * (context + rounds + 32) * layout.token_bytes // 2**20 + 1)
     engine = DecodeEngine(runner, store, default_prep_dir(path))
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = "\n".join(p.read_text(errors="replace") for p in stdlib_files(40_000)[:3])
