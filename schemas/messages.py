@@ -116,7 +116,7 @@ class OpenKv:
     max_tokens: int  # completion tokens to leave room for
     transfer_mode: str
     selector: str = ""  # partial, smartgen, auto: the selector whose metadata must land (sizes the aux area)
-    kv_bits: int = 0  # quantized: 2 or 4; smartgen: 0, or the proactive push's code width (4 or 8)
+    kv_bits: int = 0  # quantized: 2, 4 or 8; smartgen: 0, or the proactive push's code width (4 or 8)
 
 
 @dataclass(frozen=True, slots=True)

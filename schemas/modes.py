@@ -7,9 +7,20 @@ returns carries the resolved mode and selector to everyone after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 
 from schemas.constants import AUTO_KV_BITS, KV_BITS, PUSH_KV_BITS
+
+
+class ModeName(StrEnum):
+    """The transfer modes' names: what requests, messages and plans carry (`transfer_mode`)."""
+
+    COLOCATED = "colocated"
+    FULL = "full"
+    PARTIAL = "partial"
+    QUANTIZED = "quantized"
+    SMARTGEN = "smartgen"
+    AUTO = "auto"
 
 
 class Push(Enum):
@@ -59,7 +70,7 @@ class TransferMode:
     @property
     def rows_path(self) -> str:
         """The KV path (KV_PATHS) its pushed rows count under."""
-        return "full" if self.pushes is Push.EVERY_ROW else "proactive"
+        return "full" if self.pushes is Push.EVERY_ROW else "proactive"  # KV_PATHS names, not modes
 
     @property
     def aux_path(self) -> str:
@@ -89,29 +100,29 @@ class TransferMode:
 
 
 MODES: dict[str, TransferMode] = {m.name: m for m in (
-    TransferMode("colocated", "nothing moves: the decode worker runs the prefill itself (the physical limit)",
+    TransferMode(ModeName.COLOCATED, "nothing moves: the decode worker runs the prefill itself (the physical limit)",
                  is_disaggregated=False, pushes=Push.NOTHING, aux=Aux.NONE, is_selective=False, keeps_source=False,
                  allows_selector=True, needs_selector=False),
-    TransferMode("full", "every layer's KV, pushed layer by layer during prefill; decode waits for all of it",
+    TransferMode(ModeName.FULL, "every layer's KV, pushed layer by layer during prefill; decode waits for all of it",
                  is_disaggregated=True, pushes=Push.EVERY_ROW, aux=Aux.NONE, is_selective=False, keeps_source=False,
                  allows_selector=True, needs_selector=False),
-    TransferMode("partial", "metadata and the prompt's first pages in memory order; the rest read on demand",
+    TransferMode(ModeName.PARTIAL, "metadata and the prompt's first pages in memory order; the rest read on demand",
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
                  keeps_source=True, allows_selector=True, needs_selector=True),
-    TransferMode("quantized", "every layer's KV as low-bit codes; decode dequantizes and attends densely",
+    TransferMode(ModeName.QUANTIZED, "every layer's KV as low-bit codes; decode dequantizes and attends densely",
                  is_disaggregated=True, pushes=Push.NOTHING, aux=Aux.CODES, is_selective=False, keeps_source=False,
                  allows_selector=False, needs_selector=False, kv_bits=KV_BITS),
-    TransferMode("smartgen", "the three paths: profile push, parallel on-demand reads, background transfer",
+    TransferMode(ModeName.SMARTGEN, "the three paths: profile push, parallel on-demand reads, background transfer",
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
                  keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True,
                  pushes_by_query=True, push_bits=PUSH_KV_BITS),
     # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux; with kv_bits, room for quantized's
     # codes too), since the broker may choose either; the plan's kv_bits says what the chosen mode runs with
-    TransferMode("auto", "the broker chooses full or smartgen from the measured link and prompt length (with kv_bits "
+    TransferMode(ModeName.AUTO, "the broker chooses full or smartgen from the measured link and prompt length (with kv_bits "
                  "4, also quantized or smartgen's 4-bit push)",
                  is_disaggregated=True, pushes=Push.NOTHING, aux=Aux.METADATA, is_selective=False, keeps_source=False,
                  allows_selector=True, needs_selector=True, has_paths=True, pushes_by_query=True,
-                 push_bits=AUTO_KV_BITS, resolves_to=("full", "quantized", "smartgen")),
+                 push_bits=AUTO_KV_BITS, resolves_to=(ModeName.FULL, ModeName.QUANTIZED, ModeName.SMARTGEN)),
 )}
 TRANSFER_MODES = tuple(MODES)
 SERVABLE_TRANSFER_MODES = TRANSFER_MODES
@@ -131,5 +142,5 @@ def modes_where(**wanted: object) -> tuple[str, ...]:
     return tuple(name for name, m in MODES.items() if all(getattr(m, k) == v for k, v in wanted.items()))
 
 
-__all__ = ["Push", "Aux", "TransferMode", "MODES", "TRANSFER_MODES", "SERVABLE_TRANSFER_MODES", "SELECTIVE_MODES",
+__all__ = ["ModeName", "Push", "Aux", "TransferMode", "MODES", "TRANSFER_MODES", "SERVABLE_TRANSFER_MODES", "SELECTIVE_MODES",
            "mode_of", "modes_where"]

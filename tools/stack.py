@@ -91,7 +91,7 @@ class Stack:
         if self.spec.log_file:
             self._log = open(self.spec.log_file, "ab")
         # Each model process gets its share of the cores, and OpenMP waits passively: spinning threads of
-        # several model processes on a small machine made decode steps 3× slower (see README).
+        # several model processes on a small machine made decode steps 3× slower (docs/operations.md, "On small CPU machines").
         num_model_procs = self.spec.num_prefill + self.spec.num_decode
         threads = str(max(1, (os.cpu_count() or 1) // num_model_procs))
         base = self._service_env({**os.environ, "SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode,

@@ -22,7 +22,7 @@ import numpy as np
 
 from schemas import (DEFAULT_KV_BUDGET, DENSE_LAYERS, OpenPlan, TransferPlan, mode_of, num_pages as pages_of, pack_bits,
                      pushed_aux_bytes, quantized_bytes, wire_entry_bytes)
-from schemas.modes import Push
+from schemas.modes import ModeName, Push
 from shared.runtime.profiles import page_importance
 
 AUTO_MARGIN = 1.0  # auto picks full when T_full ≤ AUTO_MARGIN × T_prefill: full then hides behind the prefill
@@ -96,19 +96,19 @@ def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
     facts = (f"full transfer {t_full:.3g} s vs prefill {t_prefill:.3g} s (R = {ratio:.2f}) on a {link.gbps:.3g} Gbit/s "
              f"link ({link.source}) for {req.num_tokens} tokens")
     if ratio <= AUTO_MARGIN:
-        return "full", f"{facts}: the whole KV fits behind the prefill"
+        return ModeName.FULL, f"{facts}: the whole KV fits behind the prefill"
     if not step_one_tokens(req):  # the decode worker's floor makes step 1 dense (a short prompt): it would read it all
         if req.kv_bits:
-            return "quantized", (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, "
+            return ModeName.QUANTIZED, (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, "
                                  f"so its {req.kv_bits}-bit codes")
-        return "full", (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, so "
+        return ModeName.FULL, (f"{facts}; step 1 attends to the whole prompt under the decode worker's budget floor, so "
                         f"selective transfer would read all of it then")
     if not req.kv_bits:
-        return "smartgen", f"{facts}: full transfer would stall decoding"
+        return ModeName.SMARTGEN, f"{facts}: full transfer would stall decoding"
     t_codes = transfer_seconds(quantized_bytes(req.layout, req.num_tokens, req.kv_bits), link.gbps)
     if t_codes <= AUTO_MARGIN * t_prefill:
-        return "quantized", f"{facts}; its {req.kv_bits}-bit codes take {t_codes:.3g} s and fit behind the prefill"
-    return "smartgen", (f"{facts}; even its {req.kv_bits}-bit codes take {t_codes:.3g} s: smartgen with a "
+        return ModeName.QUANTIZED, f"{facts}; its {req.kv_bits}-bit codes take {t_codes:.3g} s and fit behind the prefill"
+    return ModeName.SMARTGEN, (f"{facts}; even its {req.kv_bits}-bit codes take {t_codes:.3g} s: smartgen with a "
                         f"{req.kv_bits}-bit push")
 
 

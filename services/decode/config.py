@@ -10,7 +10,7 @@ class DecodeConfig(ModelWorkerConfig):
     open_timeout_s: float = 60.0  # pages reserved by `open` are freed if `generate` does not follow by then
     max_batch: int = 32  # continuous batching: at most this many running requests step in one forward
     # a request's tokens do not depend on what else steps with it (each row projected as if alone; costs
-    # throughput at B ≥ 2, README "Batch invariance"); false: faster batches whose rounding depends on the batch
+    # throughput at B ≥ 2, docs/operations.md "Batch invariance"); false: faster batches whose rounding depends on the batch
     batch_invariant: bool = True
     # path 3 reads the rest of a request's KV only while it can all arrive before the completion's last token (its
     # bytes at the plan's link rate against the steps left at the measured step time); false: whenever planned.

@@ -21,7 +21,9 @@ from nats.aio.client import Client
 
 from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanEvent, PlanRegistration, PlanState, Progress, Release, encode,
                      pack_bits, subjects)
+from shared.dataplane import DataPlane, DataPlaneError
 from shared.runtime.rpc import Backoff, RemoteError, call
+from services.decode.background import read_blocks, read_ranked
 from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
@@ -43,37 +45,64 @@ def background_can_finish(missing_bytes: int, link_gbps: float, steps_left: int,
 
 
 class RemoteKvLifecycle:
-    def __init__(self, nc: Client, worker_id: str, model_name: str, layout: KvLayout,
+    def __init__(self, nc: Client, worker_id: str, model_name: str, layout: KvLayout, dataplane: DataPlane,
                  detach_remote: Callable[[str], None], background_if_it_can_finish: bool = False):
         """`detach_remote(request_id)` tells the engine that a request's attention reads no remote KV any more
         (called between steps); `background_if_it_can_finish`: DecodeConfig's setting of that name."""
         self.nc, self.worker_id, self.model_name, self.layout = nc, worker_id, model_name, layout
+        self.dataplane = dataplane
         self.detach_remote = detach_remote
         self.background_if_it_can_finish = background_if_it_can_finish
         self._releasing: set[asyncio.Future[None]] = set()  # `release`s asked again in the background
 
+    def prefill_failed(self, state: DecodeRequest, error: str) -> None:
+        """The prefill side of a request failed (`transfer_failed`): a push still landing stops being waited for;
+        mid-decode, the prefill node holding the rest of the KV is gone (the gateway saw its heartbeats stop), so
+        this request's reads fail now rather than after the read timeout. A frozen peer never answers, so the link
+        to it is cut too, which fails the reads in flight (they are every request's reads from that peer: all of
+        them need it). The step that needed them fails, or under `recompute` recomputes."""
+        if not state.push.landed.is_set():
+            state.push_failed(error)
+            return
+        remote = state.remote
+        if remote is None or remote.is_closed:
+            return
+        remote.fail(f"on-demand read impossible: {error}")
+        try:
+            cut = self.dataplane.cut_links(f"cut: {error}", peer=remote.source.dataplane_addr)
+        except NotImplementedError:  # RDMA: a dead peer's queue pair errors by itself
+            cut = 0
+        log.warning("prefill_lost_mid_decode", error=error, links_cut=cut)
+
+    @staticmethod
+    def link_lost(state: DecodeRequest, peer: str, error: DataPlaneError) -> None:
+        """A data-plane connection to `peer` dropped: if the request still waits for KV pushed from it, it stops."""
+        req = state.req
+        if req is not None and req.prefill_dataplane_addr == peer and not state.push.landed.is_set():
+            state.push_failed(f"the data-plane link to prefill worker {req.prefill_worker_id} dropped: {error}")
+
     def start(self, state: DecodeRequest) -> None:
         """The request decodes with part of its KV remote: keep the lease, and read the background batches."""
         assert state.req is not None and state.req.plan is not None
-        state.helpers.append(asyncio.create_task(self._keep_lease(state)))
+        state.progress.helpers.append(asyncio.create_task(self._keep_lease(state)))
         if state.req.plan.background:
-            state.helpers.append(asyncio.create_task(self._read_background(state)))
+            state.progress.helpers.append(asyncio.create_task(self._read_background(state)))
             if state.remote is not None and state.remote.ranked:
-                state.helpers.append(asyncio.create_task(state.remote.read_ranked()))
+                state.progress.helpers.append(asyncio.create_task(read_ranked(state.remote)))
 
     async def after_step(self, state: DecodeRequest, step: int) -> None:
         now = asyncio.get_running_loop().time()
-        if state.last_step_at:
-            took = now - state.last_step_at
-            state.step_s = took if not state.step_s else (1 - STEP_TIME_WEIGHT) * state.step_s + STEP_TIME_WEIGHT * took
-        state.last_step_at = now
+        if state.progress.last_step_at:
+            took = now - state.progress.last_step_at
+            state.progress.step_s = took if not state.progress.step_s else (1 - STEP_TIME_WEIGHT) * state.progress.step_s + STEP_TIME_WEIGHT * took
+        state.progress.last_step_at = now
         remote = state.remote
         if remote is None or state.is_released:
             return
         if remote.is_all_local:
             await self.all_local(state, step)
-        elif state.progress_call is None or state.progress_call.done():
-            state.progress_call = asyncio.create_task(self._progress(state, step))
+        elif state.progress.progress_call is None or state.progress.progress_call.done():
+            state.progress.progress_call = asyncio.create_task(self._progress(state, step))
 
     async def _progress(self, state: DecodeRequest, step: int) -> None:
         """Tell the broker a step is done; queue the background batch it answers with."""
@@ -82,14 +111,14 @@ class RemoteKvLifecycle:
         wants = self._wants_background(state, step)
         try:
             batch = await call(self.nc, subjects.worker("broker", plan.broker_worker_id, "progress"),
-                               Progress(state.request_id, step, state.backlog, state.remote.num_missing, wants),
+                               Progress(state.request_id, step, state.progress.backlog, state.remote.num_missing, wants),
                                BackgroundBatch, CONTROL_TIMEOUT_S)
         except RemoteError as exc:
             log.warning("broker_progress_failed", error=exc.message)
             return
         if batch.blocks and not state.is_released:
-            state.backlog += len(batch.blocks)
-            state.background.put_nowait(batch.blocks)
+            state.progress.backlog += len(batch.blocks)
+            state.progress.background.put_nowait(batch.blocks)
 
     def _wants_background(self, state: DecodeRequest, step: int) -> bool:
         """Path 3 now, unless the setting is on and the rest of the KV cannot arrive before the request ends (until
@@ -97,15 +126,15 @@ class RemoteKvLifecycle:
         assert state.req and state.req.plan and state.remote
         if not state.req.plan.background or not self.background_if_it_can_finish:
             return True
-        if not state.step_s:
+        if not state.progress.step_s:
             return False
         remote = state.remote
         can = background_can_finish(remote.num_missing * 2 * remote.token_bytes, state.req.plan.link_gbps,
-                                    state.req.max_tokens - 1 - step, state.step_s)
-        if not can and not state.background_declined:
-            state.background_declined = True
+                                    state.req.max_tokens - 1 - step, state.progress.step_s)
+        if not can and not state.progress.background_declined:
+            state.progress.background_declined = True
             log.info("background_declined", step=step, missing_entries=remote.num_missing,
-                     link_gbps=state.req.plan.link_gbps, step_s=round(state.step_s, 4))
+                     link_gbps=state.req.plan.link_gbps, step_s=round(state.progress.step_s, 4))
         return can
 
     async def _read_background(self, state: DecodeRequest) -> None:
@@ -116,20 +145,20 @@ class RemoteKvLifecycle:
         assert remote is not None
         retry_s = BACKGROUND_RETRY_S[0]
         while True:
-            blocks = await state.background.get()
+            blocks = await state.progress.background.get()
             while True:
                 try:
-                    await remote.read_blocks(blocks)
+                    await read_blocks(remote, blocks)
                     retry_s = BACKGROUND_RETRY_S[0]
                     break
                 except Exception as exc:
                     if remote.is_closed or remote.failure:
-                        state.backlog -= len(blocks)
+                        state.progress.backlog -= len(blocks)
                         return
                     log.warning("background_read_failed", error=str(exc), retry_s=retry_s)
                     await asyncio.sleep(retry_s)
                     retry_s = min(2 * retry_s, BACKGROUND_RETRY_S[1])
-            state.backlog -= len(blocks)
+            state.progress.backlog -= len(blocks)
 
     async def _keep_lease(self, state: DecodeRequest) -> None:
         assert state.req and state.req.source
@@ -142,22 +171,22 @@ class RemoteKvLifecycle:
     async def all_local(self, state: DecodeRequest, step: int) -> None:
         """Every entry is on this node: stop remote reads and end the prefill's lease."""
         self.detach_remote(state.request_id)  # NOTE: between steps, so no attention call is using it
-        state.all_local_step = step
+        state.progress.all_local_step = step
         log.info("kv_all_local", step=step)
-        await asyncio.shield(self.end(state, "all_local"))
+        await asyncio.shield(self.end(state, PlanState.ALL_LOCAL))
         self.plan_event(state, PlanState.ALL_LOCAL)
 
     def end(self, state: DecodeRequest, reason: str) -> asyncio.Future[None]:
         """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent: every call gets the
         same task (await it shielded)."""
-        if state.ending_remote is None:
-            state.ending_remote = asyncio.ensure_future(self._release_remote(state, reason))
-        return state.ending_remote
+        if state.progress.ending is None:
+            state.progress.ending = asyncio.ensure_future(self._release_remote(state, reason))
+        return state.progress.ending
 
     async def _release_remote(self, state: DecodeRequest, reason: str) -> None:
-        for task in state.helpers:
+        for task in state.progress.helpers:
             task.cancel()
-        await asyncio.gather(*state.helpers, return_exceptions=True)
+        await asyncio.gather(*state.progress.helpers, return_exceptions=True)
         if state.remote is not None:
             await state.remote.close(RELEASE_TIMEOUT_S)
         source = state.req.source if state.req else None
@@ -193,7 +222,7 @@ class RemoteKvLifecycle:
 
     def plan_event(self, state: DecodeRequest, plan_state: PlanState, reason: str = "") -> None:
         """The plan moved to `plan_state`: tell its broker."""
-        state.plan_state = plan_state
+        state.progress.plan_state = plan_state
         plan = state.req.plan if state.req else None
         if plan is not None:
             event = PlanEvent(state.request_id, plan_state, reason)
@@ -202,14 +231,14 @@ class RemoteKvLifecycle:
     def registration(self, state: DecodeRequest) -> PlanRegistration | None:
         """A live plan as the broker should know it (repeated in every heartbeat)."""
         req = state.req
-        if req is None or req.plan is None or state.plan_state.is_final:
+        if req is None or req.plan is None or state.progress.plan_state.is_final:
             return None
         lay = self.layout
         if state.remote is not None:
             local = state.remote.local_blocks()
         else:
-            local = np.full((lay.num_layers, req.plan.num_pages), state.plan_state is PlanState.ALL_LOCAL)
-        return PlanRegistration(req.plan, state.plan_state, self.model_name, req.selector, req.prefill_worker_id,
+            local = np.full((lay.num_layers, req.plan.num_pages), state.progress.plan_state is PlanState.ALL_LOCAL)
+        return PlanRegistration(req.plan, state.progress.plan_state, self.model_name, req.selector, req.prefill_worker_id,
                                 self.worker_id, state.num_tokens, lay.num_layers, lay.page_tokens, pack_bits(local))
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from schemas import Generate, PlanState, TransferMode
+from schemas import Generate, KvLayout, PlanState, TransferMode, mode_of, pushed_bytes
 from shared.compute.kvstore import Slab
 from shared.dataplane import Grant
 from services.decode.remote import RemoteKv
@@ -52,13 +52,10 @@ class PhaseError(RuntimeError):
 
 
 @dataclass
-class DecodeRequest:
-    request_id: str
-    mode: TransferMode  # as opened; `generate` may run auto as one of its choices (mode.resolves_to)
-    num_tokens: int = 0  # prompt tokens
-    slab: Slab | None = None
-    grant: Grant | None = None
-    phase: Phase = Phase.RESERVED
+class PushProgress:
+    """What the prefill's push has delivered into the slab (disaggregated modes): counted from the data plane's
+    landed bytes, waited on by the request's task."""
+
     expected_bytes: int = 0  # what the plan pushes; known from `generate` on
     aux_filled: int = 0  # bytes of the slab's aux area the running mode fills (≤ slab.aux_bytes; auto reserves more)
     landed: asyncio.Event = field(default_factory=asyncio.Event)  # set when all pushed KV is here, or on failure
@@ -72,10 +69,13 @@ class DecodeRequest:
     nearly_landed: asyncio.Event = field(default_factory=asyncio.Event)
     nearly_landed_at: int = 0
     failure: str = ""
-    task: asyncio.Task[None] | None = None
-    expiry: asyncio.TimerHandle | None = None
-    req: Generate | None = None
-    remote: RemoteKv | None = None  # partial, smartgen: the KV still on the prefill node
+
+
+@dataclass
+class RemoteProgress:
+    """Paths 2 and 3 and the prefill's lease, while part of the KV is still on the prefill node (partial, smartgen):
+    what services/decode/remote_lifecycle.py keeps per request."""
+
     plan_state: PlanState = PlanState.OPENING  # as the broker knows it
     all_local_step: int = -1
     backlog: int = 0  # background blocks handed out by the broker and not read yet
@@ -87,11 +87,36 @@ class DecodeRequest:
     last_step_at: float = 0.0  # loop time of the latest finished step (RemoteKvLifecycle times steps with it)
     step_s: float = 0.0  # the recent decode step time, seconds (an average over the last steps; 0 = unknown)
     background_declined: bool = False  # path 3 was declined at least once: the rest could not arrive in time
-    ending_remote: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
+    ending: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
+
+
+@dataclass
+class StepReport:
+    """What the request's last event reports beyond its tokens (see TokenEvent)."""
+
     recompute_reason: str = ""  # failure_policy recompute: why the prefill was recomputed here
-    step1_kv_bytes: int = 0  # see TokenEvent
+    step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0
-    kv_load_s: float = 0.0  # see TokenEvent
+    kv_load_s: float = 0.0
+
+
+@dataclass
+class DecodeRequest:
+    """One request on this worker: its reservation, its `generate` (from then on), and three small parts."""
+
+    request_id: str
+    mode: TransferMode  # as opened; `generate` may run auto as one of its choices (mode.resolves_to)
+    num_tokens: int = 0  # prompt tokens
+    slab: Slab | None = None
+    grant: Grant | None = None
+    phase: Phase = Phase.RESERVED
+    req: Generate | None = None  # the `generate` it runs, set once generate has checked it
+    task: asyncio.Task[None] | None = None
+    expiry: asyncio.TimerHandle | None = None
+    remote: RemoteKv | None = None  # partial, smartgen: the view of the KV still on the prefill node
+    push: PushProgress = field(default_factory=PushProgress)
+    progress: RemoteProgress = field(default_factory=RemoteProgress)
+    report: StepReport = field(default_factory=StepReport)
 
     def advance(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -99,9 +124,26 @@ class DecodeRequest:
         self.phase = phase
 
     @property
+    def generate(self) -> Generate:
+        """The `generate` this request runs (only once it was claimed)."""
+        assert self.req is not None, f"request {self.request_id} has no generate yet"
+        return self.req
+
+    @property
+    def running_mode(self) -> TransferMode:
+        """The mode it runs as: the plan's resolution of `auto`, else the mode it was opened in."""
+        return mode_of(self.generate.transfer_mode)
+
+    def pushed_bytes(self, layout: KvLayout) -> int:
+        """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
+        req, mode = self.generate, self.running_mode
+        return pushed_bytes(mode, req.plan, layout, self.num_tokens, self.push.aux_filled, req.query_entries,
+                            mode.push_width(req.kv_bits))
+
+    @property
     def is_released(self) -> bool:
         """The prefill node's lease is ended, or ending (there may never have been one)."""
-        return self.ending_remote is not None
+        return self.progress.ending is not None
 
     def on_landed(self, num_bytes: int) -> None:
         """Data plane: bytes of a push landed in the slab."""
@@ -112,20 +154,21 @@ class DecodeRequest:
     def push_failed(self, reason: str) -> None:
         """The push will not complete (the prefill said so, or its link dropped): whoever waits for it stops now,
         the first step's layers too (services/decode/remote.py `ready`)."""
-        self.failure = reason
-        self.landed.set()
-        self.nearly_landed.set()
-        if self.remote is not None and self.on_layer_landed is not None:
+        self.push.failure = reason
+        self.push.landed.set()
+        self.push.nearly_landed.set()
+        if self.remote is not None and self.push.on_layer_landed is not None:
             self.remote.fail(f"the KV push did not complete: {reason}")
 
     def check_landed(self) -> None:
+        push = self.push
         if self.grant is None:
             return
-        if self.expected_bytes and self.grant.bytes_landed >= self.expected_bytes:
-            self.landed.set()
-        if self.nearly_landed_at and self.grant.bytes_landed >= self.nearly_landed_at:
-            self.nearly_landed.set()
-        if self.on_layer_landed is not None:
-            while self.layers_landed < len(self.layer_ends) and self.grant.bytes_landed >= self.layer_ends[self.layers_landed]:
-                self.layers_landed += 1
-                self.on_layer_landed(self.layers_landed - 1)
+        if push.expected_bytes and self.grant.bytes_landed >= push.expected_bytes:
+            push.landed.set()
+        if push.nearly_landed_at and self.grant.bytes_landed >= push.nearly_landed_at:
+            push.nearly_landed.set()
+        if push.on_layer_landed is not None:
+            while push.layers_landed < len(push.layer_ends) and self.grant.bytes_landed >= push.layer_ends[push.layers_landed]:
+                push.layers_landed += 1
+                push.on_layer_landed(push.layers_landed - 1)

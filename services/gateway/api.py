@@ -20,6 +20,7 @@ from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.logprobs import chat_logprobs, completion_logprobs
 from services.gateway.openapi import openapi_document
+from services.gateway.report import summary
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
@@ -241,7 +242,7 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
     await run.close()  # so the final chunk reports the final finish_reason
     final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length", first=not sent_any)
     final["usage"] = _usage(run)
-    final["smartgen"] = run.summary()
+    final["smartgen"] = summary(run)
     await _send(response, final)
     if run.job.include_usage:  # stream_options.include_usage: OpenAI's usage-only last chunk
         await _send(response, {**{k: final[k] for k in ("id", "object", "created", "model")}, "choices": [],
@@ -298,4 +299,4 @@ def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
         choice = {"index": 0, "text": prompt + text, "finish_reason": finish_reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": job.request_id, "object": obj, "created": job.created, "model": gw.model_id, "choices": [choice],
-            "usage": _usage(run), "smartgen": run.summary()}
+            "usage": _usage(run), "smartgen": summary(run)}

@@ -32,9 +32,8 @@ from nats.aio.client import Client
 from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
                      PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
                      TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
-from schemas.modes import Aux
+from schemas.modes import Aux, ModeName
 from shared.runtime.rpc import RemoteError, call
-from shared.runtime.timeline import Timeline
 from shared.runtime.registry import WorkerRegistry
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
@@ -181,8 +180,8 @@ class CompletionRun:
         subject = f"{subjects.stream(job.request_id)}.resume{len(self.migrated_from)}"
         self._sub = await self.nc.subscribe(subject)
         self.recompute_reason = f"{why}; resumed on decode worker {self.decode.worker_id} after {len(self.token_ids)} tokens"
-        self.mode, self.kv_bits = "colocated", 0
-        resume = Generate(job.request_id, "colocated", job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
+        self.mode, self.kv_bits = ModeName.COLOCATED, 0
+        resume = Generate(job.request_id, ModeName.COLOCATED, job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
                           sampling, subject, self.selector, job.kv_budget if self.selector else None,
                           failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
         try:
@@ -439,63 +438,3 @@ class CompletionRun:
             task = asyncio.create_task(abort())
             _background.add(task)
             task.add_done_callback(_background.discard)
-
-    def ttst_bound_s(self) -> float | None:
-        """The best TTST any transfer schedule could reach with this request's step-1 selection on this link:
-        the all-local step time, plus the time the bytes step 1 needs take beyond what the link carries while the
-        prefill runs: step1_compute_s + max(0, B₁ − r·T_prefill) / r (r = the plan's link rate; unpaced: 0 s)."""
-        final = self.final
-        if final is None or not final.step1_compute_s:
-            return None
-        rate = self.plan.link_gbps * 1e9 / 8 if self.plan is not None else 0.0  # bytes/s
-        behind_prefill = rate * (self.prefill_s or 0.0)
-        wait_s = max(0.0, final.step1_kv_bytes - behind_prefill) / rate if rate > 0 else 0.0
-        return round(final.step1_compute_s + wait_s, 6)
-
-    def summary(self) -> dict[str, Any]:
-        """The `smartgen` object of the response."""
-        t = Timeline.of(self.token_times_s)
-        final, plan = self.final, self.plan
-        return {
-            "queue_s": round(self.queue_s, 4),
-            "ttft_s": t.ttft_s, "ttst_s": t.ttst_s, "tbt_s": t.tbt_s, "ttst_bound_s": self.ttst_bound_s(),
-            "token_times_s": [round(x, 6) for x in self.token_times_s],
-            "kv_bytes": self.kv_bytes,
-            "kv_wait_s": self.kv_wait_s,
-            "kv_load_s": final.kv_load_s if final else 0.0,
-            "started_while_pushing": final.started_while_pushing if final else False,
-            "push_landing_wait_s": final.push_landing_wait_s if final else 0.0,
-            "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads,
-                      "ranked": final.ranked_reads, "ranked_bytes": final.ranked_bytes} if final else {},
-            "prefill_s": self.prefill_s,
-            "transfer_mode": self.mode or self.job.transfer_mode,
-            "requested_mode": self.job.transfer_mode,
-            "attention": "selective" if self.selector else "dense",
-            "selector": self.selector or None,
-            "kv_budget": self.job.kv_budget if self.selector else None,
-            "kv_bits": self.kv_bits or None,  # as it ran (auto: the plan's)
-            "ablate": self.job.ablate,
-            "selected_share": self.selected_share,
-            "local_share": final.local_share if final else None,
-            "on_demand_wait_s": final.on_demand_wait_s if final else None,
-            "step_local_share": final.step_local_share if final else [],
-            "step_wait_s": final.step_wait_s if final else [],
-            "all_local_step": final.all_local_step if final and final.all_local_step >= 0 else None,
-            "background_declined": bool(final and final.background_declined),
-            "plan": {"mode": plan.transfer_mode, "reason": plan.reason, "profile": plan.profile or None,
-                     "profile_version": plan.profile_version, "profile_source": plan.profile_source or None,
-                     "num_push_blocks": plan.num_push_blocks, "num_blocks": plan.num_pages * (self.decode_layers or 0),
-                     "query_tokens": plan.query_tokens, "query_stop_layer": plan.query_stop_layer,
-                     "query_tail_tokens": plan.query_tail_tokens, "exact_push": plan.exact_push,
-                     "exact_from_layer": self.exact_from_layer,
-                     "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
-                     "parallel": plan.parallel, "background": plan.background} if plan else None,
-            "failure_policy": self.job.failure_policy,
-            "recomputed": bool(self.recompute_reason),
-            "resumed_from": self.migrated_from,  # decode workers that died while streaming it (recompute)
-            "recompute_reason": self.recompute_reason or None,
-            "prefill_worker_id": self.prefill.worker_id if self.prefill else None,
-            "decode_worker_id": self.decode.worker_id if self.decode else None,
-            "prompt_tokens": len(self.job.prompt_ids),
-            "token_ids": self.token_ids,
-        }

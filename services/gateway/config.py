@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES
+from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES, ModeName
 from shared.runtime.config import ConfigError, ServiceConfig
 
 
@@ -9,7 +9,7 @@ class GatewayConfig(ServiceConfig):
     gateway_port: int = 8000  # the OpenAI API (and this service's admin routes)
     model: str = ""  # where the tokenizer and chat template come from; "" = the cached default SmolLM2
     served_model_name: str = ""  # the id clients send as `model`; "" = the model folder's name
-    transfer_mode: str = "full"  # default for requests that do not say
+    transfer_mode: str = ModeName.FULL  # default for requests that do not say
     default_selector: str = DEFAULT_SELECTOR  # for partial, smartgen and auto requests that name no selector
     worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request

@@ -24,7 +24,7 @@ LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def set_torch_threads(threads: int) -> None:
-    """0 = torch's default. Several model processes on one small machine want 1 each (see README)."""
+    """0 = torch's default. Several model processes on one small machine want 1 each (docs/operations.md, "On small CPU machines")."""
     if threads > 0:
         torch.set_num_threads(threads)
 
@@ -138,7 +138,7 @@ def _one_row_at_a_time(linear: torch.nn.Linear, runner: ModelRunner) -> None:
     selection and a greedy token (docs/results/chaos). A batched matmul of B one-row products gives each row the
     one-row result, bit for bit, whatever B. Cost: none alone; the weights are read once per row, so a batch
     steps slower than with one shared matmul (SmolLM2, 512 tokens, one thread: +16% at B = 4, +26% at B = 8;
-    README, "Batch invariance"). Prefill (one row of N positions) keeps the plain matmul. The vocabulary
+    docs/operations.md, "Batch invariance"). Prefill (one row of N positions) keeps the plain matmul. The vocabulary
     projection stays shared: its rounding reaches no later state, only the last bits of the logits."""
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not runner.batch_invariant or x.dim() != 3 or x.shape[1] != 1:

@@ -17,12 +17,13 @@ exchanged through `rendezvous` (the services route it over NATS; tests call the 
   MAX_POSTED_BYTES and SEND_QUEUE_DEPTH work requests outstanding per link (a chunk of scattered runs is cut
   at MAX_CHUNK_WRS), through the same Pacer as TCP.
 
-What RDMA does differently from TCP (see README.md): integrity relies on the link's ICRC (no crc32c per
+What RDMA does differently from TCP (see shared/dataplane/README.md): integrity relies on the link's ICRC (no crc32c per
 chunk, which would cost CPU on both sides); a READ is authorised per link (the rkey is handed out only in the
 rendezvous), not per request, because the owner's CPU never sees it; a push under an unknown ticket is
 detected and counted by the receiver but its bytes have already been placed.
 
-Imports only the standard library and pyverbs, so it runs inside the Soft-RoCE test guest.
+Imports pyverbs, the standard library and what the data plane's base needs (numpy, structlog, crc32c), all of which the
+Soft-RoCE test guest has (tools/rdma_vm/build.sh).
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class RdmaDataPlane(DataPlane):
         try:
             import pyverbs.enums  # noqa: F401
         except ImportError:
-            raise RdmaUnavailable("pyverbs is not installed: apt install python3-pyverbs (see README), "
+            raise RdmaUnavailable("pyverbs is not installed: apt install python3-pyverbs (tools/rdma_vm builds a guest with it), "
                                   "or use transport tcp") from None
         devices = rdma_devices()
         if not devices or (device and device not in devices):

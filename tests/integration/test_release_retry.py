@@ -20,7 +20,7 @@ async def test_a_release_nobody_answers_is_asked_again_until_the_prefill_is_back
     with NatsServer() as server:
         nc = await nats.connect(**server.connect_options())
         try:
-            lifecycle = RemoteKvLifecycle(nc, "decode-1", "m", KvLayout(2, 1, 4, 16, "float32", 64), lambda rid: None)
+            lifecycle = RemoteKvLifecycle(nc, "decode-1", "m", KvLayout(2, 1, 4, 16, "float32", 64), None, lambda rid: None)
             state = DecodeRequest("r1", mode_of("smartgen"))
             state.req = SimpleNamespace(source=KvSource("prefill-1", "127.0.0.1:1", 1, 0, 16, 30.0))
             started = time.monotonic()

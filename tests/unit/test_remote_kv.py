@@ -11,6 +11,7 @@ import pytest
 
 from schemas import NO_FLOOR, KvSource, Sampling
 from shared.compute.decode_engine import DecodeEngine
+from services.decode.background import read_blocks, read_ranked
 from services.decode.remote import RemoteKv, RemoteReadError
 from shared.compute.prefill_engine import PrefillEngine
 from shared.dataplane import Grant, make_dataplane
@@ -109,7 +110,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                 remote.push_landed(layer, None)
         landing = asyncio.create_task(land())
     engine.use_selection("r", selector, budget, slab=dst_slab, remote=remote, lazy=bool(land_every_s))
-    ranked_reads = asyncio.create_task(remote.read_ranked()) if ranked else None
+    ranked_reads = asyncio.create_task(read_ranked(remote)) if ranked else None
     tokens = [first]
     for i in range(1, STEPS):
         tokens.append(await loop.run_in_executor(None, engine.step, "r", tokens[-1], Sampling(), i))  # a torch thread
@@ -118,9 +119,9 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
             await landing
             landing = None
         if background and i == 2:
-            await remote.read_blocks(list(range(layout.num_layers * pages)))
+            await read_blocks(remote, list(range(layout.num_layers * pages)))
         if ranked_reads is not None:  # let the reads queued during the step go out before the next one
-            while remote._ranked or (remote._background_turn.locked()):
+            while remote.ranked_queue or (remote.background_turn.locked()):
                 await asyncio.sleep(0.001)
     if ranked_reads is not None:
         ranked_reads.cancel()

@@ -145,19 +145,20 @@ def test_ttst_bound_adds_only_the_step1_bytes_the_prefill_could_not_hide():
     """ttst_bound_s = all-local step time + max(0, B₁ − r·T_prefill)/r; nothing to add when B₁ fits behind the
     prefill, or when nothing crosses a link (colocated, unpaced)."""
     from services.gateway.completion import CompletionRun
+    from services.gateway.report import ttst_bound_s
     from services.gateway.requests import CompletionJob
 
     job = CompletionJob("r", "completion", [1, 2, 3], 8, 0.0, 0, [], False, "smartgen", "quest", 0.1)
     run = CompletionRun(None, None, job, [], 10.0)  # type: ignore[arg-type]
-    assert run.ttst_bound_s() is None  # not finished
+    assert ttst_bound_s(run) is None  # not finished
     run.final = schemas.TokenEvent("r", 8, -1, "length", step1_kv_bytes=3_000_000, step1_compute_s=0.1)
     run.plan = TransferPlan("r", "smartgen", "b", 1, link_gbps=0.008)  # 1 MB/s
     run.prefill_s = 2.0  # 2 MB ride behind the prefill, 1 MB is left: 1 s
-    assert run.ttst_bound_s() == pytest.approx(1.1)
+    assert ttst_bound_s(run) == pytest.approx(1.1)
     run.prefill_s = 5.0
-    assert run.ttst_bound_s() == pytest.approx(0.1)
+    assert ttst_bound_s(run) == pytest.approx(0.1)
     run.plan = None  # colocated
-    assert run.ttst_bound_s() == pytest.approx(0.1)
+    assert ttst_bound_s(run) == pytest.approx(0.1)
 
 
 def test_the_budget_floor():

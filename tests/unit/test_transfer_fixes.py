@@ -14,6 +14,7 @@ from services.broker.profiles import ChosenProfile, ProfileCache
 from services.decode import remote_lifecycle
 from services.decode.remote import RemoteKv
 from services.decode.remote_lifecycle import RemoteKvLifecycle
+from services.decode.background import read_blocks
 from services.decode.request import DecodeRequest
 from shared.compute.kvstore import layout_for
 from shared.dataplane import Lane
@@ -68,18 +69,19 @@ class FlakyRemote:
 
 async def test_a_failed_background_batch_is_read_again(monkeypatch):
     monkeypatch.setattr(remote_lifecycle, "BACKGROUND_RETRY_S", (0.001, 0.002))
-    lifecycle = RemoteKvLifecycle(None, "decode-0", "m", LAYOUT, lambda request_id: None)  # type: ignore[arg-type]
+    monkeypatch.setattr(remote_lifecycle, "read_blocks", lambda remote, blocks: remote.read_blocks(blocks))
+    lifecycle = RemoteKvLifecycle(None, "decode-0", "m", LAYOUT, None, lambda request_id: None)  # type: ignore[arg-type]
     state = DecodeRequest("r", mode_of("smartgen"))
     state.remote = FlakyRemote()  # type: ignore[assignment]
-    state.backlog = 3
-    state.background.put_nowait([1, 2, 3])
+    state.progress.backlog = 3
+    state.progress.background.put_nowait([1, 2, 3])
     reader = asyncio.create_task(lifecycle._read_background(state))
     for _ in range(200):
-        if state.backlog == 0:
+        if state.progress.backlog == 0:
             break
         await asyncio.sleep(0.005)
     reader.cancel()
-    assert state.remote.attempts == [[1, 2, 3]] * 3 and state.backlog == 0  # type: ignore[union-attr]
+    assert state.remote.attempts == [[1, 2, 3]] * 3 and state.progress.backlog == 0  # type: ignore[union-attr]
 
 
 class GatedPlane:
@@ -110,7 +112,7 @@ async def test_an_issued_on_demand_read_goes_before_a_background_read():
                       np.zeros((LAYOUT.num_layers, pages), dtype=bool))
     pending = remote.fetch(2, torch.tensor([[0, 1], [2, 3]]))
     assert pending is not None and remote.is_on_demand_busy
-    background = asyncio.create_task(remote.read_blocks([3 * pages]))  # layer 3, page 0
+    background = asyncio.create_task(read_blocks(remote, [3 * pages]))  # layer 3, page 0
     await asyncio.sleep(0.05)
     assert plane.lanes == [Lane.ON_DEMAND]
     plane.release.set()

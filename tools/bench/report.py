@@ -93,7 +93,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     lines.append("Times in seconds on the client's clock. n = requests in the row (p99 is reported from 20). "
                  "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; TTST bound = "
-                 "the all-local step plus the step-1 bytes the prefill could not hide (README, `ttst_bound_s`). "
+                 "the all-local step plus the step-1 bytes the prefill could not hide (docs/api.md, `ttst_bound_s`). "
                  "Same tokens: the share of requests whose answer equals the same prompt's all local "
                  "(colocated-selective for a selective mode, colocated for a dense one, where the run has it), and in "
                  "brackets the mean share of the answer before the first difference.")
