@@ -10,8 +10,10 @@ from enum import StrEnum
 SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrained")
 DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the request names none
 DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
-KV_BITS = (2, 4)  # quantized transfer's code widths
-DEFAULT_KV_BITS = 2
+KV_BITS = (2, 4, 8)  # quantized transfer's code widths
+# 4, not 2: 2-bit codes turn short chats into garbage on SmolLM2 ("Name three primary colors." answered "The human
+# beings:\n\n\nfurther…"); 4 bits answers right (KL vs dense ~0.02 nats/token at 2K, docs/results accuracy)
+DEFAULT_KV_BITS = 4
 PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
 # ... whose keys travel in 8 bits whatever kv_bits says: a key quantized per token loses its outlier channels
 # (SmolLM2, 2K prompts, dense, tools/bench/push_codes_fidelity.py: first-step KL 0.017–0.07 with 4-bit keys,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import AUTO_KV_BITS, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
-from services.gateway.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_STRINGS, NOT_YET
+from schemas import AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
+from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
+                                       MAX_STOP_STRINGS, MAX_TOP_K, NOT_YET)
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -171,7 +172,7 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                              f"stream; prompts × n ≤ {MAX_PROMPTS}"},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
                   "description": "nucleus sampling: the most likely tokens whose probabilities reach top_p (1 = all)"},
-        "top_k": {"type": ["integer", "null"], "minimum": -1,
+        "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": MAX_TOP_K,
                   "description": "sample among the top_k most likely tokens (0 or -1 = all)"},
         "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
                              "description": "subtracted from the logit of every token the completion already has"},
@@ -199,7 +200,7 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                       "anyOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                 {"type": "integer", "minimum": 1, "maximum": max_positions}]},
         "kv_bits": {"enum": [*sorted({*KV_BITS, *PUSH_KV_BITS}), None],
-                    "description": f"transfer_mode quantized: its codes, {KV_BITS} (default 2); smartgen: its "
+                    "description": f"transfer_mode quantized: its codes, {KV_BITS} (default {DEFAULT_KV_BITS}); smartgen: its "
                                    f"proactive push as {PUSH_KV_BITS}-bit codes (default: exact); auto: {AUTO_KV_BITS} "
                                    f"lets the broker choose quantized or smartgen's low-bit push (default: exact KV "
                                    f"only, full or smartgen)"},
@@ -218,7 +219,7 @@ def _response(kind: str, choice: Schema) -> Schema:
 
 
 def _smartgen_object() -> Schema:
-    """The `smartgen` object (README, "Using it"); only the figures every response has are required."""
+    """The `smartgen` object (docs/api.md, "The `smartgen` object"); only the figures every response has are required."""
     return {"type": "object", "required": ["ttft_s", "token_times_s", "kv_bytes", "transfer_mode", "token_ids"],
             "properties": {
                 "ttft_s": _NUMBER_OR_NULL, "ttst_s": _NUMBER_OR_NULL, "tbt_s": _NUMBER_OR_NULL,

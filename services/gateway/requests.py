@@ -15,6 +15,7 @@ from schemas.subjects import is_token
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts × n), each a job
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
+MAX_TOP_K = 2**31 - 1  # any top_k past the vocabulary means no limit; beyond this it could not travel (msgpack)
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
 # OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
 # the default), refused with a 400 naming the option otherwise: never silently ignored.
@@ -150,8 +151,8 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, above=True)
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ApiError(400, "top_k must be an integer ≥ 1 (or 0 or -1: no limit)", "top_k")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise ApiError(400, f"top_k must be an integer from 1 to {MAX_TOP_K} (or 0 or -1: no limit)", "top_k")
     penalties = {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
                  "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                  "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, above=True)}

@@ -1,4 +1,4 @@
-"""Low-bit KV for the `quantized` transfer mode, in the spirit of HACK (2- or 4-bit codes, asymmetric per
+"""Low-bit KV for the `quantized` transfer mode, in the spirit of HACK (2-, 4- or 8-bit codes, asymmetric per
 partition: x ≈ scale·q + min, partitions of Π = 64 values).
 
 Per layer and KV head, as HACK partitions them:
@@ -18,7 +18,7 @@ from shared.compute.packed import PackedTensors
 
 PARTITION = 64  # Π, values per quantization partition
 SINK_TOKENS = 4  # HACK's default: the first tokens keep 16 bits
-BITS = (2, 4)
+BITS = (2, 4, 8)
 
 
 class QuantLayout:

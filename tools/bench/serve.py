@@ -69,8 +69,9 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
     if name == ONLINE_MODE:
         return {"transfer_mode": "smartgen", **sel}
     bodies = {"colocated": {"transfer_mode": "colocated"}, "colocated-selective": {"transfer_mode": "colocated", **sel},
-              "full": {"transfer_mode": "full"}, "quantized": {"transfer_mode": "quantized", "kv_bits": 2},
+              "full": {"transfer_mode": "full"}, "quantized-2bit": {"transfer_mode": "quantized", "kv_bits": 2},
               "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
+              "quantized-8bit": {"transfer_mode": "quantized", "kv_bits": 8},
               "partial": {"transfer_mode": "partial", **sel}, "smartgen": {"transfer_mode": "smartgen", **sel},
               "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
               "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
@@ -80,7 +81,7 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
     return bodies[name]
 
 
-ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized", "smartgen", "smartgen-4bit",
+ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized-4bit", "quantized-8bit", "smartgen", "smartgen-4bit",
              "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
 
 

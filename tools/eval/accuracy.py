@@ -1,6 +1,6 @@
 """`smartgen eval accuracy`: LongBench task scores through the serving path, per transfer mode and selector.
 
-    smartgen eval accuracy [--modes colocated,full,quantized,partial,smartgen] [--selector quest [hata …]]
+    smartgen eval accuracy [--modes colocated,full,quantized-4bit,partial,smartgen] [--selector quest [hata …]]
                            [--kv-budget 0.1] [--tasks T …] [--samples 4] [--prompt-tokens 2048]
                            [--link-gbps X] [--url URL | --model PATH] [--json PATH]
     smartgen eval accuracy --paired …   in one process, with paired intervals (tools/eval/paired.py)
@@ -26,7 +26,7 @@ from tools.args import add_json, add_model, csv_of
 from tools.bench.serve import UNPACED_MODES, gateway_for, machine_info, mode_body
 from tools.eval.metrics import task_score
 
-DEFAULT_MODES = ("colocated", "full", "quantized", "quantized-4bit", "colocated-selective", "partial", "smartgen")
+DEFAULT_MODES = ("colocated", "full", "quantized-2bit", "quantized-4bit", "quantized-8bit", "colocated-selective", "partial", "smartgen")
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
 SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-4bit", "smartgen-8bit", "smartgen-no-proactive",
              "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query", "auto")

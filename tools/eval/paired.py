@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smart
 
     from shared.compute.decode_engine import DecodeEngine
 
-QUANTIZED = {"quantized-4bit": 4, "quantized": 2}  # configuration → bits
+QUANTIZED = {"quantized-8bit": 8, "quantized-4bit": 4, "quantized-2bit": 2}  # configuration → bits
 
 
 def configurations(selectors: list[str]) -> list[str]:
@@ -214,7 +214,7 @@ def _greedy(engine: DecodeEngine, cache, ids: list[int], first_logits: torch.Ten
             names: list[str], kv_budget: float) -> dict[str, tuple[list[int], torch.Tensor]]:
     """Each configuration's greedy answer and the log-probabilities (len, vocab) each of its tokens came from, all
     configurations stepping together in one decode batch (as a decode worker batches requests; each row computes
-    as it would alone, README "Batch invariance")."""
+    as it would alone, docs/operations.md "Batch invariance")."""
     import torch
 
     rids = {name: _load(engine, cache, ids, max_new, name, kv_budget) for name in names}
