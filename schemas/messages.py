@@ -221,6 +221,7 @@ class PrefillDone:
     # decode worker knows layer l has landed once the bytes up to it have, and need not wait for the rest
     layer_push_bytes: list[int] = field(default_factory=list)
     exact_from_layer: int = 0  # TransferPlan.exact_push: the first layer that pushed step 1's exact selection (0: none)
+    step_one_s: float = 0.0  # the exact push: step 1 run on the prefill node before token 1 (seconds, not in prefill_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,13 @@ class Gateway:
         """The gateway's GET /workers list: one dict per service (role, id, pid, admin_url, …)."""
         return get_json(self.url + "/workers", timeout=10)["workers"]
 
+    def decode_floor(self) -> dict | None:
+        """The budget floor of a live decode worker (its /stats), or None if none answers."""
+        for w in self.workers():
+            if w["role"] == "decode":
+                return get_json(w["admin_url"] + "/stats", timeout=10).get("floor")
+        return None
+
     def pace(self, gbps: float) -> None:
         """Pace every model worker's data plane (0 = unpaced); the broker hears it from the next heartbeats."""
         for w in self.workers():

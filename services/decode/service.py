@@ -27,6 +27,7 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections import OrderedDict, deque
 from typing import Any, NoReturn
@@ -375,12 +376,11 @@ class DecodeService(ModelWorkerService):
             self.store.free(state.request_id)
 
     def stats(self) -> dict[str, Any]:
-        batcher = self.batcher
-        return {**super().stats(), "batching": {"max_batch": self.config.max_batch,
-                                                "batch_invariant": self.config.batch_invariant,
-                                                "batches": batcher.num_batches if batcher else 0,
-                                                "mean_batch": round(batcher.mean_batch, 2) if batcher else 0.0,
-                                                "last_batch": batcher.last_batch if batcher else 0}}
+        b, cfg = self.batcher, self.config
+        batching = {"max_batch": cfg.max_batch, "batch_invariant": cfg.batch_invariant,
+                    "batches": b.num_batches if b else 0, "mean_batch": round(b.mean_batch, 2) if b else 0.0,
+                    "last_batch": b.last_batch if b else 0}
+        return {**super().stats(), "floor": dataclasses.asdict(cfg.floor), "batching": batching}
 
     def load_info(self) -> dict[str, Any]:
         plans = [self.remote_kv.registration(state) for state in list(self.active.values())] if self.remote_kv else []

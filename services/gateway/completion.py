@@ -63,7 +63,8 @@ class CompletionRun:
     kv_wait_s: float = 0.0
     selected_share: float = 1.0
     final: TokenEvent | None = None  # the stream's last event (transfer figures)
-    prefill_s: float | None = None
+    prefill_s: float | None = None  # the prefill's compute, plus step 1 where the prefill node ran it (exact push)
+    prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
@@ -117,7 +118,8 @@ class CompletionRun:
                 handle = await self._open()
                 done = await self._run_prefill(handle, sampling)
                 if done is not None:
-                    first, self.prefill_s = done.first_token, done.prefill_s
+                    first, self.prefill_s = done.first_token, done.prefill_s + done.step_one_s
+                    self.prefill_step1_s = done.step_one_s
                     self.exact_from_layer = done.exact_from_layer
                     self.prompt_logprobs = done.prompt_logprobs
                 try:

@@ -36,6 +36,10 @@ def summary(run: CompletionRun) -> dict[str, Any]:
         "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads,
                   "ranked": final.ranked_reads, "ranked_bytes": final.ranked_bytes} if final else {},
         "prefill_s": run.prefill_s,
+        "prefill_step1_s": run.prefill_step1_s,
+        # what ttst_bound_s is made of: step 1's all-local compute here and the bytes it needed from the link
+        "step1_compute_s": final.step1_compute_s if final else None,
+        "step1_kv_bytes": final.step1_kv_bytes if final else None,
         "transfer_mode": run.mode or run.job.transfer_mode,
         "requested_mode": run.job.transfer_mode,
         "attention": "selective" if run.selector else "dense",

@@ -168,7 +168,7 @@ class PrefillService(ModelWorkerService):
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
-                           transfer.exact_from_layer)
+                           transfer.exact_from_layer, transfer.step_one_s)
 
     async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
         """The layers held back (`Transfer.holds_back`): run step 1 here, give each of them step 1's exact selection as its

@@ -19,12 +19,24 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
     report = json.loads((tmp_path / "runs.json").read_text())
     assert report["machine"]["cpus"] and report["calibration"]["256"]["prefill_tokens_per_s"] > 0
     runs = {r["mode"]: r for r in report["runs"]}
-    assert set(runs) == {"colocated", "full", "smartgen"}
+    assert set(runs) == {"colocated", "colocated-selective", "full", "smartgen"}  # the all-local references always run
     for r in runs.values():
         assert r["num_requests"] == 2 and r["ttst_p50_s"] > 0 and r["tbt_mean_s"] > 0
         assert set(r["ctl_s"]) == {"2", "8", "32", "64"} and r["ctl_s"]["2"] >= r["ttft_p50_s"] * 0.5
         assert {"pressure", "link_gbps", "ttft_p50_s", "ttst_p99_s", "e2e_p50_s", "kv_bytes", "local_share", "regime",
-                "ttst_bound_p50_s", "ctl64_mean_s", "step1_local_share", "n"} <= set(r)
+                "ttst_bound_p50_s", "ctl64_mean_s", "step1_local_share", "n", "decode_s_mean", "kl_mean"} <= set(r)
+        assert 0 < r["decode_s_mean"] < r["ctl_curve_s"][-1]
+    # prompt-major: every mode served prompt 0 before any served prompt 1
+    order = [x["sample"] for x in report["requests"]]
+    assert order == sorted(order) and set(order) == {0, 1}
+    # the honest bound: the reference's step 1 on the same prompt, plus a link term that is never negative
+    for x in report["requests"]:
+        if x["mode"] == "smartgen":
+            ref = next(y for y in report["requests"] if y["mode"] == "colocated-selective" and y["sample"] == x["sample"])
+            assert x["ttst_bound_honest_s"] >= ref["step1_compute_s"] > 0
+    assert runs["colocated"]["kl_mean"] == 0.0 and runs["full"]["kl_mean"] == 0.0  # dense: dense itself
+    # quest under the stack's floor (none here: the tiny stack selects at 256 tokens): a KL of its own
+    assert runs["smartgen"]["quality_config"] == "quest" and runs["smartgen"]["kl_mean"] > 0
     assert runs["full"]["pressure"] == 2.0 and runs["full"]["link_gbps"] > 0 and runs["full"]["kv_bytes"]["full"] > 0
     assert runs["colocated"]["link_gbps"] == 0 and not runs["colocated"]["kv_bytes"]
     assert runs["smartgen"]["kv_bytes"].get("metadata", 0) > 0 and runs["smartgen"]["ttst_vs_full"] is not None

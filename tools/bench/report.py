@@ -1,10 +1,13 @@
 """The serving benchmark's report: ratios from the same run, a markdown table, and the paper-style plots.
 
-Ratios: TTST and TBT of each mode over `full` at the same prompt length, pacing regime and pressure, TTST
-over its own bound (`ttst_bound_s`), and over the colocated references measured in the same run (`colocated` dense: the physical limit; `colocated-selective`:
-the same selector with all KV local, what SmartGen's TBT is held against).
+Ratios: TTST and TBT of each mode over `full` at the same prompt length, pacing regime and pressure, TTST over
+the honest bound (colocated-selective's step 1 on the same prompt plus the link term: serve.add_honest_bounds),
+and over the colocated references measured in the same run, on the same prompts, interleaved (`colocated`
+dense: the physical limit; `colocated-selective`: the same selector with all KV local, what SmartGen's TBT is
+held against). Every row carries its quality beside its latency: KL vs dense and top-token agreement,
+teacher-forced on the served prompts (serve.measure_quality).
 Plots (PNG): CTL per token index per mode (the paper's time-series figure), TTST per mode against R (the
-bandwidth figure), the ablation bars, and bytes per path.
+bandwidth figure), CTL64 against KL per mode (the latency × quality front), the ablation bars, and bytes per path.
 """
 from __future__ import annotations
 
@@ -79,25 +82,35 @@ def markdown(report: dict) -> str:
         rows = [r for r in runs if r["prompt_tokens_asked"] == length
                 and ((r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"])]
         lines += [f"## {length} tokens, R = {pressure:g}, {regime}-matched link", "",
-                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective | same tokens (prefix) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | t64 − t1 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective | same tokens (prefix) | KL vs dense (agreement) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
             paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
             share = f"{_f(r['local_share'], 2)} ({_f(r['step1_local_share'], 2)})" if r["local_share"] is not None else "—"
             lines.append(f"| {r['mode']} | {r['n']} | {_f(r['ttft_p50_s'], 2)} | {_f(r['ttst_mean_s'])} / {_f(r['ttst_p50_s'])} | "
                          f"{_f(r.get('ttst_bound_p50_s'))} | {_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | "
-                         f"{paths or '—'} | {share} | {_f(r.get('ttst_vs_bound'), 2)} | {_f(r['ttst_vs_full'], 2)} | "
+                         f"{_f(r.get('decode_s_mean'), 2)} | {paths or '—'} | {share} | {_f(r.get('ttst_vs_bound'), 2)} | {_f(r['ttst_vs_full'], 2)} | "
                          f"{_f(r.get('ttst_vs_colocated_selective'), 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} | "
-                         f"{_agreement(r)} |")
+                         f"{_agreement(r)} | {_quality(r)} |")
         lines.append("")
     lines.append("Times in seconds on the client's clock. n = requests in the row (p99 is reported from 20). "
-                 "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; TTST bound = "
-                 "the all-local step plus the step-1 bytes the prefill could not hide (docs/api.md, `ttst_bound_s`). "
+                 "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; t64 − t1 = the decode "
+                 "phase without TTFT's spread; TTST bound = colocated-selective's step 1 on the same prompt (colocated's "
+                 "for a dense mode) plus the step-1 bytes the prefill could not hide (docs/api.md, `ttst_bound_s`). "
+                 "KL vs dense: mean KL(dense ‖ row) per next token in nats, teacher-forced along dense's answer on the "
+                 "same prompts, and in brackets the share of positions with dense's top token (a smartgen-Nbit row "
+                 "shows its selector's; its low-bit push adds error of its own). "
                  "Same tokens: the share of requests whose answer equals the same prompt's all local "
                  "(colocated-selective for a selective mode, colocated for a dense one, where the run has it), and in "
                  "brackets the mean share of the answer before the first difference.")
     return "\n".join(lines) + "\n"
+
+
+def _quality(run: dict) -> str:
+    if run.get("kl_mean") is None:
+        return "—"
+    return f"{run['kl_mean']:.4f} ({_f(run.get('agreement_mean'), 3)})"
 
 
 def _agreement(run: dict) -> str:
@@ -171,6 +184,17 @@ def plots(report: dict, out: Path) -> list[Path]:
                 ax.legend(fontsize=7)
             fig.suptitle(f"Ablation, {length} tokens")
             written.append(_save(fig, out / f"ablation_{length}.png"))
+        front = [r for r in every if r.get("kl_mean") is not None and r.get("ctl64_mean_s")]
+        for _, regime, pressure in [t for t in _tables(runs) if t[0] == length]:  # CTL64 against KL: the front
+            points = [r for r in front if (r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"]]
+            if points:
+                fig, ax = plt.subplots(figsize=(6, 4.5))
+                for r in points:
+                    ax.scatter(r["kl_mean"] + 1e-5, r["ctl64_mean_s"], marker="o" if r["link_gbps"] else "x")
+                    ax.annotate(r["mode"], (r["kl_mean"] + 1e-5, r["ctl64_mean_s"]), fontsize=7)
+                ax.set(xscale="log", xlabel="KL vs dense (nats per token, +1e-5)", ylabel="CTL64 mean (s)",
+                       title=f"Latency × quality, {length} tokens, R = {pressure:g}, {regime}-matched")
+                written.append(_save(fig, out / f"pareto_{length}_{regime}_R{pressure:g}.png"))
         fig, ax = plt.subplots(figsize=(9, 4.5))  # bytes per path
         rows = [r for r in at if r["kv_bytes"]]
         bottom = [0.0] * len(rows)

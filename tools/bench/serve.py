@@ -19,10 +19,17 @@
    from kvprofile's calibration documents (shared/workloads.CALIBRATION_TASK, which no measured task uses);
    online updates are frozen while measuring, so no row learns from the prompts it measures. --online-profile
    adds a `smartgen-online` row that learns while it runs (labelled as such).
-4. Each mode serves `requests` prompts from the local long-context workloads (tools/workloads.py) through the
-   OpenAI API, streamed, `max_tokens` each past EOS, `concurrency` at a time; modes that move no KV (colocated)
-   run once per length, unpaced. Times are this client's clock, one SSE chunk per token; e2e its wall time.
-5. Writes runs.json (every request, and one summary per mode × setting: n, mean, p50; p99 from 20 requests),
+4. Modes serve `requests` prompts from the local long-context workloads (tools/workloads.py) through the OpenAI
+   API, streamed, `max_tokens` each past EOS, prompt-major: every mode (each paced mode at each setting) serves
+   prompt 1, then prompt 2, … (`concurrency` prompts at a time), so a ratio's rows ran on the same prompts minutes
+   apart at most. The all-local references colocated and colocated-selective run in every run, unpaced, on every
+   prompt. Times are this client's clock, one SSE chunk per token; e2e its wall time.
+5. Per request, the TTST bound is honest: colocated-selective's step-1 compute on the same prompt (colocated's for
+   a dense mode) plus the link term max(0, B₁ − r·T_prefill)/r, not the request's own step 1 (add_honest_bounds);
+   t64 − t1 (`decode_s`) beside CTL64.
+6. Quality beside every latency row (unless --no-quality): KL vs dense and top-token agreement, teacher-forced
+   along dense's answer on the prompts served, with the row's selector, budget and bits (measure_quality).
+7. Writes runs.json (every request, and one summary per mode × setting: n, mean, p50; p99 from 20 requests),
    report.md and PNG plots (report.py).
 """
 from __future__ import annotations
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
 CTL_TOKENS = (2, 8, 32, 64)
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
+REFERENCE_MODES = UNPACED_MODES  # in every run, on every prompt: the all-local references the ratios divide by
 REGIMES = ("prefill", "step")
 STEP_MATCH = 10.0  # step-matched links are this much faster than prefill-matched ones (module docstring)
 MIN_P99_SAMPLES = 20  # fewer requests than this report no p99
@@ -110,6 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--profile-prompts", type=int, default=0, metavar="N",
                        help="first build the selector's profile per prompt length from N calibration prompts "
                             "(default 0: the stack's stored profiles, or the positional fallback)")
+    serve.add_argument("--no-quality", dest="quality", action="store_false",
+                       help="skip the quality columns (KL and agreement vs dense per row, computed in this process "
+                            "on the served prompts after the run)")
     serve.add_argument("--online-profile", action="store_true",
                        help=f"add a {ONLINE_MODE} row that refreshes the profile from the requests it serves")
     serve.set_defaults(run=command)
@@ -121,7 +132,7 @@ def command(args: argparse.Namespace) -> None:
                       requests=args.requests, concurrency=args.concurrency, selector=args.selector,
                       kv_budget=args.kv_budget, max_tokens=args.max_tokens, url=args.url, model=args.model,
                       out=args.out, json_path=args.json or "", profile_prompts=args.profile_prompts,
-                      regimes=args.regime, online_profile=args.online_profile)
+                      regimes=args.regime, online_profile=args.online_profile, quality=args.quality)
     if args.modes:
         cfg.modes = args.modes
     if args.tasks:
@@ -148,6 +159,7 @@ class BenchConfig:
     out: str = "bench-out"
     json_path: str = ""
     profile_prompts: int = 0  # > 0: first build the selector's profile per prompt length from this many prompts
+    quality: bool = True  # KL and agreement vs dense per row, on the served prompts (measure_quality)
     progress: bool = True
     stack_env: dict[str, str] = field(default_factory=dict)
 
@@ -197,7 +209,9 @@ def run(cfg: BenchConfig) -> dict:
                 one = replace(cfg, concurrency=[concurrency], profile_prompts=cfg.profile_prompts if i == 0 else 0,
                               out=str(out / f"c{concurrency}") if len(cfg.concurrency) > 1 else cfg.out,
                               json_path=cfg.json_path if len(cfg.concurrency) == 1 else "")
-                reports[concurrency] = _report(one, path.name, *_measure(one, gateway, tokenizer))
+                records, calibration, profiles, prompts = _measure(one, gateway, tokenizer)
+                quality = measure_quality(one, str(path), tokenizer, prompts, gateway.decode_floor()) if one.quality else {}
+                reports[concurrency] = _report(one, path.name, records, calibration, profiles, quality)
         finally:
             if stack is None:
                 gateway.pace(0)  # a stack we did not start goes back to unpaced
@@ -210,16 +224,20 @@ def run(cfg: BenchConfig) -> dict:
     return {"concurrency": {str(c): r["runs"] for c, r in reports.items()}}
 
 
-def _report(cfg: BenchConfig, model_name: str, records: list[dict], calibration: dict, profiles: dict) -> dict:
+def _report(cfg: BenchConfig, model_name: str, records: list[dict], calibration: dict, profiles: dict,
+            quality: dict[str, dict]) -> dict:
     """Write runs.json, report.md and the plots of one run into cfg.out; print the report; return runs.json's."""
     from tools.bench import report as report_writer
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    runs = summarize(records)
+    for run in runs:  # quality beside every latency row: the same prompts, selector, budget and bits
+        run.update(quality.get(run["mode"], {"quality_config": None, "kl_mean": None, "agreement_mean": None}))
     report = {"machine": machine_info(model_name),
               "config": {k: v for k, v in vars(cfg).items() if k != "stack_env"},
               "calibration": calibration, "profiles": profiles, "cluster_assumptions": cluster.ASSUMPTIONS,
-              "runs": summarize(records), "requests": records}
+              "runs": runs, "requests": records}
     markdown = report_writer.write(report, out)  # adds the ratios to the runs
     json_path = Path(cfg.json_path) if cfg.json_path else out / "runs.json"
     json_path.write_text(json.dumps(report, indent=1))
@@ -228,21 +246,31 @@ def _report(cfg: BenchConfig, model_name: str, records: list[dict], calibration:
     return report
 
 
-def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict], dict[str, dict], dict[str, dict]]:
+def _measure(cfg: BenchConfig, gateway: Gateway,
+             tokenizer) -> tuple[list[dict], dict[str, dict], dict[str, dict], dict[int, list[str]]]:
     """Every request of the run: (one record per request, prompt length → the measured prefill rate and KV bytes
-    per token, prompt length → the profiles built for it with --profile-prompts, by bucket)."""
+    per token, prompt length → the profiles built for it with --profile-prompts, by bucket, prompt length → the
+    prompts served, in the order of the records' `sample`).
+
+    Prompt-major: every mode serves prompt 1 (each paced mode at each setting), then prompt 2, …, so the rows
+    compared in a ratio ran minutes apart at most, on the same prompts (with concurrency C, C prompts at a time).
+    The all-local references (REFERENCE_MODES) run in every run, unpaced, on every prompt."""
     records: list[dict] = []
     calibration: dict[str, dict] = {}
     profiles: dict[str, dict] = {}
     settings = [("gbps", x) for x in cfg.link_gbps] or [("pressure", r) for r in cfg.pressures]
     regimes = ["given"] if cfg.link_gbps else cfg.regimes  # explicit rates: paced as given
-    unpaced = [m for m in cfg.modes if m in UNPACED_MODES]
-    paced = [m for m in cfg.modes if m not in UNPACED_MODES] + ([ONLINE_MODE] if cfg.online_profile else [])
+    modes = [*REFERENCE_MODES, *(m for m in cfg.modes if m not in REFERENCE_MODES)]
+    unpaced = [m for m in modes if m in UNPACED_MODES]
+    paced = [m for m in modes if m not in UNPACED_MODES] + ([ONLINE_MODE] if cfg.online_profile else [])
     total = (len(unpaced) + len(paced) * len(settings) * len(regimes)) * cfg.requests * len(cfg.prompt_tokens)
     bar = _bar(cfg, total)
     gateway.learn_online(False)  # NOTE: no row learns from the prompts it measures (but ONLINE_MODE's)
+    group = max(1, cfg.concurrency[0])
+    prompts: dict[int, list[str]] = {}
     for length in cfg.prompt_tokens:
         samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
+        prompts[length] = [sample.prompt for sample in samples]
         gateway.pace(0)
         if cfg.profile_prompts:
             profiles[str(length)] = _build_profiles(cfg, gateway, tokenizer, samples)
@@ -250,27 +278,84 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer) -> tuple[list[dict],
         calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
         runs = [("unpaced", ("gbps", 0.0), unpaced)] + [(regime, setting, paced) for regime in regimes
                                                         for setting in settings]
-        for regime, setting, modes in runs:
-            if not modes:
-                continue
-            gbps, r = _link(setting, calibration[str(length)], regime)
-            gateway.pace(gbps)
-            for mode in modes:
-                body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
-                        **mode_body(mode, cfg.selector, cfg.kv_budget)}
-                gateway.learn_online(mode == ONLINE_MODE)
-                started = time.monotonic()
-                try:
-                    results = _serve(gateway, body, samples, cfg.concurrency[0], bar)
-                finally:
-                    gateway.learn_online(False)
-                wall_s = time.monotonic() - started
-                for sample, res in zip(samples, results):
-                    records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
-                                    "link_gbps": gbps, "task": sample.task, "concurrency": cfg.concurrency[0],
-                                    "served_in_s": wall_s, **res})
+        for first in range(0, len(samples), group):
+            batch = samples[first: first + group]
+            for regime, setting, run_modes in runs:
+                gbps, r = _link(setting, calibration[str(length)], regime)
+                gateway.pace(gbps)
+                for mode in run_modes:
+                    body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
+                            **mode_body(mode, cfg.selector, cfg.kv_budget)}
+                    gateway.learn_online(mode == ONLINE_MODE)
+                    started = time.monotonic()
+                    try:
+                        results = _serve(gateway, body, batch, group, bar)
+                    finally:
+                        gateway.learn_online(False)
+                    wall_s = time.monotonic() - started
+                    for k, (sample, res) in enumerate(zip(batch, results)):
+                        records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
+                                        "link_gbps": gbps, "task": sample.task, "sample": first + k,
+                                        "concurrency": group, "served_in_s": wall_s, **res})
     bar.close()
-    return records, calibration, profiles
+    add_honest_bounds(records)
+    return records, calibration, profiles, prompts
+
+
+def quality_config(mode: str, selector: str) -> str | None:
+    """The configuration of `eval accuracy --paired` whose answers a benchmark mode decodes (tools/eval/paired.py):
+    dense for colocated and full; quantized-Nbit for the quantized rows; the selector for the selective ones (a
+    smartgen-Nbit row's low-bit push adds its own error on top: docs/results push-codes). None for auto."""
+    body = mode_body(mode, selector, DEFAULT_KV_BUDGET)
+    transfer = body.get("transfer_mode")
+    if transfer == "quantized":
+        return f"quantized-{body['kv_bits']}bit"
+    if transfer == "auto":
+        return None
+    return body["selector"] if body.get("selector") else "dense"
+
+
+def measure_quality(cfg: BenchConfig, model: str, tokenizer, prompts: dict[int, list[str]],
+                    floor: dict | None) -> dict[str, dict]:
+    """Per mode of the run: KL vs dense and top-token agreement, teacher-forced along dense's answer of
+    `max_tokens` tokens on the prompts the run served (tools/eval/paired.py `quality`), with the run's selector,
+    budget and bits, under the stack's decode budget floor."""
+    from schemas import BudgetFloor
+    from tools.eval import paired
+
+    modes = [*REFERENCE_MODES, *(m for m in cfg.modes if m not in REFERENCE_MODES)]
+    by_mode = {m: quality_config(m, cfg.selector) for m in modes}
+    configs = sorted({c for c in by_mode.values() if c is not None})
+    ids = [list(tokenizer(p)["input_ids"]) for length in cfg.prompt_tokens for p in prompts[length]]
+    scores = paired.quality(model, ids, configs, cfg.max_tokens, cfg.kv_budget, floor=BudgetFloor(**floor) if floor else None)
+    return {m: {"quality_config": c, **scores[c]} for m, c in by_mode.items() if c is not None}
+
+
+def add_honest_bounds(records: list[dict]) -> None:
+    """Per request, the figures its TTST is judged by, each measured in this run (docs/api.md, `ttst_bound_s`):
+    B₁ (`step1_kv_bytes`: what step 1 needed from the link), the link rate r (bytes/s, the plan's), the prefill
+    time T (with any step 1 run on the prefill node), `decode_s` (t64 − t1: the decode phase, without TTFT's
+    spread), and the honest bound: colocated-selective's step-1 compute on the same prompt (colocated's, for a
+    dense request) + max(0, B₁ − r·T)/r. The request's own step-1 compute would put its own overheads
+    (speculation, dequantization, bookkeeping) into its bound; the reference's does not."""
+    step1: dict[tuple, float] = {}
+    for r in records:
+        if r["mode"] in REFERENCE_MODES and r.get("step1_compute_s"):
+            step1[(r["mode"], r["prompt_tokens_asked"], r["sample"])] = r["step1_compute_s"]
+    for r in records:
+        times = r.get("token_times_s") or []
+        r["decode_s"] = times[-1] - times[0] if len(times) > 1 else None
+        plan = r.get("plan") or {}
+        rate = (plan.get("link_gbps") or 0.0) * 1e9 / 8
+        r["link_bytes_per_s"] = rate
+        reference = step1.get(("colocated-selective" if r.get("selector") else "colocated", r["prompt_tokens_asked"],
+                               r["sample"]))
+        b1, prefill_s = r.get("step1_kv_bytes"), r.get("prefill_s") or 0.0
+        if reference is None or b1 is None:
+            r["ttst_bound_honest_s"] = None
+            continue
+        wait_s = max(0.0, b1 - rate * prefill_s) / rate if rate > 0 else 0.0
+        r["ttst_bound_honest_s"] = reference + wait_s
 
 
 def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list) -> dict[str, dict]:
@@ -379,8 +464,15 @@ def summarize(records: list[dict]) -> list[dict]:
         runs.append({
             "mode": mode, "regime": regime, "prompt_tokens": round(_mean([x["prompt_tokens"] for x in rs])),
             "prompt_tokens_asked": length, "pressure": r, "link_gbps": gbps, "n": len(rs), "num_requests": len(rs),
-            **spread("ttft_s"), **spread("ttst_s"), **spread("tbt_s"), **spread("e2e_s"), **spread("ttst_bound_s"),
-            "ctl_s": ctl, "ctl64_mean_s": ctl["64"],
+            **spread("ttft_s"), **spread("ttst_s"), **spread("tbt_s"), **spread("e2e_s"),
+            # the honest bound (add_honest_bounds): colocated-selective's step 1 on the same prompt + the link term
+            "ttst_bound_p50_s": _pct([x["ttst_bound_honest_s"] for x in rs if x.get("ttst_bound_honest_s") is not None], 0.5),
+            "ttst_bound_own_p50_s": _pct([x["ttst_bound_s"] for x in rs if x.get("ttst_bound_s") is not None], 0.5),
+            "ttst_over_bound_p50": _pct([x["ttst_s"] / x["ttst_bound_honest_s"] for x in rs
+                                         if x.get("ttst_s") and x.get("ttst_bound_honest_s")], 0.5),
+            "ctl_s": ctl, "ctl64_mean_s": ctl["64"], "decode_s_mean": _mean([x.get("decode_s") for x in rs]),
+            "prefill_mean_s": _mean([x.get("prefill_s") for x in rs]),
+            "step1_kv_bytes_mean": _mean([x.get("step1_kv_bytes") for x in rs]),
             "ctl_curve_s": [_mean([x["token_times_s"][i] for x in rs if len(x["token_times_s"]) > i])
                             for i in range(max(len(x["token_times_s"]) for x in rs))],
             "kv_bytes": {p: _mean([x["kv_bytes"].get(p, 0) for x in rs]) for p in paths},
@@ -401,15 +493,23 @@ def summarize(records: list[dict]) -> list[dict]:
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
             "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
-            # all of the setting's requests were served together, `concurrency` at a time: their tokens ÷ that time
-            "output_tokens_per_s": (sum(len(x["token_times_s"]) for x in rs) / rs[0]["served_in_s"]
-                                    if rs[0].get("served_in_s") else None),
+            # the setting's requests were served `concurrency` at a time (one group per served_in_s): their tokens ÷
+            # the groups' wall time
+            "output_tokens_per_s": _tokens_per_s(rs),
         })
     agreement = token_agreement(records)
     for run in runs:
         run.update(agreement.get((run["mode"], run["prompt_tokens_asked"], run["regime"], run["pressure"],
                                   run["link_gbps"]), {}))
     return runs
+
+
+def _tokens_per_s(rs: list[dict]) -> float | None:
+    """Output tokens per second of one setting's requests: their tokens over the summed wall time of the groups
+    they were served in (records of one group share `served_in_s`; `sample` // concurrency names the group)."""
+    groups = {x.get("sample", 0) // max(1, x.get("concurrency", 1)): x.get("served_in_s") for x in rs}
+    wall = sum(t for t in groups.values() if t)
+    return sum(len(x["token_times_s"]) for x in rs) / wall if wall else None
 
 
 def token_agreement(records: list[dict]) -> dict[tuple, dict]:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas import BudgetFloor
 from tools.eval.metrics import sample_score
 
 if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smartgen --help` starts fast
@@ -122,6 +123,48 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     print(markdown(report))
     Path(json_path or Path(out) / "paired.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def quality(model: str, prompts: list[list[int]], configs: list[str], max_new: int, kv_budget: float,
+            kv_dtype: str = "bfloat16", floor: BudgetFloor | None = None) -> dict[str, dict[str, float | None]]:
+    """Per configuration (dense, quantized-Nbit, or a selector name), teacher-forced along dense's greedy answer of
+    `max_new` tokens on each of `prompts` (token ids): `kl_mean` (mean KL(dense ‖ configuration) per next-token
+    distribution, nats) and `agreement_mean` (share of positions whose top token is dense's), over all prompts'
+    positions, under the decode worker's budget `floor`. What `bench serve` reports beside every latency row, on
+    the prompts it served."""
+    import torch
+
+    from schemas import DEFAULT_FLOOR
+
+    from shared.compute.decode_engine import DecodeEngine
+    from shared.compute.kvstore import KvStore
+    from shared.compute.modeling import ModelRunner
+    from shared.compute.selectors import default_prep_dir
+    from shared.runtime.models import resolve_model
+
+    path = resolve_model(model)
+    runner = ModelRunner(path)
+    names = ["dense", *(c for c in configs if c != "dense")]
+    page_tokens = 16
+    room = 2 * -(-(max(map(len, prompts)) + max_new + 512) // page_tokens)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room * len(names)),
+                          default_prep_dir(path), floor or DEFAULT_FLOOR)
+    kl: dict[str, list[float]] = {n: [] for n in names[1:]}
+    agree: dict[str, list[bool]] = {n: [] for n in names[1:]}
+    with torch.inference_mode():
+        for ids in prompts:
+            logits, cache = runner.prefill(ids)
+            answers = _greedy(engine, cache, ids, logits, max_new, None, ["dense"], kv_budget)
+            tokens, dense = answers["dense"]
+            forced = _forced(engine, cache, ids, tokens, names[1:], kv_budget)
+            for name, logprobs in forced.items():
+                kl[name] += (dense.exp() * (dense - logprobs)).sum(-1)[1:].tolist()
+                agree[name] += (dense.argmax(-1) == logprobs.argmax(-1))[1:].tolist()
+    out: dict[str, dict[str, float | None]] = {"dense": {"kl_mean": 0.0, "agreement_mean": 1.0}}
+    for name in names[1:]:
+        out[name] = {"kl_mean": _mean(kl[name]) if kl[name] else None,
+                     "agreement_mean": _mean([float(a) for a in agree[name]]) if agree[name] else None}
+    return out
 
 
 @contextlib.contextmanager
