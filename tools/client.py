@@ -70,10 +70,23 @@ def post_json(url: str, body: object, timeout: float = 120.0, headers: dict[str,
     return reply.status, reply.body
 
 
-def get_json(url: str, timeout: float = 5.0) -> dict:
+def get_json(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> dict:
     """GET a JSON body; an HTTP error's JSON body comes back with its status under `_status`."""
-    reply = request(url, timeout=timeout)
+    reply = request(url, timeout=timeout, headers=headers)
     return reply.body if reply.is_success else {"_status": reply.status, **reply.body}
+
+
+def list_workers(gateway_url: str, admin_token: str = "", timeout: float = 10.0) -> list[dict]:
+    """The gateway's GET /workers (one dict per service: role, id, pid, admin_url, …). It shows pids and internal
+    addresses, so it takes the admin token: `admin_token`, else SMARTGEN_ADMIN_TOKEN(_FILE)."""
+    from shared.runtime.admin_auth import admin_headers, admin_token_from_env
+
+    token = admin_token or admin_token_from_env()
+    reply = get_json(gateway_url.rstrip("/") + "/workers", timeout, admin_headers(token))
+    if "_status" in reply:
+        raise RuntimeError(f"GET /workers answered {reply['_status']}: {reply.get('error')} (it needs the admin token: "
+                           "SMARTGEN_ADMIN_TOKEN or SMARTGEN_ADMIN_TOKEN_FILE, as `smartgen up` prints)")
+    return reply["workers"]
 
 
 class EventStream:
@@ -199,7 +212,7 @@ class Gateway:
 
     def workers(self) -> list[dict]:
         """The gateway's GET /workers list: one dict per service (role, id, pid, admin_url, …)."""
-        return get_json(self.url + "/workers", timeout=10)["workers"]
+        return list_workers(self.url, self.admin_token)
 
     def decode_floor(self) -> dict | None:
         """The budget floor of a live decode worker (its /stats), or None if none answers."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 
-from tools.client import get_json
+from tools.client import get_json, list_workers
 
 
-def leaks_now(gateway_url: str) -> dict[str, dict]:
+def leaks_now(gateway_url: str, admin_token: str = "") -> dict[str, dict]:
     """Worker id → what it still holds, for every worker that holds anything (empty = clean)."""
     leaks: dict[str, dict] = {}
-    for w in get_json(gateway_url.rstrip("/") + "/workers")["workers"]:
+    for w in list_workers(gateway_url, admin_token):
         if w["role"] in ("prefill", "decode"):
             s = get_json(w["admin_url"] + "/stats")
             if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"] or s["dataplane"]["grants"]:
@@ -25,12 +25,12 @@ def leaks_now(gateway_url: str) -> dict[str, dict]:
     return leaks
 
 
-def find_leaks(gateway_url: str, timeout_s: float = 10.0) -> dict[str, dict]:
+def find_leaks(gateway_url: str, timeout_s: float = 10.0, admin_token: str = "") -> dict[str, dict]:
     """`leaks_now`, asked again every 0.1 s until it is empty or `timeout_s` has passed (aborts and releases
     are asynchronous: a worker may still be freeing a request that ended a moment ago)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        leaks = leaks_now(gateway_url)
+        leaks = leaks_now(gateway_url, admin_token)
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.1)

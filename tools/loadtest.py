@@ -40,7 +40,7 @@ from schemas import DEFAULT_SELECTOR, SERVABLE_TRANSFER_MODES, mode_of
 from tools.workloads import stdlib_files
 from tools import loadtest_report
 from tools.args import add_json, add_model
-from tools.client import ABORTED, OK, Outcome, get_json, stream_completion
+from tools.client import ABORTED, OK, Outcome, get_json, list_workers, stream_completion
 from tools.leaks import find_leaks
 from tools.service_memory import MIB, StackMemory
 
@@ -202,7 +202,7 @@ class Load:
 
         while time.monotonic() + self.cfg.kill_decode_every_s < deadline:
             await asyncio.sleep(self.cfg.kill_decode_every_s)
-            decode = [w for w in get_json(self.url + "/workers")["workers"] if w["role"] == "decode"]
+            decode = [w for w in list_workers(self.url) if w["role"] == "decode"]
             if not decode:
                 continue
             victim, killed_at = decode[0], time.monotonic()
@@ -212,7 +212,7 @@ class Load:
             print(f"\nloadtest: killed {victim['id']} (pid {victim['pid']}) at {kill['at_s']} s", file=sys.stderr)
             while time.monotonic() < deadline + self.cfg.grace_s:
                 await asyncio.sleep(0.5)
-                now = [w for w in get_json(self.url + "/workers")["workers"] if w["role"] == "decode"]
+                now = [w for w in list_workers(self.url) if w["role"] == "decode"]
                 if len(now) >= len(decode) and victim["id"] not in {w["id"] for w in now}:
                     kill["back_after_s"] = round(time.monotonic() - killed_at, 1)
                     break
@@ -294,7 +294,7 @@ def run(cfg: LoadConfig) -> dict:
             raise SystemExit(f"smartgen loadtest: no gateway answers at {url} ({exc})") from None
         if health.get("status") != "ok":
             raise SystemExit(f"smartgen loadtest: the gateway at {url} is not ready: {health}")
-        workers = get_json(url + "/workers")["workers"]
+        workers = list_workers(url)
         remote = [w["id"] for w in workers if not is_loopback(w["admin_url"])]
         if remote:
             raise SystemExit(f"smartgen loadtest: admin ports not on loopback ({', '.join(remote)}); "

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.client import get_json
+from tools.client import list_workers
 
 MIB = 1024 * 1024
 
@@ -68,7 +68,7 @@ class StackMemory:
         """From /workers (and the NATS process: `nats_pid` when the caller started it, else looked up)."""
         here = socket.gethostname()
         processes, gateway_pid = [], None
-        for w in get_json(gateway_url.rstrip("/") + "/workers")["workers"]:
+        for w in list_workers(gateway_url):
             local = w.get("host") in (here, "", None) and rss_bytes(w["pid"]) is not None
             note = "" if local else f"not on this machine (host {w.get('host')!r}, pid {w['pid']})"
             processes.append(ProcessMemory(w["id"], w["role"], w["pid"] if local else None, note=note))

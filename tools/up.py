@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from schemas import SERVABLE_TRANSFER_MODES
 from tools.args import add_model
@@ -27,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--link-gbps", type=float, default=float(os.environ.get("SMARTGEN_LINK_GBPS", "0")),
                     help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
+    up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
+                                                  "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "
+                                                  "SMARTGEN_API_KEY_FILE work too (default: open)")
     up.set_defaults(run=command)
 
 
@@ -34,6 +40,7 @@ def command(args: argparse.Namespace) -> int:
     """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until the supervisor gives up on a service that keeps
     dying at start-up (1); 2 for bad arguments or a missing model."""
     from shared.runtime.models import ModelNotFound, prepare_default_model, resolve_model
+    from shared.runtime.config import write_secret_file
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
 
@@ -51,6 +58,10 @@ def command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     env = {"SMARTGEN_LINK_GBPS": str(args.link_gbps)} if args.link_gbps else {}
+    if args.api_key:  # NOTE: to the gateway as a file (mode 0600), never in an environment or a command line
+        key_file = Path(tempfile.mkdtemp(prefix="smartgen-api-")) / "api-key"
+        write_secret_file(key_file, args.api_key)
+        env["SMARTGEN_API_KEY_FILE"] = str(key_file)
     stack = Stack(StackSpec(args.prefill, args.decode, args.model, args.transfer_mode, args.port,
                             nats_url=os.environ.get("SMARTGEN_NATS_URL", ""), env=env))
     stack.start()
@@ -74,5 +85,7 @@ def command(args: argparse.Namespace) -> int:
     finally:
         print("smartgen: stopping…", flush=True)
         codes = stack.stop()
+        if args.api_key:
+            shutil.rmtree(key_file.parent, ignore_errors=True)
         print("smartgen: stopped " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
     return code

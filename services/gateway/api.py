@@ -18,7 +18,7 @@ from nats.aio.client import Client
 
 from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun, RequestFailed
-from services.gateway.logprobs import chat_logprobs, completion_logprobs
+from services.gateway.logprobs import chat_logprobs, completion_logprobs, echo_problem
 from services.gateway.openapi import openapi_document
 from services.gateway.report import summary
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
@@ -45,6 +45,8 @@ class Gateway(Protocol):
         """Count a finished request in /metrics."""
 
 log = structlog.get_logger()
+WRITE_TIMEOUT_S = 30.0  # a streaming client that takes no bytes for this long is dropped (_write)
+BODY_TIMEOUT_S = 30.0  # a request body that has not fully arrived after this long: 408 (a slow sender holds no slot)
 RETRY_AFTER_S = {429: 1, 503: 5}  # a worker at capacity frees up soon; a new worker registers within a heartbeat TTL
 REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: used as the request id, echoed in the reply
 
@@ -86,7 +88,9 @@ def _error(exc: ApiError) -> web.Response:
 async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResponse:
     try:
         # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
-        body = json.loads(await request.read())
+        body = json.loads(await asyncio.wait_for(request.read(), BODY_TIMEOUT_S))
+    except asyncio.TimeoutError:
+        return _error(ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"))
     except (ValueError, RecursionError):  # not JSON, not text, or nested deeper than the parser goes
         return _error(ApiError(400, "the request body is not valid JSON"))
     try:
@@ -98,6 +102,10 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         if exc.param != REQUEST_ID_HEADER and REQUEST_ID_HEADER in request.headers:  # a valid id: echo it
             response.headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         return response
+    max_payload = gw.nc.max_payload if gw.nc is not None else 1 << 20
+    for one in jobs:
+        if one.echo and one.logprobs >= 0 and (problem := echo_problem(len(one.prompt_ids), one.logprobs, max_payload)):
+            return _error(ApiError(400, problem, "echo"))
     if len(jobs) > 1:
         return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     job = jobs[0]
@@ -233,7 +241,7 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
         if response is None:
             return _error(ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed"))
         await _send(response, ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed").body())
-        await response.write(b"data: [DONE]\n\n")
+        await _write(response, b"data: [DONE]\n\n")
         return response
     if response is None:  # finished without a single token (cannot happen with max_tokens ≥ 1, but be exact)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -247,12 +255,22 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
     if run.job.include_usage:  # stream_options.include_usage: OpenAI's usage-only last chunk
         await _send(response, {**{k: final[k] for k in ("id", "object", "created", "model")}, "choices": [],
                                "usage": final["usage"]})
-    await response.write(b"data: [DONE]\n\n")
+    await _write(response, b"data: [DONE]\n\n")
     return response
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    await _write(response, b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    """Send stream bytes; a client that takes none for WRITE_TIMEOUT_S (its socket buffers full: it does not read)
+    is dropped, as one that left: the stream ends, the workers are told, and its admission slot is free again.
+    NOTE: the slot covers generation, not a slow reader."""
+    try:
+        await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ConnectionResetError(f"the client took no data for {WRITE_TIMEOUT_S:g} s") from None
 
 
 def _usage(run: CompletionRun) -> dict[str, int]:

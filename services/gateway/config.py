@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES, ModeName
 from shared.runtime.config import ConfigError, ServiceConfig
@@ -20,6 +20,11 @@ class GatewayConfig(ServiceConfig):
     max_running: int = 0
     max_waiting: int = 64
     queue_timeout_s: float = 30.0
+    # The OpenAI API's key: "" = open; set, every /v1 request needs `Authorization: Bearer <api_key>` (the openai
+    # SDK's api_key) or gets OpenAI's 401. api_key_file: a file holding it (docker secrets), as the other secrets.
+    api_key: str = field(default="", repr=False)
+    api_key_file: str = ""
+    max_body_mb: float = 4.0  # the largest request body read (a larger one is a 413): 8K-token prompts are ~50 KB
 
     def validate(self) -> None:
         ServiceConfig.validate(self)
@@ -29,5 +34,7 @@ class GatewayConfig(ServiceConfig):
             raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
         if self.max_running < 0 or self.max_waiting < 0 or self.queue_timeout_s <= 0:
             raise ConfigError("max_running and max_waiting must be ≥ 0 and queue_timeout_s positive")
+        if self.max_body_mb <= 0:
+            raise ConfigError("max_body_mb must be positive")
         if not 0 <= self.gateway_port < 65536:
             raise ConfigError(f"gateway_port {self.gateway_port} is not a TCP port")

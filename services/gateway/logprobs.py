@@ -10,6 +10,25 @@ from typing import Any
 
 from schemas import TokenLogprobs
 
+# The prefill's reply (PrefillDone) carries the prompt's log-probabilities in one NATS message: about this many
+# bytes per prompt token with k alternatives (msgpack, measured: 41 + 12.2·k), plus the message's own fields
+ECHO_BYTES_PER_TOKEN = (48, 13)  # (fixed, per alternative), rounded up
+ECHO_REPLY_OVERHEAD = 4096
+
+
+def echo_problem(num_prompt_tokens: int, alternatives: int, max_payload: int) -> str:
+    """Why `echo` with `logprobs` = `alternatives` cannot come back for a prompt of `num_prompt_tokens` ("" when
+    it can): the prefill's reply must fit one NATS message of `max_payload` bytes (the server's limit)."""
+    fixed, per_alt = ECHO_BYTES_PER_TOKEN
+    per_token = fixed + per_alt * alternatives
+    most = max(0, (max_payload - ECHO_REPLY_OVERHEAD) // per_token)
+    if num_prompt_tokens <= most:
+        return ""
+    return (f"echo with logprobs {alternatives} returns the prompt's log-probabilities in one message of at most "
+            f"{max_payload} bytes (the NATS server's max_payload): at most {most} prompt tokens at this many "
+            f"alternatives, and this prompt has {num_prompt_tokens}; ask for fewer logprobs, a shorter prompt, or no "
+            "echo")
+
 
 def completion_logprobs(tokenizer, token_ids: list[int], scores: list[TokenLogprobs | None],
                         prompt_ids: list[int] | None = None, prompt_scores: list[TokenLogprobs] | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from schemas import AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
-                                       MAX_STOP_STRINGS, MAX_TOP_K, NOT_YET)
+                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_K, NOT_YET)
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -191,8 +191,9 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         **{name: {"anyOf": [{"type": "null"}, *({"const": v} for v in off)],
                   "description": "not supported yet: only this value (or leaving it out) is accepted"}
            for name, off in NOT_YET.items()},
-        "stop": {"anyOf": [{"type": "null"}, _STR,
-                           {"type": "array", "items": _STR, "maxItems": MAX_STOP_STRINGS}]},
+        "stop": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": MAX_STOP_CHARS},
+                           {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
+                            "maxItems": MAX_STOP_STRINGS}]},
         "transfer_mode": {"enum": list(TRANSFER_MODES), "description": "how the KV moves (default: the gateway's)"},
         "selector": {"enum": [*SELECTORS, None],
                      "description": "selective attention (partial, smartgen and auto default to quest)"},

@@ -13,6 +13,7 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_S
 from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # per stop string: the stop check costs O(this) per token on the gateway's event loop
 MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts × n), each a job
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 MAX_TOP_K = 2**31 - 1  # any top_k past the vocabulary means no limit; beyond this it could not travel (msgpack)
@@ -183,6 +184,8 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
 
     mode = body.get("transfer_mode", default_mode)
     if mode not in TRANSFER_MODES:

@@ -6,6 +6,7 @@ the token stream and records what clients see: TTFT, TTST, inter-token latency.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +18,7 @@ from shared.runtime.metrics import LatencyMetrics
 from shared.runtime.models import resolve_model
 from shared.runtime.service import Service
 from services.gateway import api
+from services.gateway.api_key import require_api_key
 from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
@@ -24,7 +26,8 @@ from shared.runtime.registry import WorkerRegistry
 
 class GatewayService(Service):
     role = "gateway"
-    public_path_prefixes = ("/v1/",)  # the OpenAI API is the public API: no admin token
+    public_path_prefixes = ("/v1/",)  # the OpenAI API is the public API: no admin token (its own API key, if set)
+    private_read_paths = ("/workers",)  # pids and internal addresses: the admin token, even to read
     cancel_on_disconnect = True  # a client that leaves a non-streamed completion frees the workers at once
     config: GatewayConfig
 
@@ -34,6 +37,11 @@ class GatewayService(Service):
         self.latency = LatencyMetrics(self.metrics)
         self.prompt_tokens = self.metrics.counter("smartgen_prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = self.metrics.counter("smartgen_generation_tokens_total", "Tokens generated")
+        self.migrations = self.metrics.counter("smartgen_migrations_total", "Requests resumed on another decode worker "
+                                               "after theirs died (failure_policy recompute)")
+        self.refusals = self.metrics.counter("smartgen_api_refusals_total", "API answers of 4xx and 5xx by status and "
+                                             "error code (400 bad input, 401 key, 429 full, 503 no worker, …)",
+                                             ["status", "code"])
         self.metrics.gauge("smartgen_kv_cache_usage_ratio", "Share of the live decode workers' KV pages in use",
                            self._kv_usage)
         self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics)
@@ -51,6 +59,25 @@ class GatewayService(Service):
 
     def admin_routes(self) -> list[web.RouteDef]:
         return api.routes(self)
+
+    def max_body_bytes(self) -> int:
+        return int(self.config.max_body_mb * (1 << 20))
+
+    def middlewares(self) -> list:
+        return [self._count_refusals, require_api_key(self.config.api_key)]
+
+    @web.middleware
+    async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every 4xx/5xx answer of the API in /metrics, by status and OpenAI error code (a stream's error after its
+        first chunk is counted with the request instead: smartgen_requests_total{status="error"})."""
+        response = await handler(request)
+        if response.status >= 400 and isinstance(response, web.Response) and request.path.startswith("/v1"):
+            try:
+                code = str(json.loads(response.body)["error"].get("code") or "none")[:40]
+            except (TypeError, ValueError, KeyError, AttributeError):
+                code = "none"
+            self.refusals.inc(status=str(response.status), code=code)
+        return response
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         nats_ok, body = super().health()
@@ -86,6 +113,8 @@ class GatewayService(Service):
         # NOTE: a client that left is not a failure (stop_string: the gateway ended it on a stop string)
         self.latency.requests.inc(status=run.finish_reason or ("client_gone" if run.client_gone else "error"))
         self.prompt_tokens.inc(len(run.job.prompt_ids))
+        if run.migrated_from:
+            self.migrations.inc(len(run.migrated_from))
         self.generation_tokens.inc(len(run.token_ids))
         for path, n in run.kv_bytes.items():
             self.latency.kv_bytes.inc(n, path=path)

@@ -1,4 +1,12 @@
-"""Token ids → text deltas, with OpenAI `stop` strings, as tokens arrive one by one."""
+"""Token ids → text deltas, with OpenAI `stop` strings, as tokens arrive one by one.
+
+Bounded work per token (it runs on the gateway's event loop, beside every other stream): the text is decoded
+incrementally (only the last few tokens are decoded again, as TGI and vLLM do: a window from `prefix_at` that
+lets a multi-token character or a merged space settle), and stop strings are looked for only where the new text
+could have completed one: the delta plus the longest stop string's length before it. So a token costs
+O(its text + the stop strings' length), never O(the whole answer). Stop strings themselves are bounded at
+validation (services/gateway/requests.py MAX_STOP_STRINGS, MAX_STOP_CHARS).
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,30 +15,58 @@ from collections.abc import Sequence
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
-        self.emitted = ""  # text already handed to the client
+        self.text = ""  # the answer's text so far (settled characters only)
+        self.emitted = ""  # text already handed to the client (a prefix of `text`)
         self.is_stopped = False  # a stop string was found; nothing more will be emitted
+        # incremental decoding: tokens from prefix_at on are decoded again each time; read_at is where the text
+        # last settled (text up to it is in `text`)
+        self._prefix_at = self._read_at = 0
 
     def add(self, token_id: int) -> str:
         """Take one token; return the text that can be sent now (possibly "")."""
-        self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        for s in self.stop:
-            at = text.find(s)
-            if at != -1:
-                self.is_stopped = True
-                return self._emit(text[:at])
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        # hold back a tail that could still become a stop string
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._emit(text[: len(text) - hold])
-
-    def flush(self) -> str:
-        """At the end of the stream: whatever was held back."""
         if self.is_stopped:
             return ""
-        return self._emit(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        self.token_ids.append(token_id)
+        new = self._settle()
+        if not new:  # an incomplete character (or a token with no text): wait for the next token
+            return ""
+        searched_from = max(0, len(self.text) - self.longest_stop + 1)  # a stop ending in `new` starts here or later
+        self.text += new
+        window = self.text[searched_from:]
+        found = [at for s in self.stop if (at := window.find(s)) != -1]
+        if found:
+            self.is_stopped = True
+            return self._emit(self.text[: searched_from + min(found)])
+        # hold back a tail that could still become a stop string
+        return self._emit(self.text[: len(self.text) - self._hold()])
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever was held back (and the last tokens, settled or not)."""
+        if self.is_stopped:
+            return ""
+        rest = self._decode(self._prefix_at, len(self.token_ids))[len(self._decode(self._prefix_at, self._read_at)):]
+        self.text += rest
+        return self._emit(self.text)
+
+    def _settle(self) -> str:
+        """The text the tokens since the last settle add, once it is whole characters ("" meanwhile)."""
+        before = self._decode(self._prefix_at, self._read_at)
+        after = self._decode(self._prefix_at, len(self.token_ids))
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix_at, self._read_at = self._read_at, len(self.token_ids)
+        return after[len(before):]
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self.tokenizer.decode(self.token_ids[start:stop], skip_special_tokens=True) if stop > start else ""
+
+    def _hold(self) -> int:
+        """The length of the longest tail of the text that is a proper prefix of a stop string."""
+        tail = self.text[-self.longest_stop:] if self.longest_stop else ""
+        return max((next((k for k in range(min(len(s) - 1, len(tail)), 0, -1) if tail.endswith(s[:k])), 0)
+                    for s in self.stop), default=0)
 
     def _emit(self, text: str) -> str:
         if len(text) <= len(self.emitted):

@@ -65,6 +65,7 @@ class TcpDataPlane(DataPlane):
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
         self.num_refused = 0
+        self.num_checksum_failures = 0  # chunks whose crc32c did not match, either side
         self._recent_bytes = 0.0  # decayed sums behind send_rate_gbps
         self._recent_busy_s = 0.0
         self.links: dict[str, Link] = {}  # the link each peer's new transfers take
@@ -115,6 +116,7 @@ class TcpDataPlane(DataPlane):
                  for name, lane in (("control", CONTROL), *((lane.name.lower(), lane) for lane in Lane))}
         return {"transport": "tcp", "bytes_sent": self.num_bytes_sent, "bytes_received": self.num_bytes_received,
                 "refused": self.num_refused, "peers_refused": self.num_peers_refused,
+                "checksum_failures": self.num_checksum_failures,
                 "authenticated": bool(self.cluster_key), "tls": self.tls is not None, "links": len(self.links), "grants": len(self.grants),
                 "link_gbps": self.link_gbps, "checksums": self.use_checksums,
                 "background_paused": self.is_background_paused, "send_rate_gbps": round(self.send_rate_gbps(), 4),

@@ -240,6 +240,7 @@ class Link:
                 await self._recv_into(views)
                 if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
                     status = frames.STATUS_CORRUPT
+                    self.plane.num_checksum_failures += 1
                     log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
                 else:
                     status = frames.STATUS_OK
@@ -273,6 +274,7 @@ class Link:
         descriptor = self.recv_stage[: header.payload_len]
         await self.channel.recv_exactly(descriptor)
         if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([descriptor]) != header.crc:
+            self.plane.num_checksum_failures += 1
             log.warning("dataplane_checksum_mismatch", peer=self.peer, ticket=header.ticket)
             self.send(CONTROL, _Frame(Header(frames.OP_READ_DATA, frames.STATUS_CORRUPT, header.seq, header.ticket)))
             return
@@ -342,6 +344,7 @@ class Link:
             stage = self.recv_stage[: header.payload_len]
             await self.channel.recv_exactly(stage)
             if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
+                self.plane.num_checksum_failures += 1
                 error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
             elif index.size:  # NOTE: only verified bytes reach the region
                 entries(self.plane.region, base, unit, int(index.max()) + 1)[index] = entries(stage, 0, unit, index.size)
@@ -351,6 +354,7 @@ class Link:
             views = [self.plane.region[s.dst: s.dst + s.length] for s in waiting.local]
             await self._recv_into(views)
             if header.flags & frames.FLAG_CHECKSUM and frames.crc32c(views) != header.crc:
+                self.plane.num_checksum_failures += 1
                 error = ChecksumMismatch(f"a chunk read from {self.peer} arrived corrupted (crc32c mismatch)")
         if not waiting.done.done():
             if error:

@@ -21,14 +21,17 @@ SAFE_METHODS = ("GET", "HEAD")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def require_admin_token(token: str, public_prefixes: tuple[str, ...] = ()) -> Callable:
-    """aiohttp middleware: state-changing requests need the bearer `token` ("" = refuse them all)."""
+def require_admin_token(token: str, public_prefixes: tuple[str, ...] = (),
+                        private_reads: tuple[str, ...] = ()) -> Callable:
+    """aiohttp middleware: state-changing requests need the bearer `token` ("" = refuse them all), and so do reads
+    of the `private_reads` paths (what shows pids and internal addresses, the gateway's /workers)."""
     expected = token.encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         is_unrouted = request.match_info.http_exception is not None  # aiohttp answers 404/405 as usual
-        if request.method in SAFE_METHODS or request.path.startswith(public_prefixes) or is_unrouted:
+        is_open_read = request.method in SAFE_METHODS and request.path not in private_reads
+        if is_open_read or request.path.startswith(public_prefixes) or is_unrouted:
             return await handler(request)
         if not expected:
             return web.json_response(

@@ -20,7 +20,7 @@ C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
 # Settings that hold a secret: each can instead be read from the file named by `<name>_file` (docker secrets).
 # NOTE: their fields are repr=False and nothing logs them; keep it that way for any secret added here.
-SECRET_FIELDS = ("nats_token", "nats_password", "admin_token", "cluster_secret")
+SECRET_FIELDS = ("nats_token", "nats_password", "admin_token", "cluster_secret", "api_key")
 
 
 class ConfigError(ValueError):

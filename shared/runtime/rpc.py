@@ -95,7 +95,13 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
                 log.exception("handler_failed", subject=req.subject)
                 await respond_error(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
                 return
-            await req.respond(encode(reply))
+            data = encode(reply)
+            try:
+                await req.respond(data)
+            except Exception as exc:  # e.g. nats' MaxPayloadError: the caller learns why now, not at its timeout
+                log.warning("reply_not_sent", subject=req.subject, bytes=len(data), error=repr(exc))
+                await respond_error(req, ErrorCode.INTERNAL, f"the reply ({len(data)} bytes) could not be sent: "
+                                                             f"{type(exc).__name__}: {exc}")
 
     return spawn if concurrent else handle
 

@@ -44,6 +44,8 @@ class Service:
     role: ClassVar[str] = ""
     # Admin paths anyone may POST to (the gateway's OpenAI API); every other non-GET route needs the admin token
     public_path_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Admin paths that need the admin token even to read (they show pids and internal addresses)
+    private_read_paths: ClassVar[tuple[str, ...]] = ()
     # Cancel an HTTP handler when its client disconnects (the gateway: a client that leaves a non-streamed
     # completion must free the workers at once). Off elsewhere: an admin action runs to its end.
     cancel_on_disconnect: ClassVar[bool] = False
@@ -77,6 +79,14 @@ class Service:
         return {}
 
     def admin_routes(self) -> list[web.RouteDef]:
+        return []
+
+    def max_body_bytes(self) -> int:
+        """The largest request body the admin server reads (a larger one is a 413)."""
+        return 1 << 20
+
+    def middlewares(self) -> list:
+        """aiohttp middlewares of the admin server besides the JSON errors and the admin token (the gateway's API key)."""
         return []
 
     def http_port(self) -> int:
@@ -144,8 +154,10 @@ def build_admin_app(service: Service) -> web.Application:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"role": service.role, "worker_id": service.worker_id, **service.stats()})
 
-    app = web.Application(middlewares=[json_errors,
-                                       require_admin_token(service.config.admin_token, service.public_path_prefixes)])
+    app = web.Application(middlewares=[json_errors, *service.middlewares(),
+                                       require_admin_token(service.config.admin_token, service.public_path_prefixes,
+                                                           service.private_read_paths)],
+                          client_max_size=service.max_body_bytes())
     app.add_routes([web.get("/health", health), web.get("/ready", ready), web.get("/live", live), web.get("/metrics", metrics),
                     web.get("/stats", stats), *service.admin_routes()])
     return app

@@ -50,6 +50,16 @@ class ModelWorkerService(Service):
         self.metrics.gauge("smartgen_kv_pages_in_use", "KV pages held by requests",
                            lambda: self.store.num_pages_in_use if self.store else 0)
         self.metrics.gauge("smartgen_active_requests", "Requests in progress", lambda: len(self.active))
+        # counts since the process started (the data plane keeps them; over the transfer agent, as last reported)
+        self.metrics.gauge("smartgen_dataplane_refused", "Data-plane frames refused (unknown, revoked or outside their "
+                           "ticket) since start", lambda: self._dataplane_count("refused"))
+        self.metrics.gauge("smartgen_dataplane_peers_refused", "Data-plane peers refused at the handshake since start",
+                           lambda: self._dataplane_count("peers_refused"))
+        self.metrics.gauge("smartgen_dataplane_checksum_failures", "Data-plane chunks whose crc32c did not match "
+                           "since start", lambda: self._dataplane_count("checksum_failures"))
+
+    def _dataplane_count(self, name: str) -> float:
+        return float(self.dataplane.stats().get(name, 0) or 0) if self.dataplane is not None else 0.0
 
     async def in_torch(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the torch thread (never on the event loop)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.client import get_json, open_stream, post_json  # noqa: F401 (tests import get_json, post_json from here)
+from tools.client import get_json, list_workers, open_stream, post_json  # noqa: F401 (tests import these from here)
 from tools.leaks import find_leaks
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
@@ -34,13 +34,13 @@ def post_sse(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
 
 
 def model_workers(stack: Stack) -> list[dict]:
-    return [w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] in ("prefill", "decode")]
+    return [w for w in list_workers(stack.gateway_url, stack.admin_token) if w["role"] in ("prefill", "decode")]
 
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
     """Every prefill and decode worker holds no request, no page, no lease and no ticket; the broker holds no
     open transfer plan (tools/leaks.py)."""
-    leaks = find_leaks(stack.gateway_url, timeout_s)
+    leaks = find_leaks(stack.gateway_url, timeout_s, stack.admin_token)
     if leaks:
         pytest.fail(f"leak check: workers still hold request state: {leaks}")
 

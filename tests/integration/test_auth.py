@@ -19,7 +19,7 @@ from tools.nats_server import NatsServer
 from shared.runtime.natsconn import connect_options
 from tools.stack import Stack
 from tests.certificates import make_certificates
-from tests.integration.conftest import get_json, model_workers, post_json
+from tests.integration.conftest import get_json, list_workers, model_workers, post_json
 
 
 def nats_handshake(host: str, port: int, connect: dict) -> tuple[dict, str]:
@@ -72,7 +72,7 @@ def test_admin_routes_that_change_state_need_the_admin_token(clean_stack: Stack)
     finally:
         post_json(worker["admin_url"] + "/link", {"gbps": 0}, headers=admin_headers(clean_stack.admin_token))
     assert link_gbps() == 0
-    kvprofile = next(w for w in get_json(clean_stack.gateway_url + "/workers")["workers"] if w["role"] == "kvprofile")
+    kvprofile = next(w for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token) if w["role"] == "kvprofile")
     assert post_json(kvprofile["admin_url"] + "/profiles/no-such-key", b"", method="DELETE")[0] == 401
     assert post_json(kvprofile["admin_url"] + "/profiles/build", {"selector": "quest"})[0] == 401
     assert post_json(kvprofile["admin_url"] + "/profiles/no-such-key", b"", method="DELETE",
@@ -91,7 +91,7 @@ def test_no_secret_in_logs_stats_or_command_lines(stack: Stack):
     started = [json.loads(line) for line in log.splitlines() if '"event": "service_started"' in line]
     assert len(started) >= 5 and all(s["nats_auth"] == "token" and s["admin_token_set"] for s in started)
     texts = [log, stack.nats.log_path.read_text()]
-    for w in get_json(stack.gateway_url + "/workers")["workers"]:
+    for w in list_workers(stack.gateway_url, stack.admin_token):
         texts.append(json.dumps(get_json(w["admin_url"] + "/stats")))
     for p in [*stack.processes.values(), stack.nats.process]:
         texts.append(" ".join(psutil.Process(p.pid).cmdline()))
@@ -108,7 +108,7 @@ def test_every_listener_binds_loopback(stack: Stack):
                  if c.status == psutil.CONN_LISTEN]
     assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
     expected = {stack.spec.gateway_port, stack.nats.port, stack.nats.monitor_port}
-    for w in get_json(stack.gateway_url + "/workers")["workers"]:
+    for w in list_workers(stack.gateway_url, stack.admin_token):
         expected.add(int(w["admin_url"].rsplit(":", 1)[1]))
         if w["dataplane_addr"]:
             expected.add(int(w["dataplane_addr"].rsplit(":", 1)[1]))
@@ -140,3 +140,44 @@ async def test_nats_over_tls_with_a_ca_and_a_client_certificate(tmp_path: Path):
         with pytest.raises(Exception):
             await nats.connect(**connect_options(no_pair), allow_reconnect=False, max_reconnect_attempts=0,
                                connect_timeout=3)
+
+
+def test_workers_needs_the_admin_token(stack: Stack):
+    """GET /workers shows pids and internal addresses: without the admin token (or with a wrong one) it is a 401,
+    with it the list."""
+    for headers in ({}, admin_headers("not-the-token")):
+        assert get_json(stack.gateway_url + "/workers", headers=headers)["_status"] == 401
+    assert {w["role"] for w in list_workers(stack.gateway_url, stack.admin_token)} >= {"prefill", "decode"}
+
+
+def test_the_api_key_guards_v1_and_nothing_else(tiny_model_path: Path, tmp_path: Path):
+    """A stack whose gateway has an API key (from a file, as docker secrets give it): /v1 without it or with a
+    wrong one is OpenAI's 401 with `invalid_api_key`; the openai SDK with the key completes; /health and
+    /openapi.json stay open."""
+    import openai
+
+    from tools.nats_server import free_port
+    from tools.stack import StackSpec, started_stack
+
+    key_file = tmp_path / "api-key"
+    key_file.write_text("sk-test-123\n")
+    key_file.chmod(0o600)
+    spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1",
+                          "SMARTGEN_API_KEY_FILE": str(key_file)})
+    with started_stack(spec, 120) as keyed:
+        url = keyed.gateway_url
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-test-123"}):
+            reply = get_json(url + "/v1/models", headers=headers)
+            assert reply["_status"] == 401 and reply["error"]["code"] == "invalid_api_key", reply
+        status, body = post_json(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 401 and body["error"]["type"] == "invalid_request_error"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test-123")
+        assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2,
+                                         temperature=0).choices[0].text is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong").models.list()
+        assert get_json(url + "/health").get("status") == "ok" and "paths" in get_json(url + "/openapi.json")
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert 'smartgen_api_refusals_total{code="invalid_api_key",status="401"} 5.0' in metrics, metrics[-2000:]
+        assert "sk-test-123" not in (tmp_path / "stack.log").read_text()

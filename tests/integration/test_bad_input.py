@@ -16,7 +16,7 @@ import pytest
 import schemas
 from schemas import ErrorReply, decode, encode, subjects
 from shared.runtime.rpc import ERROR_CODE_HEADER
-from tests.integration.conftest import get_json, post_json
+from tests.integration.conftest import get_json, list_workers, post_json
 
 REPLY_WITHIN_S = 2.0
 FUZZER_ID = "fuzzer-1"  # a made-up worker whose heartbeat carries hostile plan registrations
@@ -141,7 +141,7 @@ def semantically_bad(ids: dict[str, str]) -> list[tuple[str, object]]:
 async def test_well_formed_messages_with_impossible_values_are_bad_requests(clean_stack):
     """Unknown modes, negative or giant sizes, keys that are no profile key: bad_request, not a crash, not a
     huge allocation, not a NATS error; then the stack still serves."""
-    ids = {w["role"]: w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}
+    ids = {w["role"]: w["id"] for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token)}
     nc = await connect(clean_stack)
     try:
         for subject, message in semantically_bad(ids):
@@ -203,7 +203,7 @@ async def test_garbage_events_are_dropped_and_nothing_dies(clean_stack):
     leases, transfer failures, a live request's token stream) and hostile well-formed events: no service
     dies, a bad worker id never reaches /workers, no profile is written, no plan is restored, and the stream
     that got garbage still delivers every token."""
-    ids = {w["role"]: w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}
+    ids = {w["role"]: w["id"] for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token)}
     nc = await connect(clean_stack)
     try:
         kvprofile_list = subjects.worker("kvprofile", ids["kvprofile"], "list")
@@ -222,9 +222,9 @@ async def test_garbage_events_are_dropped_and_nothing_dies(clean_stack):
         await nc.close()
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert len(chunks[-1]["smartgen"]["token_ids"]) == 48
-    listed = {w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}
+    listed = {w["id"] for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token)}
     assert "evil.*" not in listed
-    broker = next(w for w in get_json(clean_stack.gateway_url + "/workers")["workers"] if w["role"] == "broker")
+    broker = next(w for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token) if w["role"] == "broker")
     transfers = get_json(broker["admin_url"] + "/transfers")
     assert not any(p["request_id"] == "fuzz-plan" for p in [*transfers["live"], *transfers["recent"]])
     assert_alive_and_serving(clean_stack)
@@ -234,7 +234,7 @@ async def test_garbage_events_are_dropped_and_nothing_dies(clean_stack):
 def wait_until_forgotten(stack, worker_id: str, timeout_s: float = 15.0) -> None:
     """Leave no made-up worker in the registry for the tests that come next (it ages out after the TTL)."""
     deadline = time.monotonic() + timeout_s
-    while any(w["id"] == worker_id for w in get_json(stack.gateway_url + "/workers")["workers"]):
+    while any(w["id"] == worker_id for w in list_workers(stack.gateway_url, stack.admin_token)):
         assert time.monotonic() < deadline, f"{worker_id} still registered after {timeout_s} s"
         time.sleep(0.2)
 
@@ -246,7 +246,7 @@ async def test_an_abort_that_overtakes_its_open_or_generate_leaves_nothing(clean
     from shared.runtime.rpc import RemoteError, call
     from tests.integration.conftest import assert_no_leaks
 
-    ids = {w["role"]: w["id"] for w in get_json(clean_stack.gateway_url + "/workers")["workers"]}
+    ids = {w["role"]: w["id"] for w in list_workers(clean_stack.gateway_url, clean_stack.admin_token)}
     nc = await connect(clean_stack)
     try:
         for rid, subject, message in (

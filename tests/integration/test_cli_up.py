@@ -14,13 +14,16 @@ import psutil
 import pytest
 
 from tools.nats_server import free_port
-from tests.integration.conftest import get_json, post_json
+from tests.integration.conftest import get_json, list_workers, post_json
+
+ADMIN_TOKEN = "cli-test-admin-token"  # `smartgen up` takes SMARTGEN_ADMIN_TOKEN as its stack's; GET /workers needs it
 
 
 def start_up(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     smartgen = Path(sys.executable).parent / "smartgen"
     # NOTE: a process group of its own, as a shell gives a foreground job: Ctrl-C signals the whole group
-    return subprocess.Popen([smartgen, "up", *args], env={**os.environ, **env}, stdout=log.open("wb"),
+    return subprocess.Popen([smartgen, "up", *args], env={**os.environ, "SMARTGEN_ADMIN_TOKEN": ADMIN_TOKEN, **env},
+                            stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -29,7 +32,7 @@ def wait_for_workers(url: str, roles: dict[str, int], proc: subprocess.Popen, lo
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
         try:
-            workers = get_json(url + "/workers")["workers"]
+            workers = list_workers(url, ADMIN_TOKEN)
             if all(sum(w["role"] == r for w in workers) >= n for r, n in roles.items()) \
                     and get_json(url + "/health").get("status") == "ok":
                 return workers

@@ -6,7 +6,7 @@ import asyncio
 import nats
 import pytest
 
-from tests.integration.conftest import get_json, model_workers, post_json, post_sse
+from tests.integration.conftest import get_json, list_workers, model_workers, post_json, post_sse
 from tests.reference import greedy_tokens, prompt_ids, token_logprobs
 
 PROMPT = "The history of the city begins with a small settlement on the river, where traders"
@@ -232,7 +232,7 @@ def test_health_models_workers(clean_stack, tiny_model_path):
     assert get_json(clean_stack.gateway_url + "/health")["status"] == "ok"
     models = get_json(clean_stack.gateway_url + "/v1/models")
     assert models["data"][0]["id"] == tiny_model_path.name
-    workers = get_json(clean_stack.gateway_url + "/workers")["workers"]
+    workers = list_workers(clean_stack.gateway_url, clean_stack.admin_token)
     assert {w["role"] for w in workers} == {"gateway", "prefill", "decode", "broker", "kvprofile"}
     for w in workers:
         assert {"role", "id", "pid", "host", "admin_url"} <= set(w)

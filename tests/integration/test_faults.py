@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime.admin_auth import admin_headers
-from tools.client import open_stream, post_json, request
+from tools.client import list_workers, open_stream, post_json, request
 from tools.leaks import find_leaks
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
@@ -75,7 +75,7 @@ def worker(stack: Stack, role: str, timeout_s: float = 10.0) -> dict:
     heartbeated again yet)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = [w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == role]
+        found = [w for w in list_workers(stack.gateway_url, stack.admin_token) if w["role"] == role]
         if found or time.monotonic() > deadline:
             assert found, f"no {role} worker listed"
             return found[0]
@@ -98,7 +98,7 @@ def pace(stack: Stack, role: str, gbps: float) -> None:
 def wait_forgotten(stack: Stack, worker_id: str) -> None:
     """Until the gateway has dropped a killed worker (its heartbeats stopped a TTL ago)."""
     deadline = time.monotonic() + TTL_S + 5
-    while any(w["id"] == worker_id for w in get_json(stack.gateway_url + "/workers")["workers"]):
+    while any(w["id"] == worker_id for w in list_workers(stack.gateway_url, stack.admin_token)):
         assert time.monotonic() < deadline, f"the gateway still lists {worker_id}"
         time.sleep(0.1)
 
@@ -115,7 +115,7 @@ def check_after(stack: Stack, fault: str, outcomes: list[tuple[str, float | None
     """The leak check (and that no service died but those killed on purpose), then one matrix row per outcome."""
     if not KILLED:
         wait_healthy(stack)
-    leaks = find_leaks(stack.gateway_url, 15.0)
+    leaks = find_leaks(stack.gateway_url, 15.0, stack.admin_token)
     dead = sorted(set(stack.dead()) - KILLED)
     for saw, time_to_error_s in outcomes:
         row = {"fault": fault, "client_saw": saw,
@@ -275,7 +275,7 @@ def test_client_leaves_a_non_streamed_completion(fstack):
                 time.sleep(0.02)
             time.sleep(0.3)  # mid-push
         left = time.monotonic()
-        leaks = find_leaks(fstack.gateway_url, 3.0)
+        leaks = find_leaks(fstack.gateway_url, 3.0, fstack.admin_token)
         freed_after = time.monotonic() - left
     finally:
         pace(fstack, "prefill", 0)
@@ -372,7 +372,7 @@ def test_nats_restart_mid_request(fstack):
     else:
         assert_error_event(stream, "NATS", "heartbeats", "lost")
     wait_healthy(fstack)
-    leaks = find_leaks(fstack.gateway_url, 15.0)  # NOTE: the aborts of a failed request follow its error event
+    leaks = find_leaks(fstack.gateway_url, 15.0, fstack.admin_token)  # NOTE: the aborts of a failed request follow its error event
     assert not leaks, leaks
     status, body, _ = complete(fstack, transfer_mode="full")
     assert status == 200, body

@@ -1,19 +1,20 @@
 """`smartgen loadtest` against the tiny-model stack: many streams at once, cut off at a deadline."""
 from __future__ import annotations
 
-from tests.integration.conftest import get_json
+from tests.integration.conftest import list_workers
 from tools.loadtest import LoadConfig, run
 
 
-def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean_stack):
+def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean_stack, monkeypatch):
     """4 streams for 8 s, cut off at the deadline: all finished requests succeed, RSS is measured, nothing leaks."""
+    monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)  # as `smartgen loadtest` gets it: /workers needs it
     result = run(LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=8, max_tokens=8, prompt_tokens=64,
                             transfer_modes=["full", "smartgen"], grace_s=0, progress=False))
     assert result["num_ok"] > 0 and result["num_errors"] == 0, result["errors"]
     assert result["num_aborted"] <= 4  # at most one request per client was cut off
     assert result["latency_s"]["ttst"]["n"] == result["num_ok"] and result["latency_s"]["e2e"]["p50"] > 0
     assert set(result["by_mode"]) == {"full", "smartgen"} and all(m["num_ok"] for m in result["by_mode"].values())
-    workers = get_json(clean_stack.gateway_url + "/workers")["workers"]
+    workers = list_workers(clean_stack.gateway_url, clean_stack.admin_token)
     assert {w["role"] for w in workers} >= {"gateway", "prefill", "decode", "broker", "kvprofile"}
     for name in [w["id"] for w in workers] + ["nats-server"]:
         rss = result["memory"][name]
@@ -30,6 +31,7 @@ def test_loadtest_holds_every_completion_to_its_reference(clean_stack, monkeypat
     where they first differ, which is counted apart."""
     from tools import loadtest
 
+    monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)
     cfg = LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=6, max_tokens=12, prompt_tokens=64,
                      transfer_modes=["full", "smartgen"], grace_s=5, progress=False, check_tokens=3)
     result = run(cfg)

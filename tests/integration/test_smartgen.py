@@ -16,7 +16,7 @@ from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
 from shared.runtime.rpc import RemoteError, call
 from tools.stack import Stack, StackSpec, started_stack
-from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, post_json
+from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, list_workers, post_json
 
 # ~600 tokens: 8 layers × 2 KV heads × 16 dims × fp32 × K,V = 2 KiB per token, 1.2 MB of KV; on a 4 Mbit/s link
 # a full transfer takes ~2.4 s, ~50× the tiny model's prefill, so most of what decoding selects starts remote.
@@ -242,7 +242,7 @@ def test_every_entry_ends_local_or_released(paced):
     # a share is recorded for each step (tokens 1..all_local_step) while entries may be remote, and none after;
     # the last may be < 1: the step whose reads brought the last missing entries is the one that ends it
     assert len(sg["step_local_share"]) == sg["all_local_step"], (len(sg["step_local_share"]), sg["all_local_step"])
-    broker = next(w for w in get_json(paced.gateway_url + "/workers")["workers"] if w["role"] == "broker")
+    broker = next(w for w in list_workers(paced.gateway_url, paced.admin_token) if w["role"] == "broker")
     recent = {p["request_id"]: p for p in get_json(broker["admin_url"] + "/transfers")["recent"]}
     states = [t["state"] for t in recent[sg["id"]]["transitions"]]
     assert states == ["opening", "transferring", "all_local", "released"]
@@ -254,7 +254,7 @@ async def _profiles(stack: Stack) -> tuple[ProfileInfo, Profile]:
     try:
         info = await call(nc, subjects.worker("kvprofile", "kvprofile-0", "build"),
                           BuildProfile("quest", 600, num_prompts=1, decode_steps=4), ProfileInfo, 120)
-        decode_model = next(w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == "decode")
+        decode_model = next(w for w in list_workers(stack.gateway_url, stack.admin_token) if w["role"] == "decode")
         model = Path(get_json(decode_model["admin_url"] + "/stats")["model"]).name
         return info, await call(nc, subjects.worker("kvprofile", "kvprofile-0", "get"), ProfileQuery(model, "quest", 600),
                                 Profile, 5)
@@ -308,7 +308,7 @@ def test_missing_profile_degrades_to_positional(paced):
 
 
 def broker_info(stack: Stack) -> dict:
-    return next(w for w in get_json(stack.gateway_url + "/workers")["workers"] if w["role"] == "broker")
+    return next(w for w in list_workers(stack.gateway_url, stack.admin_token) if w["role"] == "broker")
 
 
 def test_a_restarted_broker_rebuilds_live_plans_from_heartbeats(paced):

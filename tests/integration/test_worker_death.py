@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tools.client import open_stream
+from tools.client import list_workers, open_stream
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
 from tests.integration.conftest import get_json, post_json
@@ -25,7 +25,7 @@ def own_stack(tiny_model_path, tmp_path):
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
     """kill -9 of the decode worker while it streams: an error event reaches the client within a few seconds."""
-    decode = next(w for w in get_json(own_stack.gateway_url + "/workers")["workers"] if w["role"] == "decode")
+    decode = next(w for w in list_workers(own_stack.gateway_url, own_stack.admin_token) if w["role"] == "decode")
     body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "temperature": 0, "stream": True,
             "transfer_mode": "full"}
     chunks, killed_at, error = 0, None, None
@@ -43,7 +43,7 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
     assert killed_at is not None, "the stream ended before the kill"
     assert error is not None and decode["id"] in error["message"]
     assert time.monotonic() - killed_at < 6
-    prefill = next(w for w in get_json(own_stack.gateway_url + "/workers")["workers"] if w["role"] == "prefill")
+    prefill = next(w for w in list_workers(own_stack.gateway_url, own_stack.admin_token) if w["role"] == "prefill")
     stats = get_json(prefill["admin_url"] + "/stats")
     assert stats["active_requests"] == 0 and stats["kv_pages_in_use"] == 0
 
@@ -75,7 +75,7 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
                     tokens.append(payload)
                 final = payload.get("smartgen", final)
                 if len(tokens) == 20 and killed is None:
-                    killed = next(w for w in get_json(url + "/workers")["workers"]  # asked now, not from heartbeats
+                    killed = next(w for w in list_workers(url, stack.admin_token)  # asked now, not from heartbeats
                                   if w["role"] == "decode" and get_json(w["admin_url"] + "/stats")["active_requests"])
                     os.kill(killed["pid"], signal.SIGKILL)
         assert killed is not None and final is not None
@@ -98,7 +98,7 @@ def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_repla
         body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 40, "ignore_eos": True,
                 "temperature": 0, "transfer_mode": "full", "failure_policy": "recompute"}
         _, reference = post_json(url + "/v1/completions", body | {"transfer_mode": "colocated"})
-        workers = get_json(url + "/workers")["workers"]
+        workers = list_workers(url, stack.admin_token)
         prefill = next(w for w in workers if w["role"] == "prefill")
         decodes = [w for w in workers if w["role"] == "decode"]
         os.kill(prefill["pid"], signal.SIGSTOP)
@@ -129,7 +129,7 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
                           "SMARTGEN_FAULT_INJECTION": "1"})
     with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
         url = stack.gateway_url
-        workers = get_json(url + "/workers")["workers"]
+        workers = list_workers(url, stack.admin_token)
         prefill = next(w for w in workers if w["role"] == "prefill")
         decodes = [w for w in workers if w["role"] == "decode"]
         admin_post(stack, prefill, "/fault", {"kind": "slow_prefill", "delay_s": 20})

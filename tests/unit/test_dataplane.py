@@ -186,9 +186,11 @@ async def test_corrupted_chunk_is_an_error_on_the_waiting_side():
         with pytest.raises(ChecksumMismatch):
             await a.push(b.address, 1, [Segment(0, 0, 1 << 20)])
         assert b.grants[1].bytes_landed == (1 << 20) - frames.CHUNK_BYTES  # the 3 good chunks only
+        assert b.stats()["checksum_failures"] == 1  # counted where it was detected (smartgen_dataplane_checksum_failures)
         b.faults.corrupt_frames = 1  # now the serving side corrupts a read reply
         with pytest.raises(ChecksumMismatch):
             await a.read(b.address, 1, [Segment(0, 0, 1000)])
+        assert a.stats()["checksum_failures"] == 1
         await a.push(b.address, 1, [Segment(0, 0, 1000)])  # the link is still good
     finally:
         await a.close()

@@ -153,3 +153,52 @@ def test_a_vanishing_temperature_samples_greedily():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     assert sample(logits, Sampling(2e-187, seed=1), 0) == int(logits.argmax())
     assert 0 <= sample(logits, Sampling(0.7, seed=1), 0) < 100
+
+
+def test_text_stream_matches_a_full_decode_and_costs_little_per_token(tiny_model_path):
+    """Incremental detokenization gives the full decode's text, multi-byte characters included, and a stop string
+    spanning many tokens is found where it ends; a token's work stays bounded as the answer grows (the stop check
+    looks only at the new text and a stop string's length before it)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from services.gateway.textstream import TextStream
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    text = "Grüße aus Zürich — naïve café, 東京 and ✓ marks. " * 3 + "STOP here and more"
+    ids = tok(text)["input_ids"]
+    free = TextStream(tok, stop=[])
+    assert "".join(free.add(i) for i in ids) + free.flush() == tok.decode(ids, skip_special_tokens=True)
+    stopped = TextStream(tok, stop=["✓ marks. STOP"])
+    out = "".join(stopped.add(i) for i in ids) + stopped.flush()
+    assert stopped.is_stopped and out == text[: text.index("✓ marks. STOP")]
+    long_ids = tok("word " * 4000)["input_ids"]
+    stream = TextStream(tok, stop=["x" * 256, "never"])
+    started = time.perf_counter()
+    for i in long_ids[:200]:
+        stream.add(i)
+    early = time.perf_counter() - started
+    for i in long_ids[200:-200]:
+        stream.add(i)
+    started = time.perf_counter()
+    for i in long_ids[-200:]:
+        stream.add(i)
+    late = time.perf_counter() - started
+    assert late < 5 * early + 0.05, (early, late)  # O(n²) would make the last 200 tokens ~20× the first 200
+
+
+async def test_a_stream_write_the_client_never_takes_ends_the_stream(monkeypatch):
+    """A streaming client that reads nothing (its socket buffers full, the write never completes) is dropped after
+    the write timeout, as a client that left (ConnectionResetError: the run aborts its workers and frees its slot)."""
+    import asyncio
+
+    from services.gateway import api
+
+    class StuckResponse:
+        async def write(self, data: bytes) -> None:
+            await asyncio.Event().wait()  # the transport never drains
+
+    monkeypatch.setattr(api, "WRITE_TIMEOUT_S", 0.05)
+    with pytest.raises(ConnectionResetError, match="took no data"):
+        await api._send(StuckResponse(), {"choices": []})  # type: ignore[arg-type]
