@@ -97,14 +97,19 @@ class KvSource:
 
     The prefill node keeps the request's slab (at `offset`, holding `capacity` tokens) under a lease that the
     decode node extends (`keep`) and ends (`release`) once every entry is local or the request is over.
+    With `codes_bits` (smartgen with kv_bits 4 or 8) reads move codes, not rows: every prompt entry of every layer
+    as one record (shared/compute/entry_codes.py: K in 8 bits, V in `codes_bits`), layer by layer from byte
+    `codes_offset` of the prefill's region, record head·N + token within its layer; the ticket grants only those.
     """
 
     prefill_worker_id: str
     dataplane_addr: str
-    ticket: int  # grants reads of the slab's prompt rows
+    ticket: int  # grants reads of the slab's prompt rows (or, with codes_bits, of its read-codes region only)
     offset: int  # bytes
     capacity: int  # tokens
     lease_s: float  # the lease ends this long after the last `keep`
+    codes_offset: int = 0  # bytes: the read-codes region in the prefill's region (codes_bits > 0)
+    codes_bits: int = 0  # 0: reads move the exact rows; 4 or 8: the V width of the records reads move
 
 
 @dataclass(frozen=True, slots=True)

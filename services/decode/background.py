@@ -21,23 +21,30 @@ async def read_blocks(remote: RemoteKv, blocks: list[int]) -> None:
     """Path 3: move these (layer, page) blocks on the background lane, a small read at a time, never while
     an on-demand read of this request is waiting."""
     presence = remote.presence
-    units = []  # (layer, head, tokens, its K and V segments): marked present only once both have landed
+    # (layer, head, tokens, its segments: K and V rows, or records): marked present only once all have landed
+    units = []
     for block in blocks:
         layer, page = divmod(block, presence.num_pages)
         tokens = np.arange(page * presence.page_tokens, min(remote.num_tokens, (page + 1) * presence.page_tokens))
         for h in range(presence.num_kv_heads):
             if not presence.present[layer, h, tokens].all():
-                units.append((layer, h, tokens, presence.segments(layer, h, tokens)))
+                units.append((layer, h, tokens, remote.entry_segments(layer, h, tokens)))
     while units:
         group, size = [], 0
         while units and (not group or size + sum(s.length for s in units[0][3]) <= remote.background_read_bytes):
             group.append(units.pop(0))
             size += sum(s.length for s in group[-1][3])
+
+        def landed(group=group) -> None:  # reads as codes: the records into the rows, inside the transfer
+            for layer, h, tokens, _ in group:
+                remote.codes_landed(layer, [(h, tokens)])
         async with remote.background_turn:  # one background chunk of this request on the wire at a time
             await remote.wait_on_demand_idle()
             if remote.is_closed:
                 return
-            await remote.read([s for *_, segs in group for s in segs], Lane.BACKGROUND)
+            for layer in {unit[0] for unit in group}:  # (raises, and the batch is read again after a backoff)
+                remote.check_codes_room(layer)
+            await remote.read([s for *_, segs in group for s in segs], Lane.BACKGROUND, landed)
         for layer, h, tokens, _ in group:
             presence.mark(layer, h, tokens)
         remote.bytes_background += size
@@ -48,7 +55,7 @@ async def read_ranked(remote: RemoteKv) -> None:
     in background-lane chunks, never while an on-demand read of this request is waiting. What is remote is
     decided at read time, so entries an on-demand read brought meanwhile are not read twice. A chunk that fails
     is dropped (these reads only save later on-demand ones); a failed or closed remote view ends the task."""
-    chunk_tokens = max(1, remote.background_read_bytes // (2 * remote.presence.token_bytes))  # K and V of one entry
+    chunk_tokens = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
     while not remote.is_closed:
         if not remote.ranked_queue:
             remote.ranked_queued.clear()

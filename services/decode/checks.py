@@ -49,6 +49,9 @@ def generate_problem(req: Generate, state: DecodeRequest, runner: ModelRunner, l
             return f"transfer_mode {req.transfer_mode!r} needs a selector, its plan and the prefill's KvSource"
         if problem := plan_problem(req.plan, layout.num_layers, state.num_tokens, layout.page_tokens):
             return problem
+        if req.source is not None and req.source.codes_bits not in (0, req.kv_bits):
+            # NOTE: read records land in the codes region the reservation sized for kv_bits
+            return f"the prefill serves reads as {req.source.codes_bits}-bit codes, not kv_bits {req.kv_bits}"
     return mode.kv_bits_problem(req.kv_bits)
 
 

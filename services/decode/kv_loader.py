@@ -139,11 +139,15 @@ class KvLoader:
         blocks, `by_query` (num_layers, num_kv_heads, N) the entries pushed by query (None: none, or not known yet)."""
         req = state.generate
         assert state.slab is not None and req.plan is not None and req.source is not None
+        n = len(req.token_ids)
+        # reads as codes (smartgen with kv_bits): their records land in the slab's codes region, the push's
+        codes_at = self.store.aux_offset(state.slab) + self.engine.entry_codes(req.selector, n, req.source.codes_bits).offset \
+            if req.source.codes_bits else -1
         return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
-                        self.store.offset(state.slab), state.slab.capacity, len(req.token_ids), pushed, req.plan.parallel,
+                        self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                         self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
                         self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req),
-                        ranked=req.plan.background)
+                        ranked=req.plan.background, codes_at=codes_at, region=self.store.region)
 
     def starts_while_pushing(self, state: DecodeRequest) -> bool:
         """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own

@@ -17,6 +17,12 @@ An on-demand read names its entries one of two ways: as segments, one per run of
 pages: dense layers, Quest's pages), or as one gather, one index per token (`gather_reads`; token-level
 selectors, whose runs are a token or two long, where building and serving one segment each cost more than the
 step's attention).
+
+Where the prefill serves codes (smartgen with kv_bits: KvSource.codes_bits), every read moves the entries' records
+instead of their rows (read_codes.py): they land in the slab's codes region and are dequantized into its rows
+(NumPy, inside the read's transfer, so `close` waits for that too) before the entries are marked present. A
+layer's codes region first holds its pushed records, so no read of a layer starts before those were dequantized
+(`ready`): the torch thread prepares a landed layer before reading it, path 3 waits (`check_codes_room`).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import torch
 from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
 from services.decode.presence import Presence, mean_run
+from services.decode.read_codes import ReadCodes
 
 
 log = structlog.get_logger()
@@ -102,6 +109,9 @@ class RemoteKv:
     gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
     speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
     ranked: bool = False  # path 3 by the latest query (`rank`, `read_ranked`)
+    # reads as codes (source.codes_bits): the byte, in this process's `region`, where the slab's codes region starts
+    codes_at: int = -1
+    region: memoryview | None = None
     bytes_on_demand: int = 0
     bytes_background: int = 0  # path 3: ranked reads and the broker's blocks
     bytes_ranked: int = 0  # of bytes_background, the ranked reads
@@ -121,6 +131,12 @@ class RemoteKv:
     def __post_init__(self) -> None:
         self.presence = Presence(self.layout, self.source, self.dst_offset, self.dst_capacity, self.num_tokens,
                                  self.pushed, self.pushed_entries)
+        self.codes: ReadCodes | None = None
+        if self.source.codes_bits:
+            if self.codes_at < 0 or self.region is None:
+                raise ValueError("the prefill serves reads as codes: the remote view needs the slab's codes region")
+            self.codes = ReadCodes(self.layout, self.source, self.num_tokens, self.codes_at, self.region,
+                                   self.presence.dst_rows, self.presence.token_bytes)
         self._step_local = self._step_remote = 0
         self._in_flight: set[asyncio.Future[None]] = set()  # data-plane transfers not settled yet (`read`)
         # NOTE: counted when `fetch` issues a read (torch thread), not when the loop starts it, so a background
@@ -195,6 +211,8 @@ class RemoteKv:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
         self._check_readable()
+        if self.codes is not None and not self.has_codes_room(layer):
+            self.ready(layer)  # its pushed records first (attention has called it already: a no-op then)
         ahead = self._ahead.pop(layer, None)
         if ahead is not None:  # what was read speculatively for this layer lands first; then only what it missed
             try:
@@ -223,6 +241,10 @@ class RemoteKv:
         `layer`'s selection made while the layer before it runs (shared/compute/selective.py); `fetch(layer, …)`
         waits for it first. On the on-demand lane: the step waits for it a layer from now."""
         self._check_readable()
+        if self.codes is not None and not self.has_codes_room(layer):
+            if not self.is_ready(layer):
+                return  # its push is still landing: `fetch` reads what it needs once it has
+            self.ready(layer)  # landed: dequantize its pushed records now (never waits), then read into their place
         _, heads = self.presence.remote_part(layer, idx)
         if heads:
             self.num_speculative_reads += 1
@@ -273,7 +295,10 @@ class RemoteKv:
 
     async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
         try:
-            self.bytes_on_demand += await self.read_entries(layer, heads, Lane.ON_DEMAND)
+            # NOTE: not `self.bytes_on_demand += await …`, which reads the counter before the await: a read landing
+            # meanwhile (a speculative one and a fetch are in flight together) would be lost from the count
+            num_bytes = await self.read_entries(layer, heads, Lane.ON_DEMAND)
+            self.bytes_on_demand += num_bytes
         finally:
             with self._pending_lock:
                 self._on_demand_pending -= 1
@@ -283,8 +308,14 @@ class RemoteKv:
 
     async def read_entries(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> int:
         """Read these entries of `layer` (per KV head, sorted token indices) on `lane`, as one gather or as segments
-        (module docstring), and mark them present once landed. Returns the bytes read."""
-        if self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN:
+        (module docstring), and mark them present once landed (as codes: once dequantized). Returns the bytes read."""
+        if self.codes is not None:
+            self.check_codes_room(layer)
+            gather = self.codes.gather(layer, heads)
+            use_gather = self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN
+            await self.read(gather if use_gather else gather.segments(), lane, lambda: self.codes_landed(layer, heads))
+            num_bytes = gather.num_bytes
+        elif self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN:
             gather = self.presence.gather(layer, heads)
             await self.read(gather, lane)
             num_bytes = gather.num_bytes
@@ -308,22 +339,52 @@ class RemoteKv:
             self._on_demand_idle.clear()  # NOTE: no await between the check and the clear: a settle cannot slip in
             await self._on_demand_idle.wait()
 
-    async def read(self, what: list[Segment] | Gather, lane: Lane) -> None:
-        """Read `what` into the slab on `lane`. NOTE: the transfer is shielded: a caller cancelled mid-read (a
-        path-3 task at the request's end) leaves it running, because its reply would land in the slab anyway;
-        `close` waits for every transfer in flight, so the slab is freed only once none can write into it."""
+    def entry_segments(self, layer: int, head: int, tokens: np.ndarray) -> list[Segment]:
+        """What reading these tokens of one head of `layer` moves: their rows (K and V), or their records."""
+        if self.codes is not None:
+            return self.codes.segments(layer, head, tokens)
+        return self.presence.segments(layer, head, tokens)
+
+    def has_codes_room(self, layer: int) -> bool:
+        """Records read for `layer` may land in its codes region: its pushed records there were dequantized."""
+        landed = self._landed
+        return landed is None or self._prepared[layer]
+
+    def check_codes_room(self, layer: int) -> None:
+        """RemoteReadError unless reads of `layer` may land now (see `has_codes_room`); exact reads always may.
+        Path 3 runs after step 1, which prepares every layer: one that asks earlier is retried or dropped."""
+        if self.codes is not None and not self.has_codes_room(layer):
+            raise RemoteReadError(f"layer {layer}'s pushed codes are not dequantized yet")
+
+    def codes_landed(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
+        """(event loop, inside the read's transfer) The records of these entries landed: into the slab's rows."""
+        if self.codes is not None:
+            self.codes.land(layer, heads)
+
+    @property
+    def entry_bytes(self) -> int:
+        """What reading one (layer, KV head, token) entry moves: its K and V rows, or its record of codes."""
+        return self.codes.record_bytes if self.codes is not None else 2 * self.presence.token_bytes
+
+    async def read(self, what: list[Segment] | Gather, lane: Lane, landed: Callable[[], None] | None = None) -> None:
+        """Read `what` into the slab on `lane`, then run `landed` (records into rows). NOTE: the transfer is
+        shielded: a caller cancelled mid-read (a path-3 task at the request's end) leaves it running, because its
+        reply would land in the slab anyway; `close` waits for every transfer in flight, `landed` included, so the
+        slab is freed only once none can write into it."""
         self._check_readable()
-        transfer = asyncio.ensure_future(self._transfer(what, lane))
+        transfer = asyncio.ensure_future(self._transfer(what, lane, landed))
         self._in_flight.add(transfer)
         transfer.add_done_callback(_settled)
         transfer.add_done_callback(self._in_flight.discard)
         await asyncio.shield(transfer)
 
-    async def _transfer(self, what: list[Segment] | Gather, lane: Lane) -> None:
+    async def _transfer(self, what: list[Segment] | Gather, lane: Lane, landed: Callable[[], None] | None) -> None:
         if isinstance(what, Gather):
             await self.dataplane.read_gather(self.source.dataplane_addr, self.source.ticket, what, lane)
         else:
             await self.dataplane.read(self.source.dataplane_addr, self.source.ticket, what, lane)
+        if landed is not None:
+            landed()
 
     def fail(self, reason: str) -> None:
         """The prefill node is lost, or its push will not complete: reads from now on fail at once (the caller cuts

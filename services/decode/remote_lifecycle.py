@@ -129,7 +129,7 @@ class RemoteKvLifecycle:
         if not state.progress.step_s:
             return False
         remote = state.remote
-        can = background_can_finish(remote.num_missing * 2 * remote.token_bytes, state.req.plan.link_gbps,
+        can = background_can_finish(remote.num_missing * remote.entry_bytes, state.req.plan.link_gbps,
                                     state.req.max_tokens - 1 - step, state.progress.step_s)
         if not can and not state.progress.background_declined:
             state.progress.background_declined = True

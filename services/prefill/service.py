@@ -54,6 +54,11 @@ RELEASE_TIMEOUT_S = 30.0
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
+def _reads_codes(mode: TransferMode, req: Prefill) -> bool:
+    """smartgen with kv_bits: the decode node's reads (paths 2 and 3) move codes, not rows."""
+    return mode.keeps_source and mode.pushes_by_query and req.kv_bits > 0
+
+
 class PrefillService(ModelWorkerService):
     role = "prefill"
     config: PrefillConfig
@@ -116,9 +121,12 @@ class PrefillService(ModelWorkerService):
         n = len(req.token_ids)
         aux_bytes = req.handle.aux_bytes if mode.aux is not Aux.NONE else 0  # auto → full leaves decode's unused
         exact = req.plan is not None and req.plan.exact_push and mode.pushes_by_query
+        # smartgen with kv_bits: reads move codes too, from a region after the decode node's reservation (every
+        # entry's record at a fixed place: shared/compute/entry_codes.py), which stays here under the lease
+        read_codes = entry_region_bytes(self.store.layout, n, req.kv_bits) if _reads_codes(mode, req) else 0
         try:
             # NOTE: step 1 run here for the exact push appends the first token's entry: room for one more
-            slab = self.store.allocate(req.request_id, n + 1 if exact else n, aux_bytes)
+            slab = self.store.allocate(req.request_id, n + 1 if exact else n, aux_bytes + read_codes)
         except OutOfPages as exc:
             raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
         transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
@@ -277,8 +285,9 @@ class PrefillService(ModelWorkerService):
                                                 self.store.layout.page_tokens, req.handle.floor,
                                                 req.plan.query_stop_layer, req.plan.query_tail_tokens)
             try:
+                read_codes_at = req.handle.aux_bytes if _reads_codes(transfer.mode, req) else -1
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
-                                                           transfer.query_push, req.kv_bits)
+                                                           transfer.query_push, req.kv_bits, read_codes_at)
             except (ValueError, PreparationMissing) as exc:
                 raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
             ranges = [layout.layer_range(layer) if layer >= DENSE_LAYERS else (0, 0) for layer in range(layers)]
@@ -320,15 +329,23 @@ class PrefillService(ModelWorkerService):
         self.latency.kv_bytes.inc(n, path=path)
 
     def _keep_for_reads(self, transfer: Transfer) -> KvSource:
-        """Selective modes: the slab stays under a lease, readable with a fresh ticket over its prompt rows."""
+        """Selective modes: the slab stays under a lease, readable with a fresh ticket over its prompt rows, or,
+        where reads move codes (smartgen with kv_bits), over its read-codes region only: nothing reads exact rows."""
         assert self.store and self.dataplane
         layers, n = self.store.layout.num_layers, transfer.handle.num_tokens
-        rows = [r for layer in range(layers) for r in self.store.rows(transfer.slab, layer, 0, n)]
-        transfer.read_grant = Grant(secrets.randbits(63), [(off, off + length) for off, length in rows])
+        codes = transfer.query_push.read_codes if transfer.query_push is not None else None
+        if codes is not None:
+            codes_offset, codes_bits = self.store.aux_offset(transfer.slab) + codes.offset, codes.bits
+            ranges = [(codes_offset, codes_offset + codes.nbytes)]
+        else:
+            codes_offset = codes_bits = 0
+            ranges = [(off, off + length) for layer in range(layers) for off, length in self.store.rows(transfer.slab, layer, 0, n)]
+        transfer.read_grant = Grant(secrets.randbits(63), ranges)
         self.dataplane.grant(transfer.read_grant)
         self._arm_lease(transfer)
         return KvSource(self.worker_id, self.dataplane.address, transfer.read_grant.ticket,
-                        self.store.offset(transfer.slab), transfer.slab.capacity, self.config.lease_s)
+                        self.store.offset(transfer.slab), transfer.slab.capacity, self.config.lease_s, codes_offset,
+                        codes_bits)
 
     def _arm_lease(self, transfer: Transfer) -> None:
         if transfer.lease is not None:

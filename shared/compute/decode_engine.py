@@ -85,13 +85,19 @@ class DecodeEngine:
         for layer in range(self.runner.num_layers):
             load_layer(layer, by_query[layer] if by_query is not None else None)
 
+    def entry_codes(self, selector: str, num_tokens: int, bits: int) -> EntryCodes:
+        """smartgen's low-bit codes region of a request's aux area, after its metadata: where the pushed records
+        land, and, once a layer's are dequantized, the records its reads bring (services/decode/remote.py)."""
+        lay = self.store.layout
+        metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        return EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits, offset=metadata.nbytes)
+
     def pushed_codes_loader(self, slab: Slab, selector: str, num_tokens: int, bits: int,
                             pushed: np.ndarray) -> Callable[[int, np.ndarray | None], None]:
         """(layer, its (num_kv_heads, N) bool entries pushed by query, or None) → dequantize that layer's pushed
         codes into `slab`'s rows, once they have landed (torch thread)."""
         lay = self.store.layout
-        metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
-        codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits, offset=metadata.nbytes)
+        codes = self.entry_codes(selector, num_tokens, bits)
         aux, rows = self.store.aux(slab), self.store.view(slab)
 
         def load_layer(layer: int, by_query: np.ndarray | None) -> None:

@@ -1,7 +1,9 @@
-"""smartgen's low-bit proactive push (`kv_bits` 4 or 8 on transfer_mode smartgen): what the prefill pushes while
-it computes — layers 0–1 whole, the plan's profile blocks, the entries its last-position query selects — travels
-as codes, several times fewer bytes, so more of what step 1 attends to fits behind the prefill. On-demand and
-background reads stay exact (a background read later overwrites a pushed entry with its exact value).
+"""smartgen's low-bit KV (`kv_bits` 4 or 8 on transfer_mode smartgen): what the prefill pushes while it computes —
+layers 0–1 whole, the plan's profile blocks, the entries its last-position query selects — travels as codes,
+several times fewer bytes, so more of what step 1 attends to fits behind the prefill; and so do the on-demand and
+background reads (paths 2 and 3): the prefill node also writes every entry's record at a fixed place (`read
+codes`, below), and the decode node reads records and dequantizes them into its slab's rows as they land. An
+entry's value is the same whichever path brought it (the same record of the same exact entry).
 
 An entry is one (layer, KV head, token): its K and its V, each a head_dim vector quantized as one partition
 (asymmetric, x ≈ scale·q + min, fp16 scale and minimum; quantization.py's rule), V in `kv_bits` and K in
@@ -15,6 +17,13 @@ Where, in the request's aux area (after the selector metadata, whose size it doe
     record = [K codes: d·8/8][V codes: d·bits/8][K scale, min: fp16 ×2][V scale, min: fp16 ×2]
 Records carry no index: both sides derive the same entries from the plan's blocks and the query bitmaps
 (`pushed_mask`).
+
+Read codes (paths 2 and 3): on the prefill node, after the whole aux area the decode node reserved, a second
+region of the same shape holds the record of EVERY entry at a fixed place, record head·N + token of its layer
+(`encode` with every entry picked), written as each layer is stored; the read ticket grants only that region
+(KvSource.codes_offset, codes_bits). The decode node reads records into its own codes region at the same places,
+a layer's only once its pushed records there have been dequantized (services/decode/remote.py), and decodes them
+with NumPy on its event loop (`records_to_values`, bit for bit `decode`'s values) before it marks them present.
 """
 from __future__ import annotations
 
@@ -55,7 +64,8 @@ class EntryCodes:
             return 0
         records = self._records(aux, layer, count)
         for x, (bits, at, sm_at) in zip((keys, values), self.fields):
-            codes, scale_min = quantize_partitions(x[picked].float(), bits)  # (count, ·), (count, 2): (head, token) order
+            x = x.reshape(-1, x.shape[-1]) if count == mask.size else x[picked]  # every entry (read codes): no mask
+            codes, scale_min = quantize_partitions(x.float(), bits)  # (count, ·), (count, 2): (head, token) order
             records[:, at: at + codes.shape[1]] = codes.to(aux.device)
             records[:, sm_at: sm_at + 4] = scale_min.contiguous().view(torch.uint8).to(aux.device)
         return count
@@ -84,3 +94,44 @@ def pushed_mask(pages: np.ndarray, page_tokens: int, num_tokens: int, num_kv_hea
     if by_query is not None:
         mask |= by_query
     return mask
+
+
+def every_entry(num_kv_heads: int, num_tokens: int) -> np.ndarray:
+    """The mask that writes one layer's read codes: every entry, so record head·N + token is entry (head, token)."""
+    return np.ones((num_kv_heads, num_tokens), dtype=bool)
+
+
+def records_to_values(records: np.ndarray, head_dim: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy's `EntryCodes.decode` (the decode node's event loop dequantizes read records with it, no torch there):
+    records (n, record_bytes) uint8 → K, V (n, head_dim) float32, the same values as the torch path, bit for bit
+    (the same fp32 products and sums)."""
+    k_bytes, v_bytes = head_dim * PUSH_KEY_BITS // 8, head_dim * bits // 8
+    scale_min = np.ascontiguousarray(records[:, k_bytes + v_bytes: k_bytes + v_bytes + 8]).view(np.float16)
+    scale_min = scale_min.astype(np.float32)  # (n, 4): K scale, K min, V scale, V min
+    out = []
+    for at, nbytes, width, sm in ((0, k_bytes, PUSH_KEY_BITS, 0), (k_bytes, v_bytes, bits, 2)):
+        codes = records[:, at: at + nbytes]
+        if width == 8:
+            q = codes
+        else:  # 4 bits: value 2j in the low nibble of byte j, 2j + 1 in the high one (quantize_partitions)
+            q = np.empty((codes.shape[0], head_dim), dtype=np.uint8)
+            q[:, 0::2] = codes & 0x0F
+            q[:, 1::2] = codes >> 4
+        out.append(q.astype(np.float32) * scale_min[:, sm: sm + 1] + scale_min[:, sm + 1: sm + 2])
+    return out[0], out[1]
+
+
+def as_stored(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values → what a slab of `dtype` stores (torch's rounding: bfloat16 to nearest even, as raw uint16;
+    float16 as float16; float32 as is)."""
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    raise ValueError(f"no NumPy form for a slab of {dtype}")
+
+
+STORED_AS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # NumPy views of slab rows

@@ -12,7 +12,7 @@ import torch
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
 from shared.compute import selective
 from shared.compute.decode_engine import DecodeEngine
-from shared.compute.entry_codes import EntryCodes, pushed_mask
+from shared.compute.entry_codes import EntryCodes, every_entry, pushed_mask
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.quantization import QuantLayout
@@ -44,6 +44,8 @@ class QueryPush:
     # the low-bit push (kv_bits on smartgen): every entry pushed during prefill, blocks included, goes as codes
     codes: EntryCodes | None = None
     num_records: dict[int, int] = field(default_factory=dict)  # layer → records written (codes)
+    # ... and the reads (paths 2 and 3) too: every entry's record at a fixed place, head·N + token (entry_codes.py)
+    read_codes: EntryCodes | None = None
 
     @property
     def num_entries(self) -> int:
@@ -133,10 +135,12 @@ class PrefillEngine:
             self.last_query.clear()
 
     def metadata_encoder(self, slab: Slab, selector: str, num_tokens: int, query_push: QueryPush | None = None,
-                         push_bits: int = 0) -> tuple[MetadataLayout, LayerEncoder]:
+                         push_bits: int = 0, read_codes_at: int = -1) -> tuple[MetadataLayout, LayerEncoder]:
         """Selective modes: each layer ≥ 2's selector metadata for every prompt token, into the aux area; with
         `query_push`, also the entries the layer's last-position query selects, and their bitmap; with
-        `push_bits` too, every entry the layer pushes (blocks and query entries) as codes, after the metadata."""
+        `push_bits` too, every entry the layer pushes (blocks and query entries) as codes, after the metadata,
+        and, with `read_codes_at` ≥ 0, every entry's record at a fixed place from that byte of the aux area on
+        (the read codes the decode node's reads move: shared/compute/entry_codes.py)."""
         sel = self.selector(selector)
         layout = MetadataLayout(sel, self.runner.num_layers, num_tokens, query_bitmap=query_push is not None)
         aux = self.store.aux(slab)
@@ -145,12 +149,17 @@ class PrefillEngine:
             lay = self.store.layout
             query_push.codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, push_bits,
                                           offset=layout.nbytes)
+            if read_codes_at >= 0:
+                query_push.read_codes = EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens,
+                                                   push_bits, offset=read_codes_at)
 
         def encode(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
             if layer >= DENSE_LAYERS:
                 encode_metadata(layer, keys)
             if query_push is not None and query_push.codes is not None:
                 encode_codes(layer, keys, values)
+            if query_push is not None and query_push.read_codes is not None:
+                query_push.read_codes.encode(aux, layer, keys, values, every_entry(keys.shape[0], num_tokens))
 
         def encode_codes(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
             assert query_push is not None and query_push.codes is not None

@@ -50,6 +50,7 @@ EXAMPLES = [
     schemas.RdmaEndpoint("rdma:decode-1", 17, 0xABCDE, "fe80:0000:0000:0000:0000:0000:0000:0001", 2**40, 0x1234, 1 << 30),
     PLAN,
     schemas.KvSource("prefill-1", "127.0.0.1:3", 2**61, 8192, 32, 30.0),
+    schemas.KvSource("prefill-1", "127.0.0.1:3", 2**61, 8192, 32, 30.0, codes_offset=1 << 20, codes_bits=8),
     schemas.Release("r1", "all_local"),
     schemas.KeepLease("r1"),
     schemas.OpenPlan("r1", "auto", "m", "quest", 20, LAYOUT, 512, "prefill-1", "decode-1", ["background"], 0.2,

@@ -165,14 +165,17 @@ def test_where_the_push_leaves_after_the_prefill_it_carries_step_ones_exact_sele
 def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     """kv_bits on smartgen: what the prefill pushes travels as one record of codes per entry (tiny model: K and V
     of 16 bf16 channels are 64 bytes, 32 with 4-bit values and 8-bit keys), so on a link where the exact push has room for part of
-    what step 1 selects (R ≈ 2), the low-bit push carries all of it; reads stay exact; the bytes are counted as
-    records; a width other than 4 or 8 is refused."""
+    what step 1 selects (R ≈ 2), the low-bit push carries all of it; the on-demand reads move records too (40
+    bytes an entry at 8 bits, not 64); the bytes are counted as records; a width other than 4 or 8 is refused."""
     with paced_to_ratio(paced, 2.0):
         body = dict(transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
         exact, low, eight = complete(paced, **body), complete(paced, **body, kv_bits=4), complete(paced, **body, kv_bits=8)
     assert low["kv_bits"] == 4 and "4-bit push" in low["plan"]["reason"] and exact["kv_bits"] is None
     assert exact["plan"]["query_tokens"] < low["plan"]["query_tokens"], (exact["plan"], low["plan"])
     assert low["kv_bytes"]["proactive"] % 32 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
+    assert low["kv_bytes"]["on_demand"] % 32 == 0 and eight["kv_bytes"]["on_demand"] % 40 == 0
+    assert low["kv_bytes"]["on_demand"] > 0 and eight["kv_bytes"]["on_demand"] > 0  # (tests/unit/test_remote_kv.py
+    # holds that these are exactly the records read)
     assert low["kv_bytes"]["proactive"] // 32 > exact["kv_bytes"]["proactive"] // 64  # more entries pushed
     assert low["kv_bytes"]["metadata"] == exact["kv_bytes"]["metadata"]  # the codes region's room does not move
     assert low["step_local_share"][0] > exact["step_local_share"][0]

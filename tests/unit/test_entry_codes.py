@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from schemas import PUSH_KEY_BITS, KvLayout, TransferPlan, entry_record_bytes, entry_region_bytes, mode_of, pack_bits, pushed_bytes
-from shared.compute.entry_codes import EntryCodes, pushed_mask
+from shared.compute.entry_codes import EntryCodes, as_stored, every_entry, pushed_mask, records_to_values
 
 H, N, D = 3, 150, 64
 
@@ -67,3 +67,23 @@ def test_only_smartgen_takes_push_bits_and_quantized_still_needs_its_own():
     assert mode_of("auto").kv_bits_problem(8) == ""  # consent to 8-bit codes: quantized or smartgen's push, both take 8
     assert mode_of("quantized").kv_bits_problem(0)
     assert mode_of("quantized").kv_bits_problem(2) == "" and mode_of("quantized").kv_bits_problem(8) == ""
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_numpy_decodes_a_record_as_torch_does_bit_for_bit(bits, dtype):
+    """The decode node's event loop dequantizes read records with NumPy (no torch there): the same values as
+    `EntryCodes.decode`, rounded to the slab's dtype as torch rounds them (bf16: to nearest even)."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(H, N, D, generator=gen) * 5, torch.randn(H, N, D, generator=gen)
+    codes = EntryCodes(num_layers=1, num_kv_heads=H, head_dim=D, num_tokens=N, bits=bits, offset=0)
+    aux = torch.zeros(codes.nbytes, dtype=torch.uint8)
+    assert codes.encode(aux, 0, keys, values, every_entry(H, N)) == H * N  # record h·N + t is entry (h, t)
+    torch_dtype = getattr(torch, dtype)
+    k_out, v_out = torch.empty(H, N, D, dtype=torch_dtype), torch.empty(H, N, D, dtype=torch_dtype)
+    codes.decode(aux, 0, every_entry(H, N), k_out, v_out)
+    k_np, v_np = records_to_values(aux.numpy().reshape(H * N, codes.record_bytes), D, bits)
+    for ours, theirs in ((k_np, k_out), (v_np, v_out)):
+        stored = as_stored(ours, dtype).reshape(H, N, D)
+        expected = theirs.view(torch.uint16) if dtype == "bfloat16" else theirs
+        assert np.array_equal(stored, expected.numpy())
