@@ -1,28 +1,17 @@
-"""The part of one request's KV that is still on the prefill node, and the reads that bring it over
-(paths 2 and 3: docs/architecture.md, "The three transfer paths"). The decode node owns this picture; the broker only schedules.
-
-Presence is kept per (layer, KV head, prompt token): proactive pushes mark whole blocks (and, smartgen's
-query-aware push, single entries) before decoding starts, on-demand reads mark exactly the entries a step
-selected, background reads mark whole blocks (the broker's, in profile order) or the entries a wider selection for
-the latest query adds (ranked reads, `rank`).
-Tokens decoded here are always local; what is here is `Presence`'s (presence.py). The rule between the two threads,
-and the two sections of RemoteKv below:
+"""The part of one request's KV that is still on the prefill node, and the reads that bring it over (path 2 here,
+path 3 in background.py; docs/architecture.md, "The three transfer paths"); what is here is `Presence`'s
+(presence.py). The decode node owns this picture; the broker only schedules. The rule between the two threads:
   - the torch thread calls `fetch`, `speculate`, `rank` and `ready` inside attention and waits on the returned
     `Pending` (a concurrent future), never on the loop; it never awaits and touches asyncio only through
     `run_coroutine_threadsafe` / `call_soon_threadsafe`;
-  - the event loop runs every read, marks presence once bytes have landed, and runs path 3 (background.py),
-    `push_landed`, `fail` and `close`.
+  - the event loop runs every read, marks presence once bytes have landed, and runs path 3, `push_landed`,
+    `fail` and `close`.
 
-An on-demand read names its entries one of two ways: as segments, one per run of consecutive tokens (whole
-pages: dense layers, Quest's pages), or as one gather, one index per token (`gather_reads`; token-level
-selectors, whose runs are a token or two long, where building and serving one segment each cost more than the
-step's attention).
-
-Where the prefill serves codes (smartgen with kv_bits: KvSource.codes_bits), every read moves the entries' records
-instead of their rows (read_codes.py): they land in the slab's codes region and are dequantized into its rows
-(NumPy, inside the read's transfer, so `close` waits for that too) before the entries are marked present. A
-layer's codes region first holds its pushed records, so no read of a layer starts before those were dequantized
-(`ready`): the torch thread prepares a landed layer before reading it, path 3 waits (`check_codes_room`).
+A read moves segments (one per run of consecutive tokens: whole pages) or one gather (one index per token, for
+token-level selectors: reads.py GATHER_BELOW_RUN); where the prefill serves codes (KvSource.codes_bits), the
+entries' records instead of their rows, dequantized into the rows before they count as present (read_codes.py).
+A layer's codes region first holds its pushed records, so no read of it lands before those were dequantized
+(`ready`; path 3 waits: `check_codes_room`).
 """
 from __future__ import annotations
 
@@ -41,54 +30,10 @@ from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
 from services.decode.presence import Presence, mean_run
 from services.decode.read_codes import ReadCodes
-
+from services.decode.reads import (GATHER_BELOW_RUN, RANK_WHEN_WAITING_BELOW, SPECULATE_WHEN_READING,
+                                   WAIT_SHARE_WEIGHT, Pending, RemoteReadError, settled)
 
 log = structlog.get_logger()
-GATHER_BELOW_RUN = 64  # tokens: reads whose runs are shorter than this on average go as one gather
-# Speculation costs one more selection per layer; it pays where most layers have to read. A step speculates when
-# at least this share of the layers that can read had to in the step before (step 1 always), and only where the
-# service turned it on (`speculative`: InfiniGen, services/decode/kv_loader.py `_speculates`). Measured at 2K, R = 2
-# prefill-matched (docs/results/serve-2k-speculation-*): InfiniGen reads in ~80% of its layers every step and
-# speculating cut its on-demand wait 2.49 -> 0.78 s and TBT 0.140 -> 0.126 s; Quest reads in ~20% after step 1,
-# and speculating every step cost more selection time than it saved (TBT 0.073 -> 0.082 s).
-SPECULATE_WHEN_READING = 0.5
-# Ranked reads (path 3 by the latest query) are a prefetch: at 2K, R = 2 prefill-matched, about a quarter of what
-# they bring is selected later (2.8 MB read, on-demand 1.4 -> 0.7 MB). Where the link has room that is free; where
-# on-demand reads already keep it busy (R = 6.5: half of each step is spent waiting on them) they delay those
-# reads. So a step ranks only while the running share of a step spent waiting on reads is below this.
-RANK_WHEN_WAITING_BELOW = 0.25
-WAIT_SHARE_WEIGHT = 0.25  # each step's weight in the running share of a step spent waiting on reads (misses are bursty)
-
-
-def _settled(transfer: asyncio.Future[None]) -> None:
-    """Retrieve a transfer's outcome, so one whose caller was cancelled does not log "never retrieved"."""
-    if not transfer.cancelled():
-        transfer.exception()
-
-
-class RemoteReadError(RuntimeError):
-    """KV that decoding needs could not be read from the prefill node."""
-
-
-@dataclass
-class Pending:
-    """An on-demand read in flight, started by `fetch`."""
-
-    future: concurrent.futures.Future[None]
-    remote: torch.Tensor | None  # (H_kv, k) bool: which selected entries it brings (None: a whole layer)
-    timeout_s: float
-    owner: "RemoteKv"
-
-    def wait(self) -> None:
-        started = time.perf_counter()
-        try:
-            self.future.result(self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise RemoteReadError(f"an on-demand read took longer than {self.timeout_s:g} s") from None
-        except Exception as exc:
-            raise RemoteReadError(f"on-demand read failed: {exc}") from exc
-        finally:
-            self.owner.step_wait_s += time.perf_counter() - started
 
 
 @dataclass
@@ -374,7 +319,7 @@ class RemoteKv:
         self._check_readable()
         transfer = asyncio.ensure_future(self._transfer(what, lane, landed))
         self._in_flight.add(transfer)
-        transfer.add_done_callback(_settled)
+        transfer.add_done_callback(settled)
         transfer.add_done_callback(self._in_flight.discard)
         await asyncio.shield(transfer)
 

@@ -34,16 +34,16 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (ErrorCode, Abort, Ack, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling, TransferFailed,
-                     TransferMode, encode, entry_region_bytes, mode_of, modes_where, plan_problem, pushed_pages, pushed_runs,
-                     kv_budget_problem, subjects)
-from schemas.modes import Aux, Push
+from schemas import (Abort, Ack, ErrorCode, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling,
+                     TransferFailed, TransferMode, encode, entry_region_bytes, mode_of, pushed_pages, pushed_runs, subjects)
+from schemas.modes import Aux
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages
 from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
 from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.runtime.worker import ModelWorkerService
+from services.prefill.checks import prefill_problem, reads_codes
 from services.prefill.config import PrefillConfig
 from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
@@ -52,11 +52,6 @@ from shared.compute.sampling import FirstToken
 log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
-
-
-def _reads_codes(mode: TransferMode, req: Prefill) -> bool:
-    """smartgen with kv_bits: the decode node's reads (paths 2 and 3) move codes, not rows."""
-    return mode.keeps_source and mode.pushes_by_query and req.kv_bits > 0
 
 
 class PrefillService(ModelWorkerService):
@@ -123,7 +118,7 @@ class PrefillService(ModelWorkerService):
         exact = req.plan is not None and req.plan.exact_push and mode.pushes_by_query
         # smartgen with kv_bits: reads move codes too, from a region after the decode node's reservation (every
         # entry's record at a fixed place: shared/compute/entry_codes.py), which stays here under the lease
-        read_codes = entry_region_bytes(self.store.layout, n, req.kv_bits) if _reads_codes(mode, req) else 0
+        read_codes = entry_region_bytes(self.store.layout, n, req.kv_bits) if reads_codes(mode, req) else 0
         try:
             # NOTE: step 1 run here for the exact push appends the first token's entry: room for one more
             slab = self.store.allocate(req.request_id, n + 1 if exact else n, aux_bytes + read_codes)
@@ -240,36 +235,15 @@ class PrefillService(ModelWorkerService):
     def _check(self, req: Prefill) -> TransferMode:
         """The request's (resolved, disaggregated) mode, or RequestRefused saying why it cannot run here."""
         assert self.store and self.runner
-        served = modes_where(is_disaggregated=True, resolves_to=())
-        if req.transfer_mode not in served:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"prefill serves transfer modes {', '.join(served)}, "
-                                                f"not {req.transfer_mode!r}")
-        mode = mode_of(req.transfer_mode)
         if req.request_id in self.active:
             raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already being prefilled here")
         if req.request_id in self.aborted:
             raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
-        if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, "the prompt is empty or does not match the KV handle's token count")
-        if problem := self.runner.token_problem(req.token_ids):
-            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
-        if req.handle.layout != self.store.layout:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"KV layout mismatch: decode has {req.handle.layout}, prefill has {self.store.layout}")
-        if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, "the KV handle's slab does not fit the prompt")
-        if mode.pushes is Push.PLAN_BLOCKS:
-            if req.plan is None or req.plan.transfer_mode != req.transfer_mode or (mode.aux is Aux.METADATA and not req.selector):
-                raise RequestRefused(ErrorCode.BAD_REQUEST, f"transfer_mode {req.transfer_mode!r} needs its plan and a selector")
-            lay = self.store.layout
-            if problem := plan_problem(req.plan, lay.num_layers, len(req.token_ids), lay.page_tokens):
-                raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
-        if req.plan is not None and req.plan.exact_push and (problem := kv_budget_problem(req.kv_budget)):
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"the plan's exact push runs step 1 and needs its budget: {problem}")
-        if problem := mode.kv_bits_problem(req.kv_bits):
+        if problem := prefill_problem(req, self.runner, self.store.layout):
             raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused(ErrorCode.AT_CAPACITY, f"at capacity: {len(self.active)} requests in progress")
-        return mode
+        return mode_of(req.transfer_mode)
 
     async def _encoder(self, req: Prefill, transfer: Transfer) -> LayerEncoder | None:
         """What the torch thread computes per layer besides storing it, and where that lands in the aux area."""
@@ -285,7 +259,7 @@ class PrefillService(ModelWorkerService):
                                                 self.store.layout.page_tokens, req.handle.floor,
                                                 req.plan.query_stop_layer, req.plan.query_tail_tokens)
             try:
-                read_codes_at = req.handle.aux_bytes if _reads_codes(transfer.mode, req) else -1
+                read_codes_at = req.handle.aux_bytes if reads_codes(transfer.mode, req) else -1
                 layout, encode_layer = await self.in_torch(self.engine.metadata_encoder, transfer.slab, req.selector, n,
                                                            transfer.query_push, req.kv_bits, read_codes_at)
             except (ValueError, PreparationMissing) as exc:
