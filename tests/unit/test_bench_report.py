@@ -6,7 +6,8 @@ import pytest
 
 from tools.workloads import Sample
 from tools.bench import cluster, report, simulate
-from tools.bench.serve import mode_body, summarize
+from tools.bench.serve import mode_body
+from tools.bench.summary import summarize
 from tools.eval import accuracy
 
 
@@ -103,7 +104,7 @@ def test_loadtest_memory_growth_splits_the_run_after_warm_up():
 
 def test_answers_are_compared_with_the_same_prompts_all_local():
     """A selective row against colocated-selective, a dense one against colocated, prompt by prompt."""
-    from tools.bench.serve import token_agreement
+    from tools.bench.summary import token_agreement
 
     def rec(mode, task, tokens, selector="quest"):
         return {"mode": mode, "prompt_tokens_asked": 2048, "regime": "prefill", "pressure": 2.0, "link_gbps": 0.1,

@@ -1,7 +1,7 @@
 """The serving benchmark's report: ratios from the same run, a markdown table, and the paper-style plots.
 
 Ratios: TTST and TBT of each mode over `full` at the same prompt length, pacing regime and pressure, TTST over
-the honest bound (colocated-selective's step 1 on the same prompt plus the link term: serve.add_honest_bounds),
+the honest bound (colocated-selective's step 1 on the same prompt plus the link term: summary.add_honest_bounds),
 and over the colocated references measured in the same run, on the same prompts, interleaved (`colocated`
 dense: the physical limit; `colocated-selective`: the same selector with all KV local, what SmartGen's TBT is
 held against). Every row carries its quality beside its latency: KL vs dense and top-token agreement,

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,18 +49,16 @@ from typing import TYPE_CHECKING, Any
 from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, SMARTGEN_PATHS
 from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
+from tools.bench.summary import REFERENCE_MODES, add_honest_bounds, summarize
 from tools.client import Gateway
 
 if TYPE_CHECKING:
     from tools.stack import Stack
 
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
-CTL_TOKENS = (2, 8, 32, 64)
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
-REFERENCE_MODES = UNPACED_MODES  # in every run, on every prompt: the all-local references the ratios divide by
 REGIMES = ("prefill", "step")
 STEP_MATCH = 10.0  # step-matched links are this much faster than prefill-matched ones (module docstring)
-MIN_P99_SAMPLES = 20  # fewer requests than this report no p99
 ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
 
 
@@ -331,33 +328,6 @@ def measure_quality(cfg: BenchConfig, model: str, tokenizer, prompts: dict[int, 
     return {m: {"quality_config": c, **scores[c]} for m, c in by_mode.items() if c is not None}
 
 
-def add_honest_bounds(records: list[dict]) -> None:
-    """Per request, the figures its TTST is judged by, each measured in this run (docs/api.md, `ttst_bound_s`):
-    B₁ (`step1_kv_bytes`: what step 1 needed from the link), the link rate r (bytes/s, the plan's), the prefill
-    time T (with any step 1 run on the prefill node), `decode_s` (t64 − t1: the decode phase, without TTFT's
-    spread), and the honest bound: colocated-selective's step-1 compute on the same prompt (colocated's, for a
-    dense request) + max(0, B₁ − r·T)/r. The request's own step-1 compute would put its own overheads
-    (speculation, dequantization, bookkeeping) into its bound; the reference's does not."""
-    step1: dict[tuple, float] = {}
-    for r in records:
-        if r["mode"] in REFERENCE_MODES and r.get("step1_compute_s"):
-            step1[(r["mode"], r["prompt_tokens_asked"], r["sample"])] = r["step1_compute_s"]
-    for r in records:
-        times = r.get("token_times_s") or []
-        r["decode_s"] = times[-1] - times[0] if len(times) > 1 else None
-        plan = r.get("plan") or {}
-        rate = (plan.get("link_gbps") or 0.0) * 1e9 / 8
-        r["link_bytes_per_s"] = rate
-        reference = step1.get(("colocated-selective" if r.get("selector") else "colocated", r["prompt_tokens_asked"],
-                               r["sample"]))
-        b1, prefill_s = r.get("step1_kv_bytes"), r.get("prefill_s") or 0.0
-        if reference is None or b1 is None:
-            r["ttst_bound_honest_s"] = None
-            continue
-        wait_s = max(0.0, b1 - rate * prefill_s) / rate if rate > 0 else 0.0
-        r["ttst_bound_honest_s"] = reference + wait_s
-
-
 def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list) -> dict[str, dict]:
     """The selector's profile for every length bucket the measured prompts fall in (a prompt of N tokens is
     served from the bucket built for N), calibrated on kvprofile's own documents; bucket → build reply."""
@@ -427,115 +397,4 @@ def _serve(gateway: Gateway, body: dict, samples: list, concurrency: int, bar) -
 
 def _bar(cfg: BenchConfig, total: int):
     from tqdm import tqdm
-
     return tqdm(total=total, desc="bench serve", unit="req", disable=not cfg.progress)
-
-
-# --- summaries ---------------------------------------------------------------------------------
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """One entry per mode × prompt length × regime × setting: n, mean and p50 of the latencies (p99 only from
-    MIN_P99_SAMPLES requests), CTL, TTST's bound, bytes per path, local share."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["mode"], r["prompt_tokens_asked"], r["regime"], r["pressure"], r["link_gbps"]), []).append(r)
-    runs = []
-    for (mode, length, regime, r, gbps), rs in groups.items():
-        def spread(key: str) -> dict[str, float | None]:
-            values = [x[key] for x in rs if x.get(key) is not None]
-            return {f"{key[:-2]}_mean_s": _mean(values), f"{key[:-2]}_p50_s": _pct(values, 0.5),
-                    f"{key[:-2]}_p99_s": _pct(values, 0.99) if len(values) >= MIN_P99_SAMPLES else None}
-
-        paths = sorted({p for x in rs for p in x["kv_bytes"]})
-        ctl = {str(i): _mean([x["token_times_s"][i - 1] for x in rs if len(x["token_times_s"]) >= i]) for i in CTL_TOKENS}
-        runs.append({
-            "mode": mode, "regime": regime, "prompt_tokens": round(_mean([x["prompt_tokens"] for x in rs])),
-            "prompt_tokens_asked": length, "pressure": r, "link_gbps": gbps, "n": len(rs), "num_requests": len(rs),
-            **spread("ttft_s"), **spread("ttst_s"), **spread("tbt_s"), **spread("e2e_s"),
-            # the honest bound (add_honest_bounds): colocated-selective's step 1 on the same prompt + the link term
-            "ttst_bound_p50_s": _pct([x["ttst_bound_honest_s"] for x in rs if x.get("ttst_bound_honest_s") is not None], 0.5),
-            "ttst_bound_own_p50_s": _pct([x["ttst_bound_s"] for x in rs if x.get("ttst_bound_s") is not None], 0.5),
-            "ttst_over_bound_p50": _pct([x["ttst_s"] / x["ttst_bound_honest_s"] for x in rs
-                                         if x.get("ttst_s") and x.get("ttst_bound_honest_s")], 0.5),
-            "ctl_s": ctl, "ctl64_mean_s": ctl["64"], "decode_s_mean": _mean([x.get("decode_s") for x in rs]),
-            "prefill_mean_s": _mean([x.get("prefill_s") for x in rs]),
-            "step1_kv_bytes_mean": _mean([x.get("step1_kv_bytes") for x in rs]),
-            "ctl_curve_s": [_mean([x["token_times_s"][i] for x in rs if len(x["token_times_s"]) > i])
-                            for i in range(max(len(x["token_times_s"]) for x in rs))],
-            "kv_bytes": {p: _mean([x["kv_bytes"].get(p, 0) for x in rs]) for p in paths},
-            "local_share": _mean([x["local_share"] for x in rs]),
-            "step1_local_share": _mean([x["step_local_share"][0] for x in rs if x.get("step_local_share")]),
-            "on_demand_wait_s": _mean([x["on_demand_wait_s"] for x in rs]),
-            # where step 1's time goes on the decode node: waiting for the push, then building the cache and the
-            # remote view (kv_load), then step 1's own on-demand waits
-            "kv_wait_mean_s": _mean([x["kv_wait_s"] for x in rs if x.get("kv_wait_s") is not None]),
-            "kv_load_mean_s": _mean([x["kv_load_s"] for x in rs if x.get("kv_load_s") is not None]),
-            "step1_wait_mean_s": _mean([x["step_wait_s"][0] for x in rs if x.get("step_wait_s")]),
-            # on-demand reads per request: issued by a layer as it attended, or a layer early on a prediction
-            "fetch_reads_mean": _mean([x["reads"]["fetch"] for x in rs if x.get("reads")]),
-            "speculative_reads_mean": _mean([x["reads"]["speculative"] for x in rs if x.get("reads")]),
-            # path 3 by the latest query: reads of what a wider selection adds, and their bytes (in kv_bytes' background)
-            "ranked_reads_mean": _mean([x["reads"].get("ranked", 0) for x in rs if x.get("reads")]),
-            "ranked_bytes_mean": _mean([x["reads"].get("ranked_bytes", 0) for x in rs if x.get("reads")]),
-            "all_local_step": _mean([x["all_local_step"] for x in rs]),
-            "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
-            "concurrency": rs[0].get("concurrency", 1),
-            # the setting's requests were served `concurrency` at a time (one group per served_in_s): their tokens ÷
-            # the groups' wall time
-            "output_tokens_per_s": _tokens_per_s(rs),
-        })
-    agreement = token_agreement(records)
-    for run in runs:
-        run.update(agreement.get((run["mode"], run["prompt_tokens_asked"], run["regime"], run["pressure"],
-                                  run["link_gbps"]), {}))
-    return runs
-
-
-def _tokens_per_s(rs: list[dict]) -> float | None:
-    """Output tokens per second of one setting's requests: their tokens over the summed wall time of the groups
-    they were served in (records of one group share `served_in_s`; `sample` // concurrency names the group)."""
-    groups = {x.get("sample", 0) // max(1, x.get("concurrency", 1)): x.get("served_in_s") for x in rs}
-    wall = sum(t for t in groups.values() if t)
-    return sum(len(x["token_times_s"]) for x in rs) / wall if wall else None
-
-
-def token_agreement(records: list[dict]) -> dict[tuple, dict]:
-    """Per setting (as `summarize` groups them): how the answers compare with the same prompts' answers all
-    local — `colocated-selective`'s for a request with a selector, `colocated`'s for a dense one (when the run
-    has that row): `same_tokens` (share of requests whose tokens are equal) and `matched_prefix` (mean share of
-    the reference's tokens before the first difference)."""
-    def key(r: dict, nth: int) -> tuple:
-        return r["prompt_tokens_asked"], r.get("task", ""), nth
-
-    references: dict[str, dict[tuple, list[int]]] = {"colocated-selective": {}, "colocated": {}}
-    seen: dict[tuple, int] = {}
-    for r in records:
-        if r["mode"] in references:
-            nth = seen[(r["mode"], *key(r, 0))] = seen.get((r["mode"], *key(r, 0)), -1) + 1
-            references[r["mode"]].setdefault(key(r, nth), r.get("token_ids", []))
-    groups: dict[tuple, list[tuple[bool, float]]] = {}
-    seen.clear()
-    for r in records:
-        setting = (r["mode"], r["prompt_tokens_asked"], r["regime"], r["pressure"], r["link_gbps"])
-        nth = seen[(setting, r.get("task", ""))] = seen.get((setting, r.get("task", "")), -1) + 1
-        ref = references["colocated-selective" if r.get("selector") else "colocated"].get(key(r, nth))
-        if not ref or r["mode"] in references:
-            continue
-        ours = r.get("token_ids", [])
-        prefix = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
-        groups.setdefault(setting, []).append((ours == ref, prefix / max(1, len(ref))))
-    return {s: {"same_tokens": _mean([float(same) for same, _ in v]), "matched_prefix": _mean([m for _, m in v])}
-            for s, v in groups.items()}
