@@ -69,7 +69,9 @@ def command(args: argparse.Namespace) -> int:
     # NOTE: paths to the secrets (mode 0600), never the secrets: tools and admin routes need these settings
     print("smartgen: for tools and admin routes: export " + " ".join(f"{k}={v}" for k, v in stack.client_env().items()),
           flush=True)
-    supervisor = Supervisor(stack, say=lambda text: print(f"smartgen: {text}", file=sys.stderr, flush=True))
+    backoff = tuple(float(x) for x in os.environ.get("SMARTGEN_RESTART_BACKOFF_S", "").split(",") if x.strip())
+    supervisor = Supervisor(stack, say=lambda text: print(f"smartgen: {text}", file=sys.stderr, flush=True),
+                            **({"backoff_s": backoff} if backoff else {}))
     code = 0
     try:
         ready = False

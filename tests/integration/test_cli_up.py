@@ -202,12 +202,13 @@ def test_up_gives_up_on_a_service_that_keeps_dying_at_start(tiny_model_path, tmp
     the stack with exit code 1 and a message naming the service and its exit code, and leaves nothing running."""
     log = tmp_path / "up.log"
     proc = start_up(["--model", str(tiny_model_path), "--port", str(free_port())],
-                    {"SMARTGEN_KV_CACHE_MB": "-1", "SMARTGEN_NATS_URL": ""}, log)
+                    {"SMARTGEN_KV_CACHE_MB": "-1", "SMARTGEN_NATS_URL": "", "SMARTGEN_RESTART_BACKOFF_S": "0.5,1"}, log)
     try:
         assert proc.wait(120) == 1, log.read_text()[-3000:]
         text = log.read_text()
-        assert "giving up" in text and "times in a row" in text and "exit code" in text, text[-3000:]
-        assert "restarting it in 1 s (restart 1)" in text and "restarting it in 2 s (restart 2)" in text
+        assert "giving up" in text and "3 times in a row" in text and "exit code" in text, text[-3000:]
+        assert "no prefill replica is left" in text or "no decode replica is left" in text, text[-3000:]
+        assert "restarting it in 0.5 s (restart 1)" in text and "restarting it in 1 s (restart 2)" in text
         assert "smartgen: stopped" in text and "Traceback" not in text, text[-3000:]
     finally:
         if proc.poll() is None:

@@ -77,8 +77,33 @@ def test_a_service_that_keeps_dying_at_start_backs_off_then_is_given_up_on():
                 break
             clock.now += BACKOFF_S[-1]
             assert supervisor.poll() == ""  # started again
-        assert "broken died 3 times in a row" in verdict and "exit code 2" in verdict and "giving up" in verdict
-        assert [s.split("restarting it in ")[1] for s in said] == ["1 s (restart 1)", "2 s (restart 2)"]
+        assert f"broken died {MAX_QUICK_DEATHS} times in a row" in verdict and "exit code 2" in verdict
+        assert "giving up" in verdict and "no broken replica is left" in verdict
+        # the whole backoff, as documented: 1, 2, 4, … 30 s
+        assert [s.split("restarting it in ")[1].split(" s ")[0] for s in said] == [f"{b:g}" for b in BACKOFF_S]
         assert len(stack.restart_envs["broken"]) == MAX_QUICK_DEATHS - 1
+    finally:
+        stack.stop()
+
+
+def test_a_crash_looping_replica_stays_down_while_another_of_its_role_serves():
+    """Two decode replicas, one crash-looping: after its backoff it is left down and said so, the stack goes on
+    (poll returns ""), the healthy replica is untouched; had it been the last of its role, the stack would stop."""
+    stack = ProcessStack(**{"decode-0": "raise SystemExit(3)", "decode-1": "import time; time.sleep(60)"})
+    clock, said = Clock(), []
+    supervisor = Supervisor(stack, said.append, clock)
+    healthy = stack.processes["decode-1"]
+    try:
+        for _ in range(MAX_QUICK_DEATHS):
+            stack.processes["decode-0"].wait()
+            clock.now += 0.1
+            assert supervisor.poll() == ""  # never a reason to stop: decode-1 serves
+            clock.now += BACKOFF_S[-1]
+            supervisor.poll()
+        assert supervisor.given_up() == ["decode-0"]
+        assert "giving up on it" in said[-1] and "1 other decode replica(s) keep serving" in said[-1]
+        assert stack.processes["decode-1"] is healthy and healthy.poll() is None
+        clock.now += 100
+        assert supervisor.poll() == "" and len(stack.restart_envs["decode-0"]) == MAX_QUICK_DEATHS - 1  # left down
     finally:
         stack.stop()
