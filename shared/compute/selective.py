@@ -52,6 +52,12 @@ ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
 # docstring). One more selection of the layer (~0.1 ms for Quest at 2K on this CPU), only where the layer read.
 RANKED_READ_FACTOR = 2
+# A selective row's selection, gather and attention run on one torch thread (the rest of the step on all of them):
+# they are a few dozen ops over tensors of tens to hundreds of KB, and with OMP_WAIT_POLICY=PASSIVE (how services and
+# benchmarks run) every op large enough to go parallel first wakes the sleeping OpenMP threads, ~8 µs a time on
+# this CPU, more than a second thread saves on such an op (a 73K-element mul: 6.6 µs on one thread, 14.6 on two).
+# torch.set_num_threads costs ~0.1 µs; one thread computes the same values (each output is one thread's work).
+SERIAL_SELECTIVE = True
 
 
 class PendingRead(Protocol):
@@ -123,16 +129,22 @@ class Selection:
     num_selected: int = 0
     num_candidates: int = 0
     _scratch: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # gather buffers (K, V)
+    _tokens: tuple[int, int] = (-1, 0)  # (n, budget.tokens(n)) of the last step
 
-    def scratch(self, which: int, like: torch.Tensor) -> torch.Tensor:
-        """A (rows, d) buffer of `like`'s dtype and device for the selected K (0) or V (1) of one layer, sized by the
-        budget's widest selection so far (grown, never per step): attention gathers into it, then reads it."""
+    def scratch(self, which: int, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """A (≥ rows, d) buffer of `like`'s dtype and device for the selected K (0) or V (1) of one layer, grown with
+        some headroom (a context grows its selection a token every ten steps), never per step: attention gathers
+        into it, then reads it."""
         buf = self._scratch.get(which)
-        rows = like.shape[0] * (self.budget.tokens(like.shape[1]) + self.budget.floor.sinks + self.budget.floor.recent)
         if buf is None or buf.shape[0] < rows or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._scratch[which] = like.new_empty(max(rows, buf.shape[0] if buf is not None else 0) + 64 * like.shape[0],
-                                                        like.shape[-1])
+            buf = self._scratch[which] = like.new_empty(rows + 64 * like.shape[0], like.shape[-1])
         return buf
+
+    def tokens(self, n: int) -> int:
+        """`budget.tokens(n)`, remembered for the last n (every layer of a step asks for the same one)."""
+        if self._tokens[0] != n:
+            self._tokens = (n, self.budget.tokens(n))
+        return self._tokens[1]
 
     def count_blocks(self, num_layers: int, num_prompt_tokens: int, num_blocks: int) -> None:
         """Also count which relative blocks of the prompt each step selects (for online profiles)."""
@@ -222,22 +234,42 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
     assert step is not None and len(step.selections) == query.shape[0], "a BatchCache step outside stepping()"
     out = query.new_zeros(query.shape[0], 1, query.shape[1], query.shape[3])
     rows: list[_Row | None] = []
+    threads = torch.get_num_threads() if SERIAL_SELECTIVE else 1
     for b, sel in enumerate(step.selections):
         rows.append(None)
         if b in step.errors:
             continue
+        serial = threads > 1 and _narrow(sel, layer, keys[b])
         try:
+            if serial:
+                torch.set_num_threads(1)
             rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0]))
         except Exception as exc:  # noqa: BLE001 (a read that could not start: this row only)
             step.errors[b] = exc
+        finally:
+            if serial:
+                torch.set_num_threads(threads)
     for b, row in enumerate(rows):
         if row is None:
             continue
+        serial = threads > 1 and row.idx is not None
         try:
+            if serial:
+                torch.set_num_threads(1)
             out[b] = _attend(module, step.selections[b], row, scaling)[0]
         except Exception as exc:  # noqa: BLE001 (a read that failed or timed out: this row only)
             step.errors[b] = exc
+        finally:
+            if serial:
+                torch.set_num_threads(threads)
     return out
+
+
+def _narrow(sel: Selection | None, layer: int, keys: torch.Tensor) -> bool:
+    """Whether the row attends to a budget's subset at `layer` (keys (1, H_kv, n, d)): its selection and attention are
+    a few dozen small ops (see SERIAL_SELECTIVE)."""
+    n = keys.shape[2]
+    return sel is not None and layer >= DENSE_LAYERS and sel.tokens(n) < n
 
 
 def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row:
@@ -247,7 +279,7 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
     if sel.remote is not None:
         sel.remote.ready(layer)  # its pushed KV may still be landing (step 1)
     n = row.keys.shape[1]
-    k = sel.budget.tokens(n)
+    k = sel.tokens(n)
     if layer < DENSE_LAYERS or k >= n:  # the whole cache: exactly dense
         if layer >= DENSE_LAYERS:
             sel.num_selections += 1
@@ -303,7 +335,7 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
     assert sel is not None
     # one index_select per K and V into the row's preallocated buffers (a strided gather with an expanded index
     # costs ~40× as much on CPU), then SDPA over the KV heads with enable_gqa (no repeat_interleave copies)
-    k_sel, v_sel = gather_rows(keys, idx, sel.scratch(0, keys)), gather_rows(values, idx, sel.scratch(1, values))
+    k_sel, v_sel = gather_pair(keys, values, idx, sel.scratch(0, keys, idx.numel()), sel.scratch(1, values, idx.numel()))
     if row.pending is not None:
         row.pending.wait()  # the local entries above were gathered while the remote read was in flight
         rows, cols = row.pending.remote.nonzero(as_tuple=True)
@@ -334,35 +366,92 @@ def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -
     duplicates; every row gets the longest row's length (a shorter one is topped up with its most recent tokens
     not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent. The same indices as the reference
     (selectors/reference.py, a top-k over a score of every token), by a mask and one nonzero: no top-k, no sort."""
-    mask = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
+    mask = _floor_mask(idx.shape[0], n, sinks, recent, idx.device)
     mask.scatter_(1, idx, True)
-    mask[:, :sinks] = True
-    mask[:, max(0, n - recent):] = True
-    counts = mask.sum(dim=1)
-    width = int(counts.max())
-    short = width - counts  # (H_kv,) tokens each row is topped up with, its most recent ones not in it
-    if bool(short.any()):
-        free = ~mask
-        from_end = free.flip(1).cumsum(1).flip(1)  # free tokens at or after each position
-        mask |= free & (from_end <= short[:, None])
-    return mask.nonzero()[:, 1].view(idx.shape[0], width)  # row-major: each row ascending
+    return _mask_indices(mask, n)
+
+
+# (num_kv_heads, n, sinks, recent, device) → (num_kv_heads, n) bool with the sinks and the recent window set: built
+# once per context length, then every layer of a step (and every row at that length) clones it
+_FLOORS: dict[tuple, torch.Tensor] = {}
+
+
+def _floor_mask(rows: int, n: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
+    """A fresh (rows, n) bool mask holding the floor: the first `sinks` and the last `recent` tokens."""
+    key = (rows, n, sinks, recent, device)
+    base = _FLOORS.get(key)
+    if base is None:
+        if len(_FLOORS) >= 64:  # contexts move on one token a step: keep only recent lengths
+            _FLOORS.clear()
+        base = _FLOORS[key] = torch.zeros(rows, n, dtype=torch.bool, device=device)
+        base[:, :sinks] = True
+        base[:, max(0, n - recent):] = True
+    return base.clone()
+
+
+def _mask_indices(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """mask (H_kv, n) bool → its set positions (H_kv, width), each row ascending, width the widest row's count: a
+    shorter row is topped up with its most recent unset tokens (the reference's rule)."""
+    counts = mask.sum(dim=1).tolist()
+    width = max(counts)
+    if min(counts) < width:
+        # row r takes its last (width − count_r) free tokens: those whose running count of free tokens exceeds
+        # n − width (row r has n − count_r free tokens in all). Past the last of them every token is set already,
+        # so OR-ing the whole comparison in sets exactly those.
+        mask |= (~mask).cumsum(1) > n - width
+    return mask.nonzero()[:, 1].view(mask.shape[0], width)  # row-major: each row ascending
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (H_kv, n, d), a view whose rows are contiguous (a slab layer), idx (H_kv, k) → x[h, idx[h]] (H_kv, k, d):
     one index_select over the heads' rows, into `out` ((≥ H_kv·k, d) buffer of x's dtype) when given."""
+    flat = _flat_rows(x)
+    if flat is None:
+        return torch.gather(x, 1, idx[..., None].expand(-1, -1, x.shape[2]))
+    return _index_rows(flat, _row_positions(x, idx), idx.shape, out)
+
+
+def gather_pair(keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, k_out: torch.Tensor | None = None,
+                v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_rows` of keys and of values at the same `idx`: the rows' positions are computed once when both are
+    laid out alike (a slab layer's K and V)."""
+    flat_k = _flat_rows(keys)
+    if flat_k is None or keys.stride() != values.stride() or keys.shape != values.shape:
+        return gather_rows(keys, idx, k_out), gather_rows(values, idx, v_out)
+    flat_v = values.as_strided(flat_k.shape, flat_k.stride())
+    at = _row_positions(keys, idx)
+    return _index_rows(flat_k, at, idx.shape, k_out), _index_rows(flat_v, at, idx.shape, v_out)
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x (H_kv, n, d) with contiguous rows and heads a whole number of rows apart → the (rows, d) view over all its
+    heads' rows (None: not so laid out)."""
     h, n, d = x.shape
-    k = idx.shape[1]
-    if x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % d:
-        return torch.gather(x, 1, idx[..., None].expand(-1, -1, d))
-    step = x.stride(0) // d  # rows from one head to the next (the slab's capacity)
-    flat = x.as_strided(((h - 1) * step + n, d), (d, 1))
-    at = idx + torch.arange(0, h * step, step, device=idx.device)[:, None]
+    stride = x.stride()
+    if stride[2] != 1 or stride[1] != d or stride[0] % d:
+        return None
+    return x.as_strided(((h - 1) * (stride[0] // d) + n, d), (d, 1))
+
+
+_HEAD_ROWS: dict[tuple, torch.Tensor] = {}  # (heads, rows apart, device) → (heads, 1) first row of each head
+
+
+def _row_positions(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """idx (H_kv, k) → the (H_kv·k,) rows of `_flat_rows(x)` they name."""
+    key = (idx.shape[0], x.stride(0) // x.shape[2], idx.device)
+    first = _HEAD_ROWS.get(key)
+    if first is None:
+        first = _HEAD_ROWS[key] = torch.arange(0, key[0] * key[1], key[1], device=idx.device)[:, None]
+    return (idx + first).view(-1)
+
+
+def _index_rows(flat: torch.Tensor, at: torch.Tensor, shape: torch.Size, out: torch.Tensor | None) -> torch.Tensor:
+    h, k = shape
     if out is None or out.shape[0] < h * k:
-        return flat.index_select(0, at.view(-1)).view(h, k, d)
+        return flat.index_select(0, at).view(h, k, flat.shape[1])
     buf = out[: h * k]
-    torch.index_select(flat, 0, at.view(-1), out=buf)
-    return buf.view(h, k, d)
+    torch.index_select(flat, 0, at, out=buf)
+    return buf.view(h, k, flat.shape[1])
 
 
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -398,10 +487,14 @@ def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: 
                       floor: BudgetFloor) -> torch.Tensor:
     """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
     budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
-    window (the decode step's rule, shared with the prefill's query-aware push)."""
+    window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
+    mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it."""
     kept = min(n, floor.sinks + floor.recent)
-    idx = selector.select(layer, state, probe, max(1, k - kept))
-    return _with_sinks_and_recent(idx, n, floor.sinks, floor.recent) if kept else idx
+    if not kept:
+        return selector.select(layer, state, probe, max(1, k))
+    mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
+    selector.mark(layer, state, probe, max(1, k - kept), mask)
+    return _mask_indices(mask, n)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ def _selectors(geometry: Geometry):
             InfiniGenSelector(geometry, skew, channels)]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 2), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 2), (4, 4), (14, 2)])
 @pytest.mark.parametrize("n", [37, 300, 1030])
 def test_select_matches_reference(heads, kv_heads, n):
     """Every selector's `select`, with and without the floor, is index for index the reference's."""
@@ -53,6 +53,32 @@ def test_select_matches_reference(heads, kv_heads, n):
                               BudgetFloor(min_tokens=1, dense_below=0, sinks=0, recent=0)):
                     got = selective.select_with_floor(selector, 2, state, query, k, n, floor)
                     assert torch.equal(got, reference.select_with_floor(selector, 2, state, query, k, n, floor))
+
+
+def test_ties_and_zero_query_channels_match_reference():
+    """Quest's bound (one product on the side of the query's sign) and HATA's planes agree with the reference where
+    it is hardest: query channels that are exactly ±0, pages and codes that tie, keys with exact zeros."""
+    geometry = Geometry(num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, page_tokens=16)
+    gen = torch.Generator().manual_seed(7)
+    n = 16 * 40 + 5
+    keys = torch.randn(3, n, 64, generator=gen)
+    keys[:, 16:32] = keys[:, 48:64]  # two identical pages: equal bounds
+    keys[:, 100:200:3] = 0.0
+    for selector in (make_selector("quest", geometry), HataSelector(geometry)):
+        state = selector.new_state(2)
+        selector.extend(2, state, keys[:, : n - 1])
+        selector.extend(2, state, keys)
+        for trial in range(6):
+            query = torch.randn(9, 64, generator=gen)
+            query[:, ::5] = 0.0
+            query[:, 1::7] = -0.0
+            if trial % 2:
+                query = query.round()  # coarse values: many equal products and scores
+            for k in (16, 64, 200):
+                assert torch.equal(selector.select(2, state, query, k), reference.select(selector, 2, state, query, k))
+                floor = BudgetFloor(min_tokens=1, dense_below=0, sinks=4, recent=32)
+                assert torch.equal(selective.select_with_floor(selector, 2, state, query, k, n, floor),
+                                   reference.select_with_floor(selector, 2, state, query, k, n, floor))
 
 
 def test_floor_tops_up_short_rows_like_the_reference():

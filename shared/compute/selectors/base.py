@@ -122,9 +122,18 @@ class Selector(abc.ABC):
     def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (num_kv_heads, ≤ k) of the tokens to attend to for this query; rows sorted ascending."""
 
+    def mark(self, layer: int, state: LayerState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        """Set `mask` (num_kv_heads, ≥ n) bool at the tokens `select` picks, the same set (the decode step's floor
+        works on a mask: selectors override this to skip what a mask does not need, e.g. sorting the indices)."""
+        mask.scatter_(1, self.select(layer, state, query, k), True)
+
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(num_kv_heads, n) scores → (num_kv_heads, k) indices, sorted ascending. Ties broken by position
     (stable), so selection is deterministic."""
-    k = min(k, scores.shape[-1])
-    return torch.sort(torch.topk(scores, k, dim=-1, sorted=False).indices, dim=-1).values
+    return torch.sort(top_k_unsorted(scores, k), dim=-1).values
+
+
+def top_k_unsorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_k`'s indices, the same set per row, unsorted (enough to mark a mask)."""
+    return torch.topk(scores, min(k, scores.shape[-1]), dim=-1, sorted=False).indices

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
 
 NUM_BITS = 128
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -73,7 +73,8 @@ class HataSelector(Selector):
             w = self._per_query_head[key] = self.weights[layer].to(device).repeat_interleave(self.geometry.group, dim=0)
         return w
 
-    def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
+    def _scores(self, layer: int, state: HataState, query: torch.Tensor) -> torch.Tensor:
+        """(num_kv_heads, n) float: minus each token's Hamming distance to the query codes, summed over the group."""
         g = self.geometry
         q_codes = pack_codes(query[:, None, :], self._query_weights(layer, query.device))  # (H, 1, bytes)
         codes = state.codes.data  # (kv, n, bytes)
@@ -83,7 +84,13 @@ class HataSelector(Selector):
         else:
             hamming = hamming_sum(q_codes.view(torch.int64).view(g.num_kv_heads, g.group, -1),
                                   codes.view(torch.int64))
-        return top_k(-hamming.float(), k)
+        return -hamming.float()
+
+    def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
+        return top_k(self._scores(layer, state, query), k)
+
+    def mark(self, layer: int, state: HataState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        mask.scatter_(1, top_k_unsorted(self._scores(layer, state, query), k), True)
 
 
 _M1, _M2, _M4, _H01 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F, 0x0101010101010101

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
@@ -75,10 +75,17 @@ class InfiniGenSelector(Selector):
         state.num_tokens = num_tokens
         return state
 
-    def select(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> torch.Tensor:
+    def _scores(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        """(num_kv_heads, n) approximate logits relative to the best (best over the group), and how many to keep."""
         g = self.geometry
         q = self._partial(layer, query[:, None, :], per_query_head=True).view(g.num_kv_heads, g.group, -1)
         logits = q @ state.partial_keys.data.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
         rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
         count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
-        return top_k(rel, max(1, min(k, count)))
+        return rel, max(1, min(k, count))
+
+    def select(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int) -> torch.Tensor:
+        return top_k(*self._scores(layer, state, query, k))
+
+    def mark(self, layer: int, state: InfiniGenState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        mask.scatter_(1, top_k_unsorted(*self._scores(layer, state, query, k)), True)

@@ -42,3 +42,9 @@ class PositionalSelector(Selector):
         recent = torch.arange(max(sinks, n - (k - sinks)), n, device=device)
         indices = torch.cat([torch.arange(sinks, device=device), recent])
         return indices.expand(self.geometry.num_kv_heads, -1)
+
+    def mark(self, layer: int, state: LayerState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        n = state.num_tokens
+        sinks = min(self.num_sinks, k, n)
+        mask[:, :sinks] = True
+        mask[:, max(sinks, n - (k - sinks)): n] = True

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k_unsorted
 
 
 class QuestState(LayerState):
@@ -46,8 +46,12 @@ class QuestSelector(Selector):
         if room:
             head, fresh = fresh[:, :room], fresh[:, room:]
             last_min, last_max = state.page_min.data[:, -1], state.page_max.data[:, -1]
-            last_min.copy_(torch.minimum(last_min, head.amin(dim=1)))
-            last_max.copy_(torch.maximum(last_max, head.amax(dim=1)))
+            if head.shape[1] == 1:  # a decode step's one token: two in-place ops (min/max of one key is the key)
+                torch.minimum(last_min, head[:, 0], out=last_min)
+                torch.maximum(last_max, head[:, 0], out=last_max)
+            else:
+                torch.minimum(last_min, head.amin(dim=1), out=last_min)
+                torch.maximum(last_max, head.amax(dim=1), out=last_max)
         if fresh.shape[1]:
             pad = (-fresh.shape[1]) % t  # pad a new partial page with its own last key (min/max unchanged)
             if pad:
@@ -68,18 +72,37 @@ class QuestSelector(Selector):
         state.num_tokens = num_tokens
         return state
 
-    def select(self, layer: int, state: QuestState, query: torch.Tensor, k: int) -> torch.Tensor:
+    def _pages(self, state: QuestState, query: torch.Tensor, k: int) -> tuple[torch.Tensor | None, int, int]:
+        """The selected full pages (num_kv_heads, num_pages), unsorted (None: none, only the partial newest page),
+        the number of full pages and of tokens cached."""
         g, t, n = self.geometry, self.geometry.page_tokens, state.num_tokens
         num_full = n // t
-        device = query.device
-        tail = torch.arange(num_full * t, n, device=device).expand(g.num_kv_heads, -1)  # the partial newest page
-        num_pages = min(num_full, max(0 if tail.shape[1] else 1, (k - tail.shape[1]) // t))  # never select nothing
+        tail = n - num_full * t  # tokens of the partial newest page
+        num_pages = min(num_full, max(0 if tail else 1, (k - tail) // t))  # never select nothing
         if num_pages == 0:
-            return tail
+            return None, num_full, n
         lo = state.page_min.data[:, None, :num_full]  # (kv, 1, pages, d)
         hi = state.page_max.data[:, None, :num_full]
         q = query.float().view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, d)
-        bound = torch.maximum(q * lo, q * hi).sum(-1)  # (kv, G, pages): the most q·k can be in each page
-        pages = top_k(bound.sum(1), num_pages)  # (num_kv_heads, num_pages)
-        tokens = (pages[..., None] * t + torch.arange(t, device=device)).flatten(1)
+        # the most q·k can be in each page, Σ_d max(q_d·lo_d, q_d·hi_d), in two passes instead of three: lo ≤ hi and
+        # rounding is monotone, so the larger product is q·hi where q ≥ 0 and q·lo where q < 0; min(q, 0)·lo + max(q, 0)·hi
+        # adds that product to an exact zero, so it is the same float (the sum over d then runs as the reference's)
+        bound = (q.clamp(max=0) * lo).addcmul_(q.clamp(min=0), hi).sum(-1)  # (kv, G, pages)
+        return top_k_unsorted(bound.sum(1), num_pages), num_full, n
+
+    def select(self, layer: int, state: QuestState, query: torch.Tensor, k: int) -> torch.Tensor:
+        t = self.geometry.page_tokens
+        pages, num_full, n = self._pages(state, query, k)
+        tail = torch.arange(num_full * t, n, device=query.device).expand(self.geometry.num_kv_heads, -1)
+        if pages is None:
+            return tail
+        pages = torch.sort(pages, dim=-1).values
+        tokens = (pages[..., None] * t + torch.arange(t, device=query.device)).flatten(1)
         return torch.cat([tokens, tail], dim=1)  # ascending: full pages come before the partial one
+
+    def mark(self, layer: int, state: QuestState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        t = self.geometry.page_tokens
+        pages, num_full, n = self._pages(state, query, k)
+        mask[:, num_full * t: n] = True  # the partial newest page
+        if pages is not None:  # every token of each selected page: one scatter over (kv, pages, t)
+            mask[:, : num_full * t].view(mask.shape[0], num_full, t).scatter_(1, pages[..., None].expand(-1, -1, t), True)
