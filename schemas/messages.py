@@ -45,6 +45,7 @@ class WorkerInfo:
     request_ids: list[str] = field(default_factory=list)
     max_requests: int = 0  # model workers: how many requests they take at once (max_active_requests)
     prefill_rates: list[PrefillRate] = field(default_factory=list)  # prefill: measured rate by prompt length
+    draining: bool = False  # stopping (SIGTERM): finishing what it holds, taking nothing new (gateways pick others)
 
 
 @dataclass(frozen=True, slots=True)

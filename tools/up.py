@@ -86,7 +86,7 @@ def command(args: argparse.Namespace) -> int:
             time.sleep(0.25)
     finally:
         print("smartgen: stopping…", flush=True)
-        codes = stack.stop()
+        codes = stack.stop(timeout_s=float(os.environ.get("SMARTGEN_DRAIN_S", "30")) + 15)
         if args.api_key:
             shutil.rmtree(key_file.parent, ignore_errors=True)
         print("smartgen: stopped " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)

@@ -330,8 +330,7 @@ class DecodeService(ModelWorkerService):
         assert self.nc
         await self.nc.publish(req.stream_subject, encode(event))
 
-    # --- sizes ------------------------------------------------------------------------------
-    # --- cleanup ----------------------------------------------------------------------------
+    # --- admission, sizes and cleanup -------------------------------------------------------
     def _check_fits(self, num_tokens: int, max_tokens: int, aux_bytes: int) -> None:
         if problem := fits_problem(self.store, num_tokens, max_tokens, aux_bytes):
             raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
@@ -344,15 +343,19 @@ class DecodeService(ModelWorkerService):
         except OutOfPages as exc:
             raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
 
+    def is_idle(self) -> bool:  # a drain waits for the streams' last events too
+        return not self.active and not self.streaming
+
     def _admit(self, request_id: str) -> None:
+        if self.draining:
+            raise RequestRefused(ErrorCode.OVERLOADED, "draining: this decode worker is stopping; ask another")
         if request_id in self.active:
             raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {request_id} is already here")
         if len(self.active) >= self.config.max_active_requests:
             raise RequestRefused(ErrorCode.AT_CAPACITY, f"at capacity: {len(self.active)} requests in progress")
 
     async def _expire(self, request_id: str) -> None:
-        state = self.active.get(request_id)
-        if state is not None and state.phase is Phase.RESERVED:
+        if (state := self.active.get(request_id)) is not None and state.phase is Phase.RESERVED:
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
@@ -362,7 +365,7 @@ class DecodeService(ModelWorkerService):
             del self.active[state.request_id]
         if state.expiry:
             state.expiry.cancel()
-        assert self.remote_kv
+        assert self.remote_kv and self.store
         await asyncio.shield(self.remote_kv.end(state, reason or plan_state))
         if not state.progress.plan_state.is_final:
             self.remote_kv.plan_event(state, plan_state, reason)
@@ -372,8 +375,7 @@ class DecodeService(ModelWorkerService):
             # NOTE: queued behind any step still running for this request on the torch thread, so the slab is
             # never freed (and reused) under a computation that still writes into it.
             await asyncio.shield(self.in_torch(self.engine.end, state.request_id))
-        if self.store:
-            self.store.free(state.request_id)
+        self.store.free(state.request_id)
 
     def stats(self) -> dict[str, Any]:
         b, cfg = self.batcher, self.config

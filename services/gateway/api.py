@@ -86,6 +86,8 @@ def _error(exc: ApiError) -> web.Response:
 
 
 async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResponse:
+    if gw.draining:  # stopping: the requests in progress finish, new ones go to another gateway (or come back)
+        return _error(ApiError(503, "this gateway is stopping; try again shortly", code="draining", retry_after_s=1))
     try:
         # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
         body = json.loads(await asyncio.wait_for(request.read(), BODY_TIMEOUT_S))

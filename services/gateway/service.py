@@ -60,6 +60,9 @@ class GatewayService(Service):
     def admin_routes(self) -> list[web.RouteDef]:
         return api.routes(self)
 
+    def is_idle(self) -> bool:
+        return self.admission.running == 0 and not self.admission.waiting
+
     def max_body_bytes(self) -> int:
         return int(self.config.max_body_mb * (1 << 20))
 

@@ -239,6 +239,8 @@ class PrefillService(ModelWorkerService):
             raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already being prefilled here")
         if req.request_id in self.aborted:
             raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
+        if self.draining:
+            raise RequestRefused(ErrorCode.OVERLOADED, "draining: this prefill worker is stopping; ask another")
         if problem := prefill_problem(req, self.runner, self.store.layout):
             raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         if len(self.active) >= self.config.max_active_requests:

@@ -52,6 +52,9 @@ class ServiceConfig:
     # Bearer token for admin routes that change state (POST/DELETE…); "" = those routes answer 403
     admin_token: str = field(default="", repr=False)
     admin_token_file: str = ""
+    # On SIGTERM/SIGINT a service first drains: it takes nothing new (its heartbeats say so, so gateways pick
+    # others) and waits up to this long for what it holds to finish, then stops (0 = stop at once)
+    drain_s: float = 30.0
 
     @property
     def nats_urls(self) -> list[str]:

@@ -65,7 +65,7 @@ class WorkerRegistry:
     def pick(self, role: str, exclude: Collection[str] = ()) -> WorkerInfo | None:
         """The least loaded live worker of `role` (active requests + what we sent since its heartbeat), leaving
         out the worker ids in `exclude` (those that just refused)."""
-        candidates = [w for w in self.alive(role) if w.worker_id not in exclude]
+        candidates = [w for w in self.alive(role) if w.worker_id not in exclude and not w.draining]
         if not candidates:
             return None
         best = min(candidates, key=lambda w: (w.active_requests + self._workers[w.worker_id].num_assigned, w.worker_id))

@@ -57,6 +57,7 @@ class Service:
         self.metrics.gauge("smartgen_service_restarts", "Times a supervisor (smartgen up) restarted this service "
                            "after it died, before this process", lambda: float(config.restarts))
         self.nc: Client | None = None
+        self.draining = False  # stopping: take nothing new (drain)
         self.admin_url = ""
         self.started_unix = time.time()
 
@@ -68,7 +69,7 @@ class Service:
         """Cancel work and free resources. Called before NATS drains."""
 
     def is_ready(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+        return self.nc is not None and self.nc.is_connected and not self.draining
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, body) for GET /health. Healthy = the process can talk to NATS."""
@@ -95,9 +96,23 @@ class Service:
     def worker_info(self) -> WorkerInfo:
         return WorkerInfo(
             role=self.role, worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(),
-            admin_url=self.admin_url, version=__version__, started_unix=self.started_unix,
+            admin_url=self.admin_url, version=__version__, started_unix=self.started_unix, draining=self.draining,
             **self.load_info(),
         )
+
+    def is_idle(self) -> bool:
+        """Nothing in progress that a drain should wait for (each service says what it holds)."""
+        return True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take nothing new (`draining`, announced in a heartbeat now) and wait up to `timeout_s` for what is in
+        progress to finish: a rolling restart loses no request that can finish in time."""
+        self.draining = True
+        await self.publish_heartbeat()
+        deadline = time.monotonic() + timeout_s
+        while not self.is_idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        log.info("service_drained", idle=self.is_idle(), waited_s=round(timeout_s - max(0.0, deadline - time.monotonic()), 2))
 
     def load_info(self) -> dict[str, Any]:
         """Extra WorkerInfo fields (dataplane_addr, active_requests, kv pages…)."""
@@ -222,6 +237,8 @@ async def run_service(service: Service) -> None:
                  admin_token_set=bool(config.admin_token), pid=os.getpid())
         await stop.wait()
         log.info("service_stopping")
+        if config.drain_s > 0:
+            await service.drain(config.drain_s)
         # NOTE: undoing can hang where what it waits on is gone (draining a NATS connection whose server died
         # with the stack): whatever happens, the process ends SHUTDOWN_GRACE_S after the signal (a thread, so a
         # blocked event loop cannot hold it up)

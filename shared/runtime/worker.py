@@ -58,6 +58,9 @@ class ModelWorkerService(Service):
         self.metrics.gauge("smartgen_dataplane_checksum_failures", "Data-plane chunks whose crc32c did not match "
                            "since start", lambda: self._dataplane_count("checksum_failures"))
 
+    def is_idle(self) -> bool:
+        return not self.active
+
     def _dataplane_count(self, name: str) -> float:
         return float(self.dataplane.stats().get(name, 0) or 0) if self.dataplane is not None else 0.0
 
