@@ -13,7 +13,7 @@ from shared.compute.kvstore import KvStore
 from shared.compute.modeling import ModelRunner
 from shared.compute.selectors import Geometry, make_selector
 from shared.compute.selectors import reference
-from shared.compute.selectors.hata import HataSelector
+from shared.compute.selectors.hata import HataSelector, pack_codes
 from shared.compute.selectors.infinigen import InfiniGenSelector
 from tests.reference import prompt_ids
 from tools import prepare_selectors
@@ -79,6 +79,22 @@ def test_ties_and_zero_query_channels_match_reference():
                 floor = BudgetFloor(min_tokens=1, dense_below=0, sinks=4, recent=32)
                 assert torch.equal(selective.select_with_floor(selector, 2, state, query, k, n, floor),
                                    reference.select_with_floor(selector, 2, state, query, k, n, floor))
+
+
+def test_hata_codes_are_pack_codes():
+    """HATA's extend (a bmm and numpy's packbits on CPU) keeps exactly pack_codes's codes, which the prefill node
+    pushes; the word-major copy select reads holds the same bits."""
+    geometry = Geometry(num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64)
+    selector = HataSelector(geometry)
+    keys = torch.randn(3, 300, 64, generator=torch.Generator().manual_seed(3))
+    keys[:, ::11] = 0.0
+    state = selector.new_state(2)
+    for stop in (200, 201, 202, 300):  # a prompt, then a token at a time, then a chunk
+        selector.extend(2, state, keys[:, :stop])
+        assert torch.equal(state.codes.data, pack_codes(keys[:, :stop], selector.weights[2]))
+        selector.select(2, state, torch.randn(9, 64), 20)
+        words = state.words.data.view(3, 2, stop).transpose(1, 2).contiguous().view(torch.uint8)
+        assert torch.equal(words, state.codes.data)
 
 
 def test_floor_tops_up_short_rows_like_the_reference():
