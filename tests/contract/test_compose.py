@@ -197,7 +197,7 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
     from tools.nats_server import nats_server_binary
 
     result = run_compose(tmp_path, "-f", str(ROOT / "compose" / "nats-cluster.yml"), "config", "--format", "json",
-                         **required_env(tmp_path))
+                         **required_env(tmp_path), SMARTGEN_NATS_ROUTE_PASSWORD="route-pw")
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
     members = ["nats", "nats-2", "nats-3"]
@@ -217,8 +217,15 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
         k: str(v) for k, v in resolved["kvprofile"]["environment"].items()}).bucket_replicas == 3
 
     conf = ROOT / "compose" / "nats-cluster.conf"
-    assert all(f"nats://{m}:6222" in conf.read_text() for m in members)
+    routes = {k: str(v) for k, v in resolved["nats"]["environment"].items() if k.startswith("NATS_ROUTE_")}
+    assert sorted(routes.values()) == sorted(f"nats://route:route-pw@{m}:6222" for m in members)  # the password in each
+    assert all(str(resolved[m]["environment"]["SMARTGEN_NATS_ROUTE_PASSWORD"]) == "route-pw" for m in members)
     clean = {k: v for k, v in os.environ.items() if k != "SMARTGEN_NATS_TOKEN"}
+    member_env = {**clean, **routes, "SMARTGEN_NATS_TOKEN": TEST_TOKEN, "NATS_SERVER_NAME": "nats-1",
+                  "SMARTGEN_NATS_ROUTE_PASSWORD": "route-pw"}
     checked = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
-                             env={**clean, "SMARTGEN_NATS_TOKEN": TEST_TOKEN, "NATS_SERVER_NAME": "nats-1"})
+                             env=member_env)
     assert checked.returncode == 0, checked.stderr
+    refused = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                             env={k: v for k, v in member_env.items() if k != "SMARTGEN_NATS_ROUTE_PASSWORD"})
+    assert refused.returncode != 0 and "SMARTGEN_NATS_ROUTE_PASSWORD" in refused.stderr

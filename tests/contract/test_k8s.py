@@ -88,24 +88,62 @@ def test_deployment_matches_its_config(role, tmp_path):
 
 
 def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path):
-    """The StatefulSet runs three servers; their config (from the ConfigMap) clusters them over routes with
-    JetStream on, and the real nats-server accepts it with the token set and refuses it without."""
+    """The StatefulSet runs three servers; their config (from the ConfigMap) clusters them over routes that need
+    the route password (each route URL carries it, from the Secret), with JetStream on; the real nats-server
+    accepts it with the token and the route password set, and refuses it without either."""
     from tools.nats_server import nats_server_binary
 
     docs = documents()
     statefulset = next(d for d in docs if d["kind"] == "StatefulSet")
     assert statefulset["spec"]["replicas"] == 3 and statefulset["spec"]["serviceName"] == "nats"
     conf_text = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
-    assert "jetstream" in conf_text and all(f"nats-{i}.nats:6222" in conf_text for i in range(3))
+    assert "jetstream" in conf_text and "password: $SMARTGEN_NATS_ROUTE_PASSWORD" in conf_text
+    env = {e["name"]: e for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SMARTGEN_NATS_ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "nats-route-password"
+    for i in range(3):  # every route names the password (k8s expands $(VAR) from the variable set above it)
+        assert env[f"NATS_ROUTE_{i}"]["value"] == f"nats://route:$(SMARTGEN_NATS_ROUTE_PASSWORD)@nats-{i}.nats:6222"
     conf = tmp_path / "nats.conf"
     conf.write_text(conf_text.replace("/data/jetstream", str(tmp_path / "js")))
     clean = {k: v for k, v in os.environ.items() if k not in ("SMARTGEN_NATS_TOKEN", "POD_NAME")}
-    ok = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
-                        env={**clean, "SMARTGEN_NATS_TOKEN": "k8s-test-token", "POD_NAME": "nats-0"})
-    assert ok.returncode == 0, ok.stderr
-    unset = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
-                           env={**clean, "POD_NAME": "nats-0"})
-    assert unset.returncode != 0 and "SMARTGEN_NATS_TOKEN" in unset.stderr
+    routes = {f"NATS_ROUTE_{i}": f"nats://route:pw@nats-{i}.nats:6222" for i in range(3)}
+    full = {**clean, **routes, "SMARTGEN_NATS_TOKEN": "k8s-test-token", "SMARTGEN_NATS_ROUTE_PASSWORD": "pw",
+            "POD_NAME": "nats-0"}
+
+    def check(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
+                              env=env)
+
+    assert check(full).returncode == 0, check(full).stderr
+    for missing in ("SMARTGEN_NATS_TOKEN", "SMARTGEN_NATS_ROUTE_PASSWORD"):
+        refused = check({k: v for k, v in full.items() if k != missing})
+        assert refused.returncode != 0 and missing in refused.stderr
+
+
+def test_pods_run_as_non_root_behind_network_policies_and_disruption_budgets():
+    """Every pod runs as a non-root user without privilege escalation or capabilities, and can read its secret
+    files through its group; NetworkPolicies deny by default and open the API, NATS (routes to NATS servers
+    only), the data plane between model workers, and admin ports within the stack; NATS, prefill and decode
+    have PodDisruptionBudgets; SIGTERM's drain fits the grace period."""
+    docs = documents()
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert len(pods) == 6
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        for container in pod["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"]
+    for d in docs:
+        if d["kind"] == "Deployment":
+            assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30  # drain_s
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies["smartgen-default-deny"]["policyTypes"] == ["Ingress"] and "ingress" not in policies["smartgen-default-deny"]
+    nats_rules = policies["smartgen-nats"]["ingress"]
+    route_rule = next(r for r in nats_rules if {p["port"] for p in r["ports"]} == {6222})
+    assert route_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nats"}}}]
+    budgets = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert budgets == {"nats", "prefill", "decode"}
 
 
 def test_kustomizations_name_what_exists():
