@@ -178,6 +178,9 @@ class Sampling:
     logit_bias: dict[str, float] = field(default_factory=dict)  # OpenAI: token id (a string) → added to its logit
     logprobs: int = -1  # ≥ 0: report each token's log-probability and this many most likely alternatives
     echo: bool = False  # with logprobs ≥ 0: the prefill also reports every prompt token's (OpenAI `echo`)
+    min_p: float = 0.0  # vLLM: at temperature > 0, drop tokens less likely than min_p × the most likely one
+    min_tokens: int = 0  # vLLM: the tokens in `end_ids` cannot be sampled before this many tokens were generated
+    end_ids: list[int] = field(default_factory=list)  # the token ids that end the answer (what min_tokens holds off)
 
     @property
     def penalizes(self) -> bool:

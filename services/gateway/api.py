@@ -152,7 +152,8 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
 
 def _new_run(gw: Gateway, job: CompletionJob, queue_s: float) -> CompletionRun:
     """An admitted job's run (after `queue_s` seconds in the admission queue)."""
-    run = CompletionRun(gw.nc, gw.registry, job, [] if job.ignore_eos else gw.stop_token_ids, gw.config.request_timeout_s)
+    end_ids = sorted({*([] if job.ignore_eos else gw.stop_token_ids), *job.stop_token_ids})  # EOS unless ignored
+    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s)
     run.queue_s = queue_s
     return run
 
@@ -166,7 +167,7 @@ async def _respond(gw: Gateway, run: CompletionRun) -> web.Response:
 
 async def _complete(gw: Gateway, run: CompletionRun) -> dict[str, Any]:
     """Run the request to its end: the JSON body, or ApiError."""
-    text = TextStream(gw.tokenizer, run.job.stop)
+    text = TextStream(gw.tokenizer, run.job.stop, run.job.include_stop_str_in_output)
     try:
         async for token in run.tokens():
             text.add(token)
@@ -214,7 +215,7 @@ async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str 
 
 
 async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.StreamResponse:
-    text = TextStream(gw.tokenizer, run.job.stop)
+    text = TextStream(gw.tokenizer, run.job.stop, run.job.include_stop_str_in_output)
     response: web.StreamResponse | None = None
     sent_any = False  # the first chunk of a chat stream names the role
     offset = 0  # the text offset of the next token (completions logprobs)

@@ -109,7 +109,8 @@ class CompletionRun:
         sampling = Sampling(job.temperature, job.seed, top_p=job.top_p, top_k=job.top_k,
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
                             repetition_penalty=job.repetition_penalty, logit_bias=job.logit_bias, logprobs=job.logprobs,
-                            echo=job.echo and job.logprobs >= 0)
+                            echo=job.echo and job.logprobs >= 0, min_p=job.min_p, min_tokens=job.min_tokens,
+                            end_ids=list(self.stop_token_ids))
         first, done = -1, None
         try:
             if not disaggregated:

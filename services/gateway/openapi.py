@@ -13,7 +13,8 @@ from typing import Any
 
 from schemas import AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
-                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_K, NOT_YET)
+                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
+                                       NOT_YET)
 from shared import __version__
 
 Schema = dict[str, Any]
@@ -172,6 +173,14 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                              f"stream; prompts × n ≤ {MAX_PROMPTS}"},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
                   "description": "nucleus sampling: the most likely tokens whose probabilities reach top_p (1 = all)"},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
+                  "description": "vLLM: at temperature > 0, drop tokens less likely than min_p × the most likely"},
+        "min_tokens": {"type": ["integer", "null"], "minimum": 0,
+                       "description": "vLLM: no end-of-sequence or stop token before this many tokens (≤ max_tokens)"},
+        "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+                           "maxItems": MAX_STOP_TOKEN_IDS, "description": "vLLM: more token ids that end the answer"},
+        "include_stop_str_in_output": {"type": ["boolean", "null"],
+                                       "description": "vLLM: keep a matched stop string at the end of the text"},
         "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": MAX_TOP_K,
                   "description": "sample among the top_k most likely tokens (0 or -1 = all)"},
         "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,

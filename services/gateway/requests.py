@@ -13,6 +13,7 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_S
 from schemas.subjects import is_token
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # per stop string: the stop check costs O(this) per token on the gateway's event loop
 MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts × n), each a job
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
@@ -66,6 +67,10 @@ class CompletionJob:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] = field(default_factory=dict)  # token id → added to its logit
+    min_p: float = 0.0  # vLLM: drop tokens less likely than min_p × the most likely (at temperature > 0)
+    min_tokens: int = 0  # vLLM: no end token (EOS, stop_token_ids) before this many completion tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM: more token ids that end the answer
+    include_stop_str_in_output: bool = False  # vLLM: a matched stop string stays at the end of the text
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -158,6 +163,17 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                  "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                  "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, above=True)}
     logit_bias = _logit_bias(body.get("logit_bias"), len(tokenizer))
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    stop_token_ids = body.get("stop_token_ids")
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
+    if not isinstance(stop_token_ids, list) or len(stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in stop_token_ids):
+        raise ApiError(400, f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids below "
+                            f"{len(tokenizer)}", "stop_token_ids")
+    include_stop = body.get("include_stop_str_in_output")
+    include_stop = False if include_stop is None else include_stop
+    if not isinstance(include_stop, bool):
+        raise ApiError(400, "include_stop_str_in_output must be true or false", "include_stop_str_in_output")
     n = body.get("n", 1)
     if isinstance(n, bool) or n not in (1, None):  # NOTE: parse_jobs turns n > 1 into n jobs of n = 1
         raise ApiError(400, f"n must be an integer from 1 to {MAX_PROMPTS}", "n")  # parse_jobs splits n > 1 into jobs
@@ -222,6 +238,10 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
+    min_tokens = body.get("min_tokens")
+    min_tokens = 0 if min_tokens is None else min_tokens
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"min_tokens must be an integer from 0 to max_tokens ({max_tokens})", "min_tokens")
     failure_policy = body.get("failure_policy", FAILURE_POLICIES[0])
     if failure_policy not in FAILURE_POLICIES:
         raise ApiError(400, f"failure_policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
@@ -234,7 +254,9 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          kv_budget=float(kv_budget) if kv_budget is not None else None,
                          kv_bits=kv_bits or 0, ablate=sorted(set(ablate)), ignore_eos=ignore_eos,
                          failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
-                         logit_bias=logit_bias, **penalties)
+                         logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
+                         stop_token_ids=sorted(set(stop_token_ids)), include_stop_str_in_output=include_stop,
+                         **penalties)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, above: bool = False) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from shared.runtime.metrics import LatencyMetrics
 from shared.runtime.models import resolve_model
@@ -23,6 +23,15 @@ from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
 from shared.runtime.registry import WorkerRegistry
+
+def _generation_end_ids(path) -> list[int]:
+    """The end-of-sequence ids of the model's generation_config.json (one id or a list), [] without one."""
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
 
 class GatewayService(Service):
     role = "gateway"
@@ -49,7 +58,9 @@ class GatewayService(Service):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
         self.model_id = config.served_model_name or path.name
-        self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
+        # every id that ends a turn: the tokenizer's EOS and the generation config's (a chat template with its own
+        # end-of-turn token lists it there)
+        self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_end_ids(path)} - {None})
 
     def http_port(self) -> int:
         return self.config.gateway_port

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: Sequence[str]):
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+    def __init__(self, tokenizer, stop: Sequence[str], include_stop: bool = False):
+        """`include_stop` (vLLM's include_stop_str_in_output): a matched stop string stays at the end of the text."""
+        self.tokenizer, self.stop, self.include_stop = tokenizer, [s for s in stop if s], include_stop
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""  # the answer's text so far (settled characters only)
@@ -35,10 +36,11 @@ class TextStream:
         searched_from = max(0, len(self.text) - self.longest_stop + 1)  # a stop ending in `new` starts here or later
         self.text += new
         window = self.text[searched_from:]
-        found = [at for s in self.stop if (at := window.find(s)) != -1]
+        found = [(at, at + len(s)) for s in self.stop if (at := window.find(s)) != -1]
         if found:
             self.is_stopped = True
-            return self._emit(self.text[: searched_from + min(found)])
+            start, end = min(found)
+            return self._emit(self.text[: searched_from + (end if self.include_stop else start)])
         # hold back a tail that could still become a stop string
         return self._emit(self.text[: len(self.text) - self._hold()])
 

@@ -46,14 +46,17 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequenc
         logits = penalized(logits, sampling, prompt, completion[:index])
     if sampling.logit_bias:
         logits = biased(logits, sampling.logit_bias)
+    if index < sampling.min_tokens and sampling.end_ids:  # too early to end: the end tokens are not candidates
+        logits = logits.clone()
+        logits[torch.tensor(sampling.end_ids, device=logits.device)] = float("-inf")
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float().cpu() / sampling.temperature
     if not torch.isfinite(scaled.max()):  # a temperature so small (1e-300) it overflows: its limit, greedy
         return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + index) % 2**63)
-    return int(torch.multinomial(torch.softmax(truncated(scaled, sampling.top_k, sampling.top_p), dim=-1), 1,
-                                 generator=generator))
+    kept = truncated(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
+    return int(torch.multinomial(torch.softmax(kept, dim=-1), 1, generator=generator))
 
 
 def penalized(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
@@ -79,10 +82,10 @@ def biased(logits: torch.Tensor, logit_bias: dict[str, float]) -> torch.Tensor:
     return out
 
 
-def truncated(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """scaled (vocab,) logits with every token outside the `top_k` most likely (0 = no limit) and outside the
-    nucleus (the most likely tokens whose probabilities, in order, first reach `top_p`) set to -inf. The most
-    likely token always stays; so do tokens tied with the k-th."""
+def truncated(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """scaled (vocab,) logits with every token outside the `top_k` most likely (0 = no limit), outside the nucleus
+    (the most likely tokens whose probabilities, in order, first reach `top_p`), and less likely than `min_p` × the
+    most likely token set to -inf. The most likely token always stays; so do tokens tied with the k-th."""
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -93,6 +96,9 @@ def truncated(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         outside[0] = False  # NOTE: a top_p below float32's smallest value rounds to 0 there; the first stays anyway
         scaled = scaled.clone()
         scaled[order[outside]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return scaled
 
 

@@ -202,3 +202,43 @@ async def test_a_stream_write_the_client_never_takes_ends_the_stream(monkeypatch
     monkeypatch.setattr(api, "WRITE_TIMEOUT_S", 0.05)
     with pytest.raises(ConnectionResetError, match="took no data"):
         await api._send(StuckResponse(), {"choices": []})  # type: ignore[arg-type]
+
+
+def test_min_p_and_min_tokens_follow_vllm():
+    """min_p drops the tokens less likely than min_p × the most likely (0.4, 0.3, 0.2, 0.1 at min_p 0.6: 0.24 is the
+    bar, so tokens 0 and 1 stay); min_tokens holds the end ids off while fewer tokens were generated, greedy or not,
+    and lets them be chosen from that index on."""
+    import torch
+
+    from schemas import Sampling
+    from shared.compute.sampling import sample
+
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert {sample(logits, Sampling(1.0, seed=s, min_p=0.6), 0) for s in range(200)} == {0, 1}
+    assert {sample(logits, Sampling(1.0, seed=s, min_p=0.0), 0) for s in range(200)} == {0, 1, 2, 3}
+    early = Sampling(0.0, min_tokens=3, end_ids=[0])
+    assert [sample(logits, early, i) for i in range(5)] == [1, 1, 1, 0, 0]  # token 0 (the end) only from index 3
+    assert all(sample(logits, Sampling(1.0, seed=s, min_tokens=2, end_ids=[0, 1]), 1) in (2, 3) for s in range(50))
+
+
+def test_request_fields_vllm_users_send_are_honoured_or_refused(tiny_model_path):
+    """min_p, min_tokens, stop_token_ids and include_stop_str_in_output are parsed into the job; a bad value of
+    each is a 400 naming it; a matched stop string stays in the text with include_stop_str_in_output."""
+    from transformers import AutoTokenizer
+
+    from services.gateway.requests import ApiError, parse_job
+    from services.gateway.textstream import TextStream
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    base = {"model": "m", "prompt": "Hello", "max_tokens": 8}
+    job = parse_job({**base, "min_p": 0.05, "min_tokens": 4, "stop_token_ids": [7, 3, 7],
+                     "include_stop_str_in_output": True}, "completion", tok, 256, "m", "full", 16)
+    assert (job.min_p, job.min_tokens, job.stop_token_ids, job.include_stop_str_in_output) == (0.05, 4, [3, 7], True)
+    for field, value in (("min_p", 1.5), ("min_tokens", 9), ("min_tokens", -1), ("stop_token_ids", [len(tok)]),
+                         ("stop_token_ids", "7"), ("include_stop_str_in_output", "yes")):
+        with pytest.raises(ApiError) as caught:
+            parse_job({**base, field: value}, "completion", tok, 256, "m", "full", 16)
+        assert caught.value.param == field, (field, value)
+    ids = tok("Hello world, this is the end. More")["input_ids"]
+    stream = TextStream(tok, stop=["the end"], include_stop=True)
+    assert "".join(stream.add(i) for i in ids) + stream.flush() == "Hello world, this is the end"
