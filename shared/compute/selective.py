@@ -56,7 +56,8 @@ RANKED_READ_FACTOR = 2
 # they are a few dozen ops over tensors of tens to hundreds of KB, and with OMP_WAIT_POLICY=PASSIVE (how services and
 # benchmarks run) every op large enough to go parallel first wakes the sleeping OpenMP threads, ~8 µs a time on
 # this CPU, more than a second thread saves on such an op (a 73K-element mul: 6.6 µs on one thread, 14.6 on two).
-# torch.set_num_threads costs ~0.1 µs; one thread computes the same values (each output is one thread's work).
+# Measured on the whole step too (8K, 2 threads, interleaved): the gather and attention of the subset on two threads
+# made every selective step ~6 ms slower. torch.set_num_threads costs ~0.1 µs; one thread computes the same values.
 SERIAL_SELECTIVE = True
 
 

@@ -9,12 +9,21 @@ passes it, see selective.py); tokens within `alpha` of the best logit are kept, 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
+
+
+def _power_of_two(x: float) -> bool:
+    """x a power of two: scaling by it only moves exponents, so (q / x)·k and (q·k) / x are the same float (in the
+    normal range: partial queries and keys are nowhere near 1e-38)."""
+    m, _ = math.frexp(x)
+    return m == 0.5
 
 
 class InfiniGenState(LayerState):
@@ -79,8 +88,12 @@ class InfiniGenSelector(Selector):
         """(num_kv_heads, n) approximate logits relative to the best (best over the group), and how many to keep."""
         g = self.geometry
         q = self._partial(layer, query[:, None, :], per_query_head=True).view(g.num_kv_heads, g.group, -1)
-        logits = q @ state.partial_keys.data.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
-        rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
+        scale = g.head_dim ** 0.5
+        if _power_of_two(scale):  # dividing q instead of the logits is the same floats (d = 64: / 8) and n× fewer ops
+            logits = (q / scale) @ state.partial_keys.data.transpose(1, 2)  # (kv, G, n)
+        else:
+            logits = q @ state.partial_keys.data.transpose(1, 2) / scale
+        rel = logits.sub_(logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
         count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
         return rel, max(1, min(k, count))
 
