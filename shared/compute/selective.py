@@ -58,6 +58,8 @@ RANKED_READ_FACTOR = 2
 # this CPU, more than a second thread saves on such an op (a 73K-element mul: 6.6 µs on one thread, 14.6 on two).
 # Measured on the whole step too (8K, 2 threads, interleaved): the gather and attention of the subset on two threads
 # made every selective step ~6 ms slower. torch.set_num_threads costs ~0.1 µs; one thread computes the same values.
+# CPU and fp32 compute only (the CPU default): torch.set_num_threads also clears oneDNN's primitive cache, which
+# bf16 compute on CPU would then rebuild every layer.
 SERIAL_SELECTIVE = True
 
 
@@ -235,7 +237,8 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
     assert step is not None and len(step.selections) == query.shape[0], "a BatchCache step outside stepping()"
     out = query.new_zeros(query.shape[0], 1, query.shape[1], query.shape[3])
     rows: list[_Row | None] = []
-    threads = torch.get_num_threads() if SERIAL_SELECTIVE else 1
+    serial_ok = SERIAL_SELECTIVE and query.device.type == "cpu" and query.dtype == torch.float32
+    threads = torch.get_num_threads() if serial_ok else 1
     for b, sel in enumerate(step.selections):
         rows.append(None)
         if b in step.errors:
@@ -336,7 +339,8 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
     assert sel is not None
     # one index_select per K and V into the row's preallocated buffers (a strided gather with an expanded index
     # costs ~40× as much on CPU), then SDPA over the KV heads with enable_gqa (no repeat_interleave copies)
-    k_sel, v_sel = gather_pair(keys, values, idx, sel.scratch(0, keys, idx.numel()), sel.scratch(1, values, idx.numel()))
+    rows = idx.numel()
+    k_sel, v_sel = gather_pair(keys, values, idx, sel.scratch(0, keys, rows), sel.scratch(1, values, rows))
     if row.pending is not None:
         row.pending.wait()  # the local entries above were gathered while the remote read was in flight
         rows, cols = row.pending.remote.nonzero(as_tuple=True)

@@ -7,12 +7,12 @@ query heads of the group; a fixed budget of the best tokens is kept. W is learne
 Gaussian projections (SimHash, fixed seed) are the untrained fallback.
 Metadata: the packed codes, num_bits / 8 bytes per KV head per token.
 
-Scoring (CPU, whole 64-bit words): the group's Hamming distances in as few popcounts as the group size has bits.
-With w_b = Σ_g q_g,b ∈ 0…G the query heads' votes for bit b, Σ_g popcount(q_g ^ c) = Σ_b (c_b ? G − w_b : w_b); when
-G = 2^m − 1 (SmolLM2: 3), G − w = w ^ G, so that is Σ_b (w_b ^ G·c_b) = Σ_i 2^i popcount(W_i ^ c) over the bit planes
-W_i of w: 2 popcounts instead of 3. The popcounts are numpy's (`bitwise_count`, a hardware popcount) over the codes
-kept word-major next to the metadata (kv, words, n), so each pass is one long loop: ~10× the SWAR popcount in torch
-ops (`hamming_sum`, still the path off CPU). Same integers as the byte table of the reference, so the same top-k.
+Scoring (CPU, whole 64-bit words): the group's Hamming distances in as few popcounts as the group size has
+bits. With w_b = Σ_g q_g,b ∈ 0…G the query heads' votes for bit b, Σ_g popcount(q_g ^ c) = Σ_b (c_b ? G − w_b : w_b);
+when G = 2^m − 1 (SmolLM2: 3), G − w = w ^ G, so that is Σ_b (w_b ^ G·c_b) = Σ_i 2^i popcount(W_i ^ c) over the bit
+planes W_i of w: 2 popcounts instead of 3. The popcounts are numpy's (`bitwise_count`, a hardware popcount) over the
+codes kept word-major next to the metadata (kv, words, n), so each pass is one long loop: ~10× the SWAR popcount in
+torch ops (`hamming_sum`, still the path off CPU). Same integers as the byte table of the reference, so the same top-k.
 """
 from __future__ import annotations
 

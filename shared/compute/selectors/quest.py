@@ -85,8 +85,9 @@ class QuestSelector(Selector):
         hi = state.page_max.data[:, None, :num_full]
         q = query.float().view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, d)
         # the most q·k can be in each page, Σ_d max(q_d·lo_d, q_d·hi_d), in two passes instead of three: lo ≤ hi and
-        # rounding is monotone, so the larger product is q·hi where q ≥ 0 and q·lo where q < 0; min(q, 0)·lo + max(q, 0)·hi
-        # adds that product to an exact zero, so it is the same float (the sum over d then runs as the reference's)
+        # rounding is monotone, so the larger product is q·hi where q ≥ 0 and q·lo where q < 0; min(q, 0)·lo +
+        # max(q, 0)·hi adds that product to an exact zero, so it is the same float (the sum over d then runs as the
+        # reference's)
         bound = (q.clamp(max=0) * lo).addcmul_(q.clamp(min=0), hi).sum(-1)  # (kv, G, pages)
         return top_k_unsorted(bound.sum(1), num_pages), num_full, n
 
@@ -105,4 +106,5 @@ class QuestSelector(Selector):
         pages, num_full, n = self._pages(state, query, k)
         mask[:, num_full * t: n] = True  # the partial newest page
         if pages is not None:  # every token of each selected page: one scatter over (kv, pages, t)
-            mask[:, : num_full * t].view(mask.shape[0], num_full, t).scatter_(1, pages[..., None].expand(-1, -1, t), True)
+            whole = pages[..., None].expand(-1, -1, t)
+            mask[:, : num_full * t].view(mask.shape[0], num_full, t).scatter_(1, whole, True)
