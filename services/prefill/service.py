@@ -16,9 +16,9 @@ Life of a request here:
   3. The first token is sampled and returned (after step 1, where it ran here); the last layers' pushes may
      still be in flight.
   4. full, quantized: when every push is acked, the local slab is freed.
-     partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease the decode
-     node extends (`keep`); it is freed on `release` (every entry is local, or the request ended), on
-     `abort`, or when the lease expires.
+     partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease, from when the
+     last push has left, that the decode node extends (`keep`); it is freed on `release` (every entry is
+     local, or the request ended), on `abort`, or when the lease expires (the decode node is told).
   5. A failed push is reported to the decode node (`transfer_failed`) so the waiting side learns at once.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Coroutine
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any
 
 import structlog
@@ -217,8 +217,7 @@ class PrefillService(ModelWorkerService):
         return Ack()
 
     def _background(self, freeing: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(freeing)
-        self._freeing.add(task)
+        self._freeing.add(task := asyncio.create_task(freeing))
         task.add_done_callback(self._freed)
 
     def _freed(self, task: asyncio.Task[None]) -> None:
@@ -227,8 +226,7 @@ class PrefillService(ModelWorkerService):
             log.error("kv_not_freed", error=repr(task.exception()))
 
     async def keep(self, req: KeepLease) -> None:
-        transfer = self.active.get(req.request_id)
-        if transfer is not None and transfer.lease is not None:
+        if (transfer := self.active.get(req.request_id)) is not None and transfer.lease is not None:
             self._arm_lease(transfer)
 
     # --- internals -------------------------------------------------------------------------
@@ -317,8 +315,7 @@ class PrefillService(ModelWorkerService):
             codes_offset = codes_bits = 0
             ranges = [(off, off + length) for layer in range(layers) for off, length in self.store.rows(transfer.slab, layer, 0, n)]
         transfer.read_grant = Grant(secrets.randbits(63), ranges)
-        self.dataplane.grant(transfer.read_grant)
-        self._arm_lease(transfer)
+        self.dataplane.grant(transfer.read_grant)  # NOTE: the lease starts in _await_pushes (life cycle, 4)
         return KvSource(self.worker_id, self.dataplane.address, transfer.read_grant.ticket,
                         self.store.offset(transfer.slab), transfer.slab.capacity, self.config.lease_s, codes_offset,
                         codes_bits)
@@ -334,6 +331,7 @@ class PrefillService(ModelWorkerService):
         if self.active.get(request_id) is transfer:
             log.warning("lease_expired", request_id=request_id, lease_s=self.config.lease_s)
             self.leases_expired.inc()
+            await self._report_failure(transfer.handle, f"the prefill's lease expired ({self.config.lease_s:g} s)")
             await self._finish(request_id, cancel=True)
 
     async def _await_pushes(self, request_id: str) -> None:
@@ -356,6 +354,8 @@ class PrefillService(ModelWorkerService):
                 return
             if transfer.read_grant is None:  # full, quantized: everything has left
                 await self._finish(request_id, cancel=False)
+            else:  # the rest stays readable, as long as the decode node keeps the lease
+                self._arm_lease(transfer)
 
     async def _report_failure(self, handle: KvHandle, error: str) -> None:
         if self.nc is not None:
