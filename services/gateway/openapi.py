@@ -38,7 +38,8 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                                      unavailable=True)},
             "/ready": {"get": _read("Like /health, as {ready: bool}", "Ready", unavailable=True)},
             "/live": {"get": _read("200 while the process answers, whatever NATS or the workers do (liveness)", "Live")},
-            "/workers": {"get": _read("The workers this gateway hears heartbeats from", "WorkerList")},
+            "/workers": {"get": _admin_read("The workers this gateway hears heartbeats from (pids and internal "
+                                            "addresses: with the admin token)", "WorkerList")},
             "/stats": {"get": _read("This gateway's counters", "Stats")},
             "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
                                  "responses": {"200": {"description": "Prometheus text format",
@@ -46,6 +47,8 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
             "/openapi.json": {"get": _read("This document", "OpenApi")},
         },
         "components": {
+            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "SMARTGEN_ADMIN_TOKEN(_FILE), for /workers"}},
             "schemas": {
                 "CompletionRequest": _request({
                     "prompt": {"description": "text or token ids, or a list of several of either (one choice each; "
@@ -246,6 +249,15 @@ def _read(summary: str, schema: str, unavailable: bool = False) -> Schema:
     if unavailable:
         responses["503"] = {"description": "not ready", "content": {"application/json": {"schema": _ref(schema)}}}
     return {"summary": summary, "operationId": schema[0].lower() + schema[1:], "responses": responses}
+
+
+def _admin_read(summary: str, schema: str) -> Schema:
+    """A GET that needs the admin token (shared/runtime/admin_auth.py): 401 without it, 403 where none is set."""
+    refused = {"content": {"application/json": {"schema": _object({"error": _STR})}}}
+    operation = _read(summary, schema)
+    operation["responses"] |= {"401": {"description": "no or wrong admin token", **refused},
+                               "403": {"description": "this gateway has no admin token", **refused}}
+    return {**operation, "security": [{"adminToken": []}]}
 
 
 def _generation(summary: str, request: str, response: str) -> Schema:

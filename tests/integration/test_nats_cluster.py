@@ -116,13 +116,13 @@ def test_two_stacks_share_one_nats_in_their_own_namespaces(tiny_model_path: Path
                  for ns in ("team-a", "team-b")]
         with started_stack(specs[0], 180) as a, started_stack(specs[1], 180) as b:
             for stack in (a, b):
-                workers = Gateway(stack.gateway_url).workers()
+                workers = Gateway(stack.gateway_url, stack.admin_token).workers()
                 assert sorted(w["role"] for w in workers) == ["broker", "decode", "gateway", "kvprofile", "prefill"], workers
                 reply = Gateway(stack.gateway_url).complete({"prompt": "Hi there", "max_tokens": 3, "temperature": 0})
                 assert len(reply["token_ids"]) == 3
             # NOTE: both stacks name their broker broker-0 (and kvprofile-0): the namespace keeps them apart
-            seen_a = {w["admin_url"] for w in Gateway(a.gateway_url).workers()}
-            seen_b = {w["admin_url"] for w in Gateway(b.gateway_url).workers()}
+            seen_a = {w["admin_url"] for w in Gateway(a.gateway_url, a.admin_token).workers()}
+            seen_b = {w["admin_url"] for w in Gateway(b.gateway_url, b.admin_token).workers()}
             assert not seen_a & seen_b
-            buckets = {get_json(Gateway(s.gateway_url).kvprofile_url() + "/stats")["bucket"] for s in (a, b)}
+            buckets = {get_json(Gateway(s.gateway_url, s.admin_token).kvprofile_url() + "/stats")["bucket"] for s in (a, b)}
             assert buckets == {"smartgen_team-a_profiles", "smartgen_team-b_profiles"}

@@ -27,7 +27,8 @@ EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundre
 CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
                       "ablate", "stream_options",  # stream_options goes with stream: true
                       "top_logprobs", "echo",  # top_logprobs needs logprobs: true; echo is not for stream: true
-                      "n"}  # n > 1 is not for stream: true, and prompts × n has a cap
+                      "n",  # n > 1 is not for stream: true, and prompts × n has a cap
+                      "min_tokens", "stop_token_ids"}  # at most max_tokens; ids below the vocabulary's size
 
 
 class FakeTokenizer:
