@@ -7,6 +7,7 @@ while the rest keep serving (tools/supervisor.py); one that keeps dying at start
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ def command(args: argparse.Namespace) -> int:
     dying at start-up (1); 2 for bad arguments or a missing model."""
     from shared.runtime.models import ModelNotFound, prepare_default_model, resolve_model
     from shared.runtime.config import write_secret_file
+    from shared.runtime.service import SHUTDOWN_GRACE_S
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
 
@@ -86,8 +88,19 @@ def command(args: argparse.Namespace) -> int:
             time.sleep(0.25)
     finally:
         print("smartgen: stopping…", flush=True)
-        codes = stack.stop(timeout_s=float(os.environ.get("SMARTGEN_DRAIN_S", "30")) + 15)
+        codes = stack.stop(timeout_s=_drain_s() + SHUTDOWN_GRACE_S + 5)  # services drain first, then stop
         if args.api_key:
             shutil.rmtree(key_file.parent, ignore_errors=True)
         print("smartgen: stopped " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
     return code
+
+
+def _drain_s() -> float:
+    """How long the services may drain (ServiceConfig.drain_s: SMARTGEN_DRAIN_S, else its default)."""
+    from shared.runtime.config import ServiceConfig, env_name
+
+    default = next(f.default for f in dataclasses.fields(ServiceConfig) if f.name == "drain_s")
+    try:
+        return float(os.environ.get(env_name("drain_s"), default))
+    except ValueError:  # the services refuse it themselves, with the reason
+        return float(default)

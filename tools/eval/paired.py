@@ -56,8 +56,6 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     from transformers import AutoTokenizer
 
     from tools import workloads
-    from shared.compute.decode_engine import DecodeEngine
-    from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import default_prep_dir
     from shared.runtime.models import prepare_default_model, resolve_model
@@ -68,10 +66,8 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     runner = ModelRunner(path)
-    page_tokens, configs = 16, configurations(selectors)
-    room = 2 * -(-(prompt_tokens + 512) // page_tokens)  # one slab: a prompt (± its template), its answer, codes
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room * len(configs)),
-                          default_prep_dir(path))
+    configs = configurations(selectors)
+    engine = _engine(runner, path, prompt_tokens + 512, len(configs), kv_dtype)  # a prompt (± template), answer, codes
     for selector in selectors:
         engine.selector(selector)  # a missing preparation fails before the first prefill
     if workloads.CALIBRATION_TASK in tasks:
@@ -109,8 +105,7 @@ def run(selectors: list[str], kv_budget: float, tasks: list[str], samples_per_ta
                     kl, agree = [], []
                 else:  # along dense's answer: a configuration that gave the same answer was fed it already
                     logprobs = forced[name] if name in forced else answers[name][1]
-                    kl = (dense_logprobs.exp() * (dense_logprobs - logprobs)).sum(-1)[1:].tolist()
-                    agree = (dense_logprobs.argmax(-1) == logprobs.argmax(-1))[1:].tolist()
+                    kl, agree = _kl_and_agreement(dense_logprobs, logprobs)
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 row["configs"][name] = {"score": sample_score(sample.metric, text, sample.answers), "text": text,
                                         "same_tokens": tokens == dense_tokens, "kl": kl, "agree": [bool(a) for a in agree]}
@@ -135,20 +130,13 @@ def quality(model: str, prompts: list[list[int]], configs: list[str], max_new: i
     import torch
 
     from schemas import DEFAULT_FLOOR
-
-    from shared.compute.decode_engine import DecodeEngine
-    from shared.compute.kvstore import KvStore
     from shared.compute.modeling import ModelRunner
-    from shared.compute.selectors import default_prep_dir
     from shared.runtime.models import resolve_model
 
     path = resolve_model(model)
     runner = ModelRunner(path)
     names = ["dense", *(c for c in configs if c != "dense")]
-    page_tokens = 16
-    room = 2 * -(-(max(map(len, prompts)) + max_new + 512) // page_tokens)
-    engine = DecodeEngine(runner, KvStore(runner.kv_layout(page_tokens, kv_dtype), room * len(names)),
-                          default_prep_dir(path), floor or DEFAULT_FLOOR)
+    engine = _engine(runner, path, max(map(len, prompts)) + max_new + 512, len(names), kv_dtype, floor or DEFAULT_FLOOR)
     kl: dict[str, list[float]] = {n: [] for n in names[1:]}
     agree: dict[str, list[bool]] = {n: [] for n in names[1:]}
     with torch.inference_mode():
@@ -158,13 +146,32 @@ def quality(model: str, prompts: list[list[int]], configs: list[str], max_new: i
             tokens, dense = answers["dense"]
             forced = _forced(engine, cache, ids, tokens, names[1:], kv_budget)
             for name, logprobs in forced.items():
-                kl[name] += (dense.exp() * (dense - logprobs)).sum(-1)[1:].tolist()
-                agree[name] += (dense.argmax(-1) == logprobs.argmax(-1))[1:].tolist()
+                one_kl, one_agree = _kl_and_agreement(dense, logprobs)
+                kl[name] += one_kl
+                agree[name] += one_agree
     out: dict[str, dict[str, float | None]] = {"dense": {"kl_mean": 0.0, "agreement_mean": 1.0}}
     for name in names[1:]:
         out[name] = {"kl_mean": _mean(kl[name]) if kl[name] else None,
                      "agreement_mean": _mean([float(a) for a in agree[name]]) if agree[name] else None}
     return out
+
+
+def _engine(runner, path, tokens: int, num_slabs: int, kv_dtype: str, floor: BudgetFloor | None = None) -> DecodeEngine:
+    """A decode engine over `runner` with room for `num_slabs` slabs of `tokens` tokens (16-token pages)."""
+    from shared.compute.decode_engine import DecodeEngine
+    from shared.compute.kvstore import KvStore
+    from shared.compute.selectors import default_prep_dir
+
+    room = 2 * -(-tokens // 16)
+    store = KvStore(runner.kv_layout(16, kv_dtype), room * num_slabs)
+    return DecodeEngine(runner, store, default_prep_dir(path), *([floor] if floor is not None else []))
+
+
+def _kl_and_agreement(dense: torch.Tensor, other: torch.Tensor) -> tuple[list[float], list[bool]]:
+    """Per position after the first (the prefill's, the same for all): KL(dense ‖ other) of the next-token
+    distributions (log-probabilities, (len, vocab)), and whether both put the same token on top."""
+    return ((dense.exp() * (dense - other)).sum(-1)[1:].tolist(),
+            [bool(a) for a in (dense.argmax(-1) == other.argmax(-1))[1:].tolist()])
 
 
 @contextlib.contextmanager
