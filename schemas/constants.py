@@ -8,13 +8,19 @@ from enum import StrEnum
 
 # KV selectors (shared/compute/selectors); `hata_untrained` is HATA with random projections, only when asked for
 SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrained")
-DEFAULT_SELECTOR = "quest"  # what a mode that needs a selector gets when the request names none
-DEFAULT_KV_BUDGET = 0.1  # what a request with a selector attends to when it names no budget
+# The faithful default: HATA at 20% is closer to dense than 4-bit quantization (KL 0.0077 against 0.0115 nats/token,
+# top-token agreement 0.984 against 0.974, 2K held-out prompts: docs/results/faithful-default-2026-12-05); Quest at
+# 10% (the earlier default) is at KL 0.17. HATA needs its offline preparation, which `smartgen model prepare` makes.
+DEFAULT_SELECTOR = "hata"  # what a mode that needs a selector gets when the request names none
+DEFAULT_KV_BUDGET = 0.2  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4, 8)  # quantized transfer's code widths
 # 4, not 2: 2-bit codes turn short chats into garbage on SmolLM2 ("Name three primary colors." answered "The human
 # beings:\n\n\nfurther…"); 4 bits answers right (KL vs dense ~0.02 nats/token at 2K, docs/results accuracy)
 DEFAULT_KV_BITS = 4
-PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push (kv_bits on smartgen; 0, the default, pushes exact KV)
+PUSH_KV_BITS = (4, 8)  # smartgen's low-bit proactive push and reads (kv_bits on smartgen; 0 moves exact KV)
+# what smartgen moves when the request names no kv_bits: K8V8 codes (KL vs exact ~1e-4, greedy prefixes equal:
+# docs/results/push-codes), half the bytes of exact 16-bit KV on every path
+DEFAULT_PUSH_KV_BITS = 8
 # ... whose keys travel in 8 bits whatever kv_bits says: a key quantized per token loses its outlier channels
 # (SmolLM2, 2K prompts, dense, tools/bench/push_codes_fidelity.py: first-step KL 0.017–0.07 with 4-bit keys,
 # 0.004–0.011 with 8-bit keys and 4-bit values; KIVI and KVQuant find the same)
@@ -118,7 +124,7 @@ def budget_tokens(value: float, num_tokens: int) -> int:
     return max(1, min(num_tokens, k))
 
 
-__all__ = ["SELECTORS", "DEFAULT_SELECTOR", "DEFAULT_KV_BUDGET", "KV_BITS", "DEFAULT_KV_BITS", "PUSH_KV_BITS",
+__all__ = ["SELECTORS", "DEFAULT_SELECTOR", "DEFAULT_KV_BUDGET", "KV_BITS", "DEFAULT_KV_BITS", "PUSH_KV_BITS", "DEFAULT_PUSH_KV_BITS",
            "PUSH_KEY_BITS", "AUTO_KV_BITS", "DENSE_LAYERS", "SMARTGEN_PATHS", "FAILURE_POLICIES", "KV_PATHS",
            "PlanState", "PLAN_STATES", "ErrorCode", "kv_budget_problem", "BudgetFloor", "DEFAULT_FLOOR",
            "NO_FLOOR", "budget_tokens"]

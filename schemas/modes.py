@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 
-from schemas.constants import AUTO_KV_BITS, KV_BITS, PUSH_KV_BITS
+from schemas.constants import AUTO_KV_BITS, DEFAULT_PUSH_KV_BITS, KV_BITS, PUSH_KV_BITS
 
 
 class ModeName(StrEnum):
@@ -55,6 +55,7 @@ class TransferMode:
     kv_bits: tuple[int, ...] = ()  # the kv_bits a request must ask for (one of them); () = none
     # the kv_bits a request may ask its proactive push to travel in (shared/compute/entry_codes.py); 0 = exact
     push_bits: tuple[int, ...] = ()
+    default_push_bits: int = 0  # the push width a request that names no kv_bits gets (0: exact; `kv_bits: 0` asks for it)
     orders_by_profile: bool = False  # PLAN_BLOCKS: the most important blocks by the KV profile (else memory order)
     # the prefill also pushes, per layer, the entries its own last-position query selects; the metadata then
     # carries a bitmap of them (TransferPlan.query_tokens sizes it)
@@ -115,7 +116,7 @@ MODES: dict[str, TransferMode] = {m.name: m for m in (
     TransferMode(ModeName.SMARTGEN, "the three paths: profile push, parallel on-demand reads, background transfer",
                  is_disaggregated=True, pushes=Push.PLAN_BLOCKS, aux=Aux.METADATA, is_selective=True,
                  keeps_source=True, allows_selector=True, needs_selector=True, orders_by_profile=True, has_paths=True,
-                 pushes_by_query=True, push_bits=PUSH_KV_BITS),
+                 pushes_by_query=True, push_bits=PUSH_KV_BITS, default_push_bits=DEFAULT_PUSH_KV_BITS),
     # NOTE: the decode worker reserves auto's KV as for smartgen (metadata aux; with kv_bits, room for quantized's
     # codes too), since the broker may choose either; the plan's kv_bits says what the chosen mode runs with
     TransferMode(ModeName.AUTO, "the broker chooses full or smartgen from the measured link and prompt length (with kv_bits "

@@ -11,8 +11,9 @@ from shared.runtime.models import resolve_model
 
 
 def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers: int = 4, seed: int = 0,
-                    model_type: str = "llama") -> Path:
-    """A random-weight causal LM with the real tokenizer, for fast tests (seconds to load, ms per step)."""
+                    model_type: str = "llama", prepare: bool = True) -> Path:
+    """A random-weight causal LM with the real tokenizer, for fast tests (seconds to load, ms per step), with the
+    selectors' offline preparation (a small calibration: 2 texts of 512 tokens) unless `prepare` is False."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +28,10 @@ def make_tiny_model(target: Path, tokenizer_from: Path | None = None, num_layers
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    if prepare:  # the default selector (hata) and infinigen need their offline preparation: ~3 s at this size
+        from tools.prepare_selectors import run
+
+        run(str(target), "all", num_prompts=2, prompt_tokens=512)
     return target
 
 

@@ -221,13 +221,15 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
         kv_budget = DEFAULT_KV_BUDGET
     if selector is not None and not spec.allows_selector:
         raise ApiError(400, f"{mode} transfer decodes densely over the dequantized KV; drop the selector", "selector")
-    kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else None)
-    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
-                                or kv_bits not in spec.kv_bits + spec.push_bits):
+    # quantized: its codes' width (default 4); smartgen: its push and reads' width (default 8; 0 asks for exact KV)
+    kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else spec.default_push_bits or None)
+    exact_asked = kv_bits == 0 and bool(spec.push_bits) and not isinstance(kv_bits, bool)
+    if kv_bits is not None and not exact_asked and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
+                                                    or kv_bits not in spec.kv_bits + spec.push_bits):
         codes, pushes = modes_where(kv_bits=KV_BITS), modes_where(push_bits=PUSH_KV_BITS)
         raise ApiError(400, f"kv_bits is one of {KV_BITS} for transfer_mode {' or '.join(map(repr, codes))} (its codes)"
-                            f" or of {PUSH_KV_BITS} for {' or '.join(map(repr, pushes))} (its proactive push; exact "
-                            f"without it) or {AUTO_KV_BITS} for 'auto' (consent to low-bit KV: quantized or a low-bit "
+                            f" or of {PUSH_KV_BITS} for {' or '.join(map(repr, pushes))} (its push and reads; 0 for "
+                            f"exact KV) or {AUTO_KV_BITS} for 'auto' (consent to low-bit KV: quantized or a low-bit "
                             f"push; exact without it)", "kv_bits")
     ablate = body.get("ablate", [])
     if not isinstance(ablate, list) or not all(isinstance(p, str) and p in SMARTGEN_PATHS for p in ablate):

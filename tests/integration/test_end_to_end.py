@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import nats
 import pytest
 
-from tests.integration.conftest import get_json, list_workers, model_workers, post_json, post_sse
+from tests.integration.conftest import assert_no_leaks, get_json, list_workers, model_workers, post_json, post_sse
 from tests.reference import greedy_tokens, prompt_ids, token_logprobs
+from tools.nats_server import free_port
+from tools.stack import StackSpec, started_stack
+from tools.tiny_model import make_tiny_model
 
 PROMPT = "The history of the city begins with a small settlement on the river, where traders"
 
@@ -317,16 +321,26 @@ def test_selector_and_budget_reach_the_decode_worker(clean_stack, mode):
     assert 0 < small["smartgen"]["selected_share"] < 0.5
 
 
-@pytest.mark.parametrize("selector", ["infinigen", "hata"])
-def test_selector_needing_preparation_is_refused_with_the_fix(clean_stack, selector):
-    """infinigen or hata without its offline preparation for the served model: a 400 naming the command (hata
-    never falls back to random projections unasked; `hata_untrained` asks for them)."""
-    status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 3, "selector": selector})
-    assert status == 400 and "smartgen model prepare" in reply["error"]["message"]
-    status, reply = post_json(clean_stack.gateway_url + "/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 3, "selector": "hata_untrained"})
+@pytest.fixture(scope="module")
+def unprepared_stack(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
+    """A stack on a tiny model without the selectors' offline preparation (the shared tiny model has it)."""
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-unprepared"), tokenizer_from=real_model_path, prepare=False)
+    spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=tmp_path_factory.mktemp("logs") / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1"})
+    with started_stack(spec, 180) as running:
+        yield running
+
+
+def test_selector_needing_preparation_is_refused_with_the_fix(unprepared_stack):
+    """infinigen or hata (the default selector) without its offline preparation for the served model: a 400 naming
+    the command (hata never falls back to random projections unasked; `hata_untrained` asks for them)."""
+    url = unprepared_stack.gateway_url + "/v1/completions"
+    for body in ({"selector": "infinigen"}, {"selector": "hata"}, {"transfer_mode": "smartgen"}):
+        status, reply = post_json(url, {"prompt": PROMPT, "max_tokens": 3, **body})
+        assert status == 400 and "smartgen model prepare" in reply["error"]["message"], (body, reply)
+    status, reply = post_json(url, {"prompt": PROMPT, "max_tokens": 3, "selector": "hata_untrained"})
     assert status == 200, reply
+    assert_no_leaks(unprepared_stack)
 
 
 def test_what_standard_clients_send(clean_stack):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from schemas import DEFAULT_SELECTOR
 from tools.bench.serve import BenchConfig
 from tools.bench.serve import run as bench_serve
 from tools.eval import accuracy
@@ -35,8 +36,8 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
             ref = next(y for y in report["requests"] if y["mode"] == "colocated-selective" and y["sample"] == x["sample"])
             assert x["ttst_bound_honest_s"] >= ref["step1_compute_s"] > 0
     assert runs["colocated"]["kl_mean"] == 0.0 and runs["full"]["kl_mean"] == 0.0  # dense: dense itself
-    # quest under the stack's floor (none here: the tiny stack selects at 256 tokens): a KL of its own
-    assert runs["smartgen"]["quality_config"] == "quest" and runs["smartgen"]["kl_mean"] > 0
+    # the default selector under the stack's floor (none here: the tiny stack selects at 256 tokens): a KL of its own
+    assert runs["smartgen"]["quality_config"] == DEFAULT_SELECTOR and runs["smartgen"]["kl_mean"] > 0
     assert runs["full"]["pressure"] == 2.0 and runs["full"]["link_gbps"] > 0 and runs["full"]["kv_bytes"]["full"] > 0
     assert runs["colocated"]["link_gbps"] == 0 and not runs["colocated"]["kv_bytes"]
     assert runs["smartgen"]["kv_bytes"].get("metadata", 0) > 0 and runs["smartgen"]["ttst_vs_full"] is not None
@@ -65,13 +66,13 @@ def test_bench_serve_at_several_concurrencies(clean_stack, tmp_path, monkeypatch
 def test_eval_accuracy_small_run(clean_stack, tmp_path):
     """Dense, full and smartgen answers are scored per task (the QA task through the chat route, the needle
     through completions), and smartgen decodes the same tokens as the same selector with all KV local."""
-    report = accuracy.run(["colocated", "full", "colocated-selective", "smartgen"], ["quest"], 0.25,
+    report = accuracy.run(["colocated", "full", "colocated-selective", "smartgen-exact"], ["quest"], 0.25,
                           ["needle", "squad_docqa"], 2, 256, url=clean_stack.gateway_url,
                           model=str(clean_stack.spec.model), out=str(tmp_path), progress=False)
     rows = {(r["mode"], r["selector"]): r for r in report["rows"]}
-    assert set(rows) == {("colocated", None), ("full", None), ("colocated-selective", "quest"), ("smartgen", "quest")}
+    assert set(rows) == {("colocated", None), ("full", None), ("colocated-selective", "quest"), ("smartgen-exact", "quest")}
     assert rows[("colocated", None)]["delta_vs_dense"] == 0
-    assert rows[("smartgen", "quest")]["same_tokens_as_local"] == 1.0
+    assert rows[("smartgen-exact", "quest")]["same_tokens_as_local"] == 1.0  # exact KV: bit for bit
     assert 0 <= rows[("full", None)]["scores"]["needle"] <= 100
     assert 0 <= rows[("full", None)]["scores"]["squad_docqa"] <= 100
     assert json.loads((tmp_path / "accuracy.json").read_text())["rows"]

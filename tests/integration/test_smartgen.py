@@ -22,9 +22,10 @@ from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, 
 # a full transfer takes ~2.4 s, ~50× the tiny model's prefill, so most of what decoding selects starts remote.
 PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 33
 LINK_GBPS = 0.004
-SMARTGEN_RUNS = [{"transfer_mode": "smartgen"}, {"transfer_mode": "smartgen", "ablate": ["proactive"]},
-                 {"transfer_mode": "smartgen", "ablate": ["parallel"]},
-                 {"transfer_mode": "smartgen", "ablate": ["background"]}, {"transfer_mode": "partial"}]
+# exact KV on every path (kv_bits 0; smartgen's default moves K8V8 codes): tokens equal colocated's, bit for bit
+SMARTGEN_RUNS = [{"transfer_mode": "smartgen", "kv_bits": 0}, {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["proactive"]},
+                 {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["parallel"]},
+                 {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["background"]}, {"transfer_mode": "partial"}]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +128,8 @@ def test_the_query_tail_goes_past_the_prefill_where_nothing_fits_in_time(paced):
     body = dict(selector="quest", kv_budget=0.1)
     reference = complete(paced, transfer_mode="colocated", **body)
     with paced_to_ratio(paced, 8.0):
-        tail = complete(paced, transfer_mode="smartgen", ablate=["background"], **body)
-        dense_only = complete(paced, transfer_mode="smartgen", ablate=["background", "query"], **body)
+        tail = complete(paced, transfer_mode="smartgen", kv_bits=0, ablate=["background"], **body)
+        dense_only = complete(paced, transfer_mode="smartgen", kv_bits=0, ablate=["background", "query"], **body)
     plan = tail["plan"]
     assert plan["query_stop_layer"] == 2 and plan["query_tokens"] == plan["query_tail_tokens"] > 0, plan
     assert "from layer 2 on whether or not in time" in plan["reason"]
@@ -151,8 +152,8 @@ def test_where_the_push_leaves_after_the_prefill_it_carries_step_ones_exact_sele
     body = dict(selector="quest", kv_budget=0.1)
     reference = complete(paced, transfer_mode="colocated", **body)
     with paced_to_ratio(paced, 30.0):
-        exact = complete(paced, transfer_mode="smartgen", ablate=["background"], **body)
-        last_query = complete(paced, transfer_mode="smartgen", ablate=["background", "exact"], **body)
+        exact = complete(paced, transfer_mode="smartgen", kv_bits=0, ablate=["background"], **body)
+        last_query = complete(paced, transfer_mode="smartgen", kv_bits=0, ablate=["background", "exact"], **body)
     # every selective layer's push would leave after the prefill here, so every one carries step 1's exact selection
     assert exact["plan"]["exact_push"] and not last_query["plan"]["exact_push"]
     assert exact["plan"]["exact_from_layer"] == 2 and last_query["plan"]["exact_from_layer"] == 0, exact["plan"]
@@ -169,8 +170,9 @@ def test_a_low_bit_push_carries_more_of_step_one_in_fewer_bytes(paced):
     bytes an entry at 8 bits, not 64); the bytes are counted as records; a width other than 4 or 8 is refused."""
     with paced_to_ratio(paced, 2.0):
         body = dict(transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
-        exact, low, eight = complete(paced, **body), complete(paced, **body, kv_bits=4), complete(paced, **body, kv_bits=8)
+        exact, low, eight = complete(paced, **body, kv_bits=0), complete(paced, **body, kv_bits=4), complete(paced, **body)
     assert low["kv_bits"] == 4 and "4-bit push" in low["plan"]["reason"] and exact["kv_bits"] is None
+    assert eight["kv_bits"] == 8  # smartgen's default
     assert exact["plan"]["query_tokens"] < low["plan"]["query_tokens"], (exact["plan"], low["plan"])
     assert low["kv_bytes"]["proactive"] % 32 == 0 and eight["kv_bytes"]["proactive"] % 40 == 0
     assert low["kv_bytes"]["on_demand"] % 32 == 0 and eight["kv_bytes"]["on_demand"] % 40 == 0
@@ -224,8 +226,8 @@ def test_step_one_starts_while_the_push_lands_and_decodes_the_same_tokens(paced)
     prefill = worker(paced, "prefill")
     admin_post(paced, prefill, "/fault", {"kind": "delay", "delay_s": 0.03, "lanes": ["push"]})
     try:
-        early = complete(paced, transfer_mode="smartgen", **selective)
-        barrier = complete(paced, transfer_mode="smartgen", **{**selective, "ablate": ["background", "early"]})
+        early = complete(paced, transfer_mode="smartgen", kv_bits=0, **selective)
+        barrier = complete(paced, transfer_mode="smartgen", kv_bits=0, **{**selective, "ablate": ["background", "early"]})
     finally:
         admin_post(paced, prefill, "/fault", {"kind": "clear"})
     brief = {k: v for k, v in early.items() if k not in ("token_ids", "token_times_s", "plan")}
@@ -355,8 +357,8 @@ def test_the_query_aware_push_is_exact_and_counted(paced):
     # prefill runs twice as fast or slow as it just did
     with paced_to_ratio(paced, 1.2):
         reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)
-        by_query = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1, ablate=["background"])
-        by_profile = complete(paced, transfer_mode="smartgen", selector="quest", kv_budget=0.1,
+        by_query = complete(paced, transfer_mode="smartgen", kv_bits=0, selector="quest", kv_budget=0.1, ablate=["background"])
+        by_profile = complete(paced, transfer_mode="smartgen", kv_bits=0, selector="quest", kv_budget=0.1,
                               ablate=["background", "query"])
     assert by_query["token_ids"] == by_profile["token_ids"] == reference["token_ids"]
     assert by_query["plan"]["query_tokens"] > 0 and by_profile["plan"]["query_tokens"] == 0

@@ -20,7 +20,7 @@ N = 2048  # 128 pages per layer, 3,840 blocks of 24,576 bytes; the whole KV is 9
 def request(mode: str, ablate: list[str] | None = None, aux_bytes: int = 0, kv_bits: int = 0) -> OpenPlan:
     aux_bytes += entry_region_bytes(LAYOUT, N, kv_bits)  # the decode node reserves room for the codes
     return OpenPlan("r", mode, "m", "quest", N, LAYOUT, aux_bytes, "prefill-1", "decode-1", ablate or [],
-                    kv_bits=kv_bits)
+                    kv_bits=kv_bits, kv_budget=0.1)  # the numbers below are Quest at 10%
 
 
 def link_for_ratio(r: float, rate: float = 200.0) -> LinkEstimate:

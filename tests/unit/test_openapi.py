@@ -65,7 +65,7 @@ def test_enums_come_from_the_validation_constants():
     fields = SCHEMAS["CompletionRequest"]["properties"]
     assert fields["transfer_mode"]["enum"] == list(TRANSFER_MODES)
     assert fields["selector"]["enum"] == [*SELECTORS, None]
-    assert fields["kv_bits"]["enum"] == [*sorted({*KV_BITS, *PUSH_KV_BITS}), None]
+    assert fields["kv_bits"]["enum"] == [0, *sorted({*KV_BITS, *PUSH_KV_BITS}), None]  # 0: smartgen's exact KV
     assert fields["ablate"]["items"]["enum"] == list(SMARTGEN_PATHS)
     assert fields["failure_policy"]["enum"] == list(FAILURE_POLICIES)
 

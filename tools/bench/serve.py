@@ -77,7 +77,9 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
               "full": {"transfer_mode": "full"}, "quantized-2bit": {"transfer_mode": "quantized", "kv_bits": 2},
               "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
               "quantized-8bit": {"transfer_mode": "quantized", "kv_bits": 8},
-              "partial": {"transfer_mode": "partial", **sel}, "smartgen": {"transfer_mode": "smartgen", **sel},
+              "partial": {"transfer_mode": "partial", **sel},
+              "smartgen": {"transfer_mode": "smartgen", **sel},  # the default: every path in K8V8 codes
+              "smartgen-exact": {"transfer_mode": "smartgen", "kv_bits": 0, **sel},  # exact 16-bit KV on every path
               "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
               "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
               "auto": {"transfer_mode": "auto", **sel}, "auto-4bit": {"transfer_mode": "auto", "kv_bits": 4, **sel}}

@@ -28,7 +28,7 @@ from tools.eval.metrics import task_score
 
 DEFAULT_MODES = ("colocated", "full", "quantized-2bit", "quantized-4bit", "quantized-8bit", "colocated-selective", "partial", "smartgen")
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
-SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-4bit", "smartgen-8bit", "smartgen-no-proactive",
+SELECTIVE = ("colocated-selective", "partial", "smartgen", "smartgen-exact", "smartgen-4bit", "smartgen-8bit", "smartgen-no-proactive",
              "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query", "auto")
 
 
