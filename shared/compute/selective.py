@@ -45,8 +45,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from shared.runtime.profiles import token_blocks
-from schemas import BudgetFloor
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
+# NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
+# `selective.select_with_floor` for a run, and the step below calls it through this namespace
+from shared.compute.floor import select_with_floor
+from shared.compute.gather import gather_pair
+from shared.compute.queries import query_of
 
 ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
@@ -366,99 +370,6 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
-    """`idx` (H_kv, k') with the first `sinks` and the last `recent` of `n` tokens added, per KV head, without
-    duplicates; every row gets the longest row's length (a shorter one is topped up with its most recent tokens
-    not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent. The same indices as the reference
-    (selectors/reference.py, a top-k over a score of every token), by a mask and one nonzero: no top-k, no sort."""
-    mask = _floor_mask(idx.shape[0], n, sinks, recent, idx.device)
-    mask.scatter_(1, idx, True)
-    return _mask_indices(mask, n)
-
-
-# (num_kv_heads, n, sinks, recent, device) → (num_kv_heads, n) bool with the sinks and the recent window set: built
-# once per context length, then every layer of a step (and every row at that length) clones it
-_FLOORS: dict[tuple, torch.Tensor] = {}
-
-
-def _floor_mask(rows: int, n: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
-    """A fresh (rows, n) bool mask holding the floor: the first `sinks` and the last `recent` tokens."""
-    key = (rows, n, sinks, recent, device)
-    base = _FLOORS.get(key)
-    if base is None:
-        if len(_FLOORS) >= 64:  # contexts move on one token a step: keep only recent lengths
-            _FLOORS.clear()
-        base = _FLOORS[key] = torch.zeros(rows, n, dtype=torch.bool, device=device)
-        base[:, :sinks] = True
-        base[:, max(0, n - recent):] = True
-    return base.clone()
-
-
-def _mask_indices(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """mask (H_kv, n) bool → its set positions (H_kv, width), each row ascending, width the widest row's count: a
-    shorter row is topped up with its most recent unset tokens (the reference's rule)."""
-    counts = mask.sum(dim=1).tolist()
-    width = max(counts)
-    if min(counts) < width:
-        # row r takes its last (width − count_r) free tokens: those whose running count of free tokens exceeds
-        # n − width (row r has n − count_r free tokens in all). Past the last of them every token is set already,
-        # so OR-ing the whole comparison in sets exactly those.
-        mask |= (~mask).cumsum(1) > n - width
-    return mask.nonzero()[:, 1].view(mask.shape[0], width)  # row-major: each row ascending
-
-
-def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (H_kv, n, d), a view whose rows are contiguous (a slab layer), idx (H_kv, k) → x[h, idx[h]] (H_kv, k, d):
-    one index_select over the heads' rows, into `out` ((≥ H_kv·k, d) buffer of x's dtype) when given."""
-    flat = _flat_rows(x)
-    if flat is None:
-        return torch.gather(x, 1, idx[..., None].expand(-1, -1, x.shape[2]))
-    return _index_rows(flat, _row_positions(x, idx), idx.shape, out)
-
-
-def gather_pair(keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, k_out: torch.Tensor | None = None,
-                v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gather_rows` of keys and of values at the same `idx`: the rows' positions are computed once when both are
-    laid out alike (a slab layer's K and V)."""
-    flat_k = _flat_rows(keys)
-    if flat_k is None or keys.stride() != values.stride() or keys.shape != values.shape:
-        return gather_rows(keys, idx, k_out), gather_rows(values, idx, v_out)
-    flat_v = values.as_strided(flat_k.shape, flat_k.stride())
-    at = _row_positions(keys, idx)
-    return _index_rows(flat_k, at, idx.shape, k_out), _index_rows(flat_v, at, idx.shape, v_out)
-
-
-def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x (H_kv, n, d) with contiguous rows and heads a whole number of rows apart → the (rows, d) view over all its
-    heads' rows (None: not so laid out)."""
-    h, n, d = x.shape
-    stride = x.stride()
-    if stride[2] != 1 or stride[1] != d or stride[0] % d:
-        return None
-    return x.as_strided(((h - 1) * (stride[0] // d) + n, d), (d, 1))
-
-
-_HEAD_ROWS: dict[tuple, torch.Tensor] = {}  # (heads, rows apart, device) → (heads, 1) first row of each head
-
-
-def _row_positions(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """idx (H_kv, k) → the (H_kv·k,) rows of `_flat_rows(x)` they name."""
-    key = (idx.shape[0], x.stride(0) // x.shape[2], idx.device)
-    first = _HEAD_ROWS.get(key)
-    if first is None:
-        first = _HEAD_ROWS[key] = torch.arange(0, key[0] * key[1], key[1], device=idx.device)[:, None]
-    return (idx + first).view(-1)
-
-
-def _index_rows(flat: torch.Tensor, at: torch.Tensor, shape: torch.Size, out: torch.Tensor | None) -> torch.Tensor:
-    h, k = shape
-    if out is None or out.shape[0] < h * k:
-        return flat.index_select(0, at).view(h, k, flat.shape[1])
-    buf = out[: h * k]
-    torch.index_select(flat, 0, at, out=buf)
-    return buf.view(h, k, flat.shape[1])
-
-
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`x` in `like`'s dtype (no copy when it already is)."""
     return x if x.dtype == like.dtype else x.to(like.dtype)
@@ -473,38 +384,6 @@ def _speculated_query(decoder_layer, from_layer: int, b: int) -> torch.Tensor:
         raise RuntimeError("speculation needs the previous layer's input: install() was not called")
     cos, sin = STEP.position_embeddings
     return query_of(decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])
-
-
-def query_of(decoder_layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The post-RoPE query `decoder_layer` computes from its input `hidden` (1, 1, D) at the position of `cos`,
-    `sin` (1, 1, d): (H, d)."""
-    module = decoder_layer.self_attn
-    x = decoder_layer.input_layernorm(hidden)
-    q = module.q_proj(x).view(1, 1, -1, module.head_dim)
-    if hasattr(module, "q_norm"):  # Qwen3 normalizes each head's query before RoPE
-        q = module.q_norm(q)
-    q = q.transpose(1, 2)  # (1, H, 1, d)
-    q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-    return q[0, :, 0]
-
-
-def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, k: int, n: int,
-                      floor: BudgetFloor) -> torch.Tensor:
-    """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
-    budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
-    window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
-    mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it."""
-    kept = min(n, floor.sinks + floor.recent)
-    if not kept:
-        return selector.select(layer, state, probe, max(1, k))
-    mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
-    selector.mark(layer, state, probe, max(1, k - kept), mask)
-    return _mask_indices(mask, n)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def install(model) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from schemas import BudgetFloor, Sampling
-from shared.compute import selective
+from shared.compute import floor as budget_floor, gather, selective
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import KvStore
 from shared.compute.modeling import ModelRunner
@@ -109,7 +109,7 @@ def test_floor_tops_up_short_rows_like_the_reference():
             idx = idx.sort(1).values
             for sinks, recent in ((4, 32), (0, 8), (3, 0), (4, n)):
                 want = reference.with_sinks_and_recent(idx, n, sinks, recent)
-                assert torch.equal(selective._with_sinks_and_recent(idx, n, sinks, recent), want)
+                assert torch.equal(budget_floor._with_sinks_and_recent(idx, n, sinks, recent), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -121,16 +121,16 @@ def test_gather_and_attention_match_reference(dtype):
     keys, values = rows[:, :613], torch.randn(3, 700, 64, generator=gen).to(dtype)[:, :613]
     idx = torch.stack([torch.randperm(613, generator=gen)[:90] for _ in range(3)]).sort(1).values
     buf = keys.new_empty(400, 64)
-    got = selective.gather_rows(keys, idx, buf)
+    got = gather.gather_rows(keys, idx, buf)
     want = torch.gather(keys, 1, idx[..., None].expand(-1, -1, 64))
     assert torch.equal(got, want) and got.data_ptr() == buf.data_ptr()
-    assert torch.equal(selective.gather_rows(values, idx), torch.gather(values, 1, idx[..., None].expand(-1, -1, 64)))
+    assert torch.equal(gather.gather_rows(values, idx), torch.gather(values, 1, idx[..., None].expand(-1, -1, 64)))
     query = torch.randn(1, 9, 1, 64, generator=gen)
     k_sel, v_sel = want.float(), torch.gather(values, 1, idx[..., None].expand(-1, -1, 64)).float()
     reference_out = torch.nn.functional.scaled_dot_product_attention(
         query, k_sel.repeat_interleave(3, 0)[None], v_sel.repeat_interleave(3, 0)[None], scale=0.125)
     fast = torch.nn.functional.scaled_dot_product_attention(query, got.float()[None],
-                                                            selective.gather_rows(values, idx).float()[None],
+                                                            gather.gather_rows(values, idx).float()[None],
                                                             scale=0.125, enable_gqa=True)
     assert torch.equal(fast, reference_out)
 

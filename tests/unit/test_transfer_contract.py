@@ -172,7 +172,7 @@ def test_the_budget_floor():
 def test_sinks_and_the_recent_window_are_always_selected():
     """Every KV head's selection gets the first and last tokens, without duplicates; heads end equally long,
     the shorter ones topped up with their most recent tokens not yet in."""
-    from shared.compute.selective import _with_sinks_and_recent
+    from shared.compute.floor import _with_sinks_and_recent
 
     idx = _with_sinks_and_recent(torch.tensor([[0, 18], [7, 9]]), n=20, sinks=2, recent=3)
     assert idx.tolist() == [[0, 1, 15, 16, 17, 18, 19], [0, 1, 7, 9, 17, 18, 19]]

@@ -1,0 +1,64 @@
+"""The budget floor's token indices: a step's selection is the selector's top picks plus the first `sinks` and the
+last `recent` tokens (schemas BudgetFloor), read off one bool mask per KV head by one nonzero, with no top-k and no
+sort; `select_with_floor` is the rule the decode step and the prefill's query-aware push share."""
+from __future__ import annotations
+
+import torch
+
+from schemas import BudgetFloor
+from shared.compute.selectors import LayerState, Selector
+
+
+def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
+    """`idx` (H_kv, k') with the first `sinks` and the last `recent` of `n` tokens added, per KV head, without
+    duplicates; every row gets the longest row's length (a shorter one is topped up with its most recent tokens
+    not yet in it), sorted. (H_kv, k'') with k'' ≤ k' + sinks + recent. The same indices as the reference
+    (selectors/reference.py, a top-k over a score of every token), by a mask and one nonzero: no top-k, no sort."""
+    mask = _floor_mask(idx.shape[0], n, sinks, recent, idx.device)
+    mask.scatter_(1, idx, True)
+    return _mask_indices(mask, n)
+
+
+# (num_kv_heads, n, sinks, recent, device) → (num_kv_heads, n) bool with the sinks and the recent window set: built
+# once per context length, then every layer of a step (and every row at that length) clones it
+_FLOORS: dict[tuple, torch.Tensor] = {}
+
+
+def _floor_mask(rows: int, n: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
+    """A fresh (rows, n) bool mask holding the floor: the first `sinks` and the last `recent` tokens."""
+    key = (rows, n, sinks, recent, device)
+    base = _FLOORS.get(key)
+    if base is None:
+        if len(_FLOORS) >= 64:  # contexts move on one token a step: keep only recent lengths
+            _FLOORS.clear()
+        base = _FLOORS[key] = torch.zeros(rows, n, dtype=torch.bool, device=device)
+        base[:, :sinks] = True
+        base[:, max(0, n - recent):] = True
+    return base.clone()
+
+
+def _mask_indices(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """mask (H_kv, n) bool → its set positions (H_kv, width), each row ascending, width the widest row's count: a
+    shorter row is topped up with its most recent unset tokens (the reference's rule)."""
+    counts = mask.sum(dim=1).tolist()
+    width = max(counts)
+    if min(counts) < width:
+        # row r takes its last (width − count_r) free tokens: those whose running count of free tokens exceeds
+        # n − width (row r has n − count_r free tokens in all). Past the last of them every token is set already,
+        # so OR-ing the whole comparison in sets exactly those.
+        mask |= (~mask).cumsum(1) > n - width
+    return mask.nonzero()[:, 1].view(mask.shape[0], width)  # row-major: each row ascending
+
+
+def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, k: int, n: int,
+                      floor: BudgetFloor) -> torch.Tensor:
+    """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
+    budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
+    window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
+    mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it."""
+    kept = min(n, floor.sinks + floor.recent)
+    if not kept:
+        return selector.select(layer, state, probe, max(1, k))
+    mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
+    selector.mark(layer, state, probe, max(1, k - kept), mask)
+    return _mask_indices(mask, n)
