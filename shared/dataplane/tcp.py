@@ -260,9 +260,13 @@ class TcpDataPlane(DataPlane):
     def _add_link(self, channel: Channel, peer: str) -> Link:
         channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(self, channel, peer)
-        # NOTE: if both ends dialled at once there are two links; the newest serves new requests and the
-        # older one finishes what it carries.
-        self.links[peer] = link
+        # NOTE: if both ends dialled at once there are two links. The first stays the one this end sends new
+        # transfers on, as long as it is up: a request's pushes then all take one link, in one lane's FIFO order,
+        # which is what the decode side's per-layer landing counts on (PrefillDone.layer_push_bytes). The second
+        # carries what the other end sends on it, and replies to that.
+        current = self.links.get(peer)
+        if current is None or current.error is not None:
+            self.links[peer] = link
         self.open_links.add(link)
         return link
 
