@@ -157,6 +157,8 @@ class Load:
         modes = self.cfg.transfer_modes
         if modes:
             body["transfer_mode"] = modes[self.prompts.num_made % len(modes)]
+            if self.pool and mode_of(body["transfer_mode"]).push_bits:
+                body["kv_bits"] = 0  # held to colocated's tokens: exact KV (smartgen moves K8V8 codes by default)
         if self.cfg.failure_policy:
             body["failure_policy"] = self.cfg.failure_policy
         return body, index

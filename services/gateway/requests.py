@@ -353,7 +353,10 @@ def _chat_prompt(messages: Any, tokenizer) -> list[int]:
 
 def _text_parts(parts: list, i: int) -> str:
     """Chat content as a list of parts: the text of its {"type": "text", "text": …} parts, one per line; any other
-    part type is a 400 that names it."""
+    part type is a 400 that names it, and so is an empty list."""
+    if not parts:
+        raise ApiError(400, f"messages[{i}].content is an empty list of parts: give a string or at least one text part",
+                       "messages")
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None

@@ -39,7 +39,7 @@ def test_transfer_agents_move_the_kv_and_go_with_their_workers(tmp_path: Path, r
         agents = [get_json(w["admin_url"] + "/stats")["dataplane"]["agent_pid"] for w in model_workers(stack)]
         assert len(agents) == 2 and all(agents) and all(is_running(pid) for pid in agents)
         reference = complete(stack.gateway_url, transfer_mode="colocated", selector="quest", kv_budget=0.1)
-        smart = complete(stack.gateway_url, transfer_mode="smartgen", selector="quest", kv_budget=0.1)
+        smart = complete(stack.gateway_url, transfer_mode="smartgen", kv_bits=0, selector="quest", kv_budget=0.1)
         assert smart["token_ids"] == reference["token_ids"]
         for path in ("metadata", "proactive", "on_demand", "background"):
             assert smart["kv_bytes"][path] > 0, (path, smart["kv_bytes"])

@@ -35,7 +35,8 @@ LEASE_S = 1.0  # the prefill's lease here (decode keeps it every third of that)
 ENV = {"SMARTGEN_KV_CACHE_MB": "1", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_FAULT_INJECTION": "1",
        "SMARTGEN_HEARTBEAT_S": "0.5", "SMARTGEN_WORKER_TTL_S": str(TTL_S), "SMARTGEN_LEASE_S": str(LEASE_S),
        "SMARTGEN_KV_TIMEOUT_S": "30", "SMARTGEN_REQUEST_TIMEOUT_S": "30", "SMARTGEN_PUSH_TIMEOUT_S": "20", **NO_FLOOR_ENV}
-SELECTIVE = {"transfer_mode": "smartgen", "selector": "quest", "kv_budget": 0.1, "ablate": ["proactive", "background"]}
+# exact KV (kv_bits 0; smartgen moves K8V8 codes by default), so the tokens are colocated selective's, bit for bit
+SELECTIVE = {"transfer_mode": "smartgen", "kv_bits": 0, "selector": "quest", "kv_budget": 0.1, "ablate": ["proactive", "background"]}
 MATRIX: list[dict] = []
 KILLED: set[str] = set()  # services a test killed and left dead on purpose
 

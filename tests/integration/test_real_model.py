@@ -93,7 +93,7 @@ def check_prepared_selectors(stack: Stack, prompt: str) -> None:
                                   body | {"selector": selector, "transfer_mode": "colocated"}, timeout=300)
         assert status == 200 and local["smartgen"]["attention"] == "selective", (selector, local)
         status, smart = post_json(stack.gateway_url + "/v1/completions",
-                                  body | {"selector": selector, "transfer_mode": "smartgen"}, timeout=300)
+                                  body | {"selector": selector, "transfer_mode": "smartgen", "kv_bits": 0}, timeout=300)
         assert status == 200, (selector, smart)
         assert smart["smartgen"]["token_ids"] == local["smartgen"]["token_ids"], selector
         assert smart["smartgen"]["kv_bytes"]["on_demand"] > 0, selector
@@ -112,7 +112,8 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
     body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "selector": "quest", "kv_budget": 0.1}
     _, local = post_json(stack.gateway_url + "/v1/completions", body | {"transfer_mode": "colocated"}, timeout=300)
-    status, smart = post_json(stack.gateway_url + "/v1/completions", body | {"transfer_mode": "smartgen"}, timeout=300)
+    status, smart = post_json(stack.gateway_url + "/v1/completions", body | {"transfer_mode": "smartgen", "kv_bits": 0},
+                              timeout=300)
     assert status == 200, smart
     sg = smart["smartgen"]
     print(f"smartgen at {gbps * 1e3:.1f} Mbit/s: TTFT {sg['ttft_s']:.3f} s, TTST {sg['ttst_s']:.3f} s, "
@@ -126,7 +127,8 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     # Both without reading ahead on predictions (`ahead`), which would hide what the push brought.
     def ask(ablate: list[str], selector: str = "quest") -> dict:
         status, reply = post_json(stack.gateway_url + "/v1/completions",
-                                  body | {"transfer_mode": "smartgen", "ablate": ablate, "selector": selector}, timeout=300)
+                                  body | {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ablate, "selector": selector},
+                                  timeout=300)
         assert status == 200, reply
         return reply["smartgen"]
 

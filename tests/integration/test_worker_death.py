@@ -63,8 +63,9 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
         body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 300, "ignore_eos": True,
                 "temperature": 0, "transfer_mode": mode, "failure_policy": "recompute"}
         if mode == "smartgen":
-            body |= {"selector": "quest", "kv_budget": 0.25}
-        _, reference = post_json(url + "/v1/completions", body | {"transfer_mode": "colocated", "stream": False})
+            body |= {"selector": "quest", "kv_budget": 0.25, "kv_bits": 0}  # exact KV: colocated's tokens
+        _, reference = post_json(url + "/v1/completions", {k: v for k, v in body.items() if k != "kv_bits"}
+                                 | {"transfer_mode": "colocated", "stream": False})
         tokens, final, killed = [], None, None
         with open_stream(url + "/v1/completions", body, timeout=120) as events:
             for payload in events:
