@@ -200,3 +200,23 @@ def test_a_past_that_leaves_nothing_to_run_is_refused(runner):
     past = [(torch.zeros(runner.num_kv_heads, 4, runner.head_dim),) * 2 for _ in range(runner.num_layers)]
     with pytest.raises(ValueError, match="nothing"):
         runner.prefill([1, 2, 3, 4], past=past)
+
+
+def test_prefix_cache_setting_is_validated():
+    """--prefix-cache-mb: 0 turns the cache off, a negative size is refused with the fix."""
+    from services.prefill.config import PrefillConfig
+    from shared.runtime.config import ConfigError, load_config
+
+    assert load_config(PrefillConfig, [], {"SMARTGEN_PREFIX_CACHE_MB": "0"}).prefix_cache_mb == 0
+    assert load_config(PrefillConfig, [], {}).prefix_cache_mb > 0  # on by default
+    with pytest.raises(ConfigError, match="prefix_cache_mb"):
+        load_config(PrefillConfig, ["--prefix-cache-mb", "-1"], {})
+
+
+def test_bench_prefix_prefill_smoke(tiny_model_path):
+    """`smartgen bench prefix-prefill` on the tiny model: the hit prompts take the document from the cache and give
+    the whole prefill's first token and KV."""
+    from tools.bench.prefix_prefill import run
+
+    row = run(str(tiny_model_path), prompt_tokens=128, hit=0.75, repeats=1)
+    assert row["hit_tokens"] == [96] and row["first_tokens_equal"] and row["kv_max_abs_diff"] < 1e-2
