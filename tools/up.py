@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
     up.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                     help="host memory for each prefill worker's prefix cache (KV of earlier prompts' pages, reused by "
-                         "prompts that start the same way); 0 turns it off (default: SMARTGEN_PREFIX_CACHE_MB, else 256)")
+                         "prompts that start the same way); 0 turns it off (default: SMARTGEN_PREFIX_CACHE_MB, else 1024)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
                                                   "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "

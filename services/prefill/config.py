@@ -15,7 +15,7 @@ class PrefillConfig(ModelWorkerConfig):
     warmup_tokens: int = 512
     # host memory for the prefix cache (shared/compute/prefix_cache.py): KV pages of earlier prompts, reused by
     # prompts that start the same way; 0 = off (every prompt computed whole)
-    prefix_cache_mb: int = 256
+    prefix_cache_mb: int = 1024  # fp32 SmolLM2 (46 KB a token): 22K tokens
 
     def validate(self) -> None:
         ModelWorkerConfig.validate(self)
