@@ -231,6 +231,8 @@ class PrefillDone:
     layer_push_bytes: list[int] = field(default_factory=list)
     exact_from_layer: int = 0  # TransferPlan.exact_push: the first layer that pushed step 1's exact selection (0: none)
     step_one_s: float = 0.0  # the exact push: step 1 run on the prefill node before token 1 (seconds, not in prefill_s)
+    # prompt tokens whose KV came from the prefill's prefix cache, not computed (pushed all the same)
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,11 @@ def leaks_now(gateway_url: str, admin_token: str = "") -> dict[str, dict]:
     for w in list_workers(gateway_url, admin_token):
         if w["role"] in ("prefill", "decode"):
             s = get_json(w["admin_url"] + "/stats")
-            if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"] or s["dataplane"]["grants"]:
+            held = s.get("prefix_cache", {}).get("pages_held", 0)  # prefix cache pages a request still holds
+            if s["active_requests"] or s["kv_pages_in_use"] or s["leases_open"] or s["dataplane"]["grants"] or held:
                 leaks[w["id"]] = {k: s[k] for k in ("active_requests", "kv_pages_in_use", "leases_open", "request_ids")}
                 leaks[w["id"]]["tickets"] = s["dataplane"]["grants"]
+                leaks[w["id"]]["prefix_cache_pages_held"] = held
         elif w["role"] == "broker":
             live = get_json(w["admin_url"] + "/transfers")["live"]
             if live:

@@ -2,7 +2,8 @@
 (tools/stack.py), in the foreground until Ctrl-C or SIGTERM. A service that dies is restarted with backoff
 while the rest keep serving (tools/supervisor.py); one that keeps dying at start-up stops the stack.
 
-    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X] [--port P]
+    smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
+                [--prefix-cache-mb MB] [--port P]
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     choices=SERVABLE_TRANSFER_MODES)
     up.add_argument("--link-gbps", type=float, default=float(os.environ.get("SMARTGEN_LINK_GBPS", "0")),
                     help="pace every data-plane link to this many Gbit/s (emulates a slow NIC; 0 = unpaced)")
+    up.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
+                    help="host memory for each prefill worker's prefix cache (KV of earlier prompts' pages, reused by "
+                         "prompts that start the same way); 0 turns it off (default: SMARTGEN_PREFIX_CACHE_MB, else 1024)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
                                                   "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "
@@ -60,6 +64,8 @@ def command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     env = {"SMARTGEN_LINK_GBPS": str(args.link_gbps)} if args.link_gbps else {}
+    if args.prefix_cache_mb is not None:
+        env["SMARTGEN_PREFIX_CACHE_MB"] = str(args.prefix_cache_mb)
     if args.api_key:  # NOTE: to the gateway as a file (mode 0600), never in an environment or a command line
         key_file = Path(tempfile.mkdtemp(prefix="smartgen-api-")) / "api-key"
         write_secret_file(key_file, args.api_key)

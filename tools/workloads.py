@@ -114,6 +114,31 @@ def aclsum_fewshot(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list
     return samples
 
 
+def shared_document(tokenizer, n: int, prompt_tokens: int, hit: float, seed: int = 0) -> list[Sample]:
+    """n prompts of about `prompt_tokens` tokens that all open with one document, its first `hit` × prompt_tokens
+    tokens (a standard-library file), and then each ask about an excerpt of their own (another file's code): several
+    questions over one long document, the paper's prefix-hit workload (`bench serve --prefix-hit`). A prefix cache
+    finds the document's full pages, ~`hit` of each prompt, in every prompt after the first."""
+    if not 0 < hit < 1:
+        raise ValueError(f"hit {hit} must be in (0, 1)")
+    rng = random.Random(seed)
+    files = stdlib_files(20_000)
+    rng.shuffle(files)
+    doc_ids = tokenizer(files[0].read_text(errors="replace"))["input_ids"][:int(hit * prompt_tokens)]
+    document = tokenizer.decode(doc_ids).rsplit("\n", 1)[0] + "\n"  # ends at a line: its tokens stay its own
+    template = document + "\n# Question {k}: what does this excerpt do, given the module above?\n{{context}}"
+    question_tokens = prompt_tokens - len(doc_ids)
+    excerpts = tokenizer("\n".join(p.read_text(errors="replace") for p in files[1:]))["input_ids"]
+    if len(excerpts) < n * question_tokens:
+        raise SystemExit(f"not enough local text for {n} questions of {question_tokens} tokens")
+    samples = []
+    for k in range(n):
+        excerpt = tokenizer.decode(excerpts[k * question_tokens: (k + 1) * question_tokens])
+        samples.append(Sample("shared_document", _fit(tokenizer, template.format(k=k + 1), excerpt, prompt_tokens),
+                              [], "none", 64))
+    return samples
+
+
 TASKS = {"lcc_stdlib": lcc_stdlib, "needle": needle, "squad_docqa": squad_docqa, "aclsum_report": aclsum_report,
          "aclsum_fewshot": aclsum_fewshot, "hotpotqa_long": hotpotqa_long}
 

@@ -208,6 +208,8 @@ async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str 
     usage = {"prompt_tokens": sum(body["usage"]["prompt_tokens"] for body in bodies[::n]),
              "completion_tokens": sum(body["usage"]["completion_tokens"] for body in bodies)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                           for body in bodies[::n])}
     batch_id = client_id or jobs[0].request_id.rsplit("-", 1)[0]  # the jobs' ids are <batch_id>-<i>
     response = web.json_response({**bodies[0], "id": batch_id, "choices": choices, "usage": usage})
     response.headers[REQUEST_ID_HEADER] = batch_id
@@ -276,9 +278,11 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
         raise ConnectionResetError(f"the client took no data for {WRITE_TIMEOUT_S:g} s") from None
 
 
-def _usage(run: CompletionRun) -> dict[str, int]:
+def _usage(run: CompletionRun) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefill took from its prefix cache."""
     n_prompt, n_out = len(run.job.prompt_ids), len(run.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": run.num_cached_tokens}}
 
 
 def _chunk(gw: Gateway, run: CompletionRun, delta: str, finish_reason: str | None,

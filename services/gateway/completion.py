@@ -66,6 +66,7 @@ class CompletionRun:
     prefill_s: float | None = None  # the prefill's compute, plus step 1 where the prefill node ran it (exact push)
     prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
+    num_cached_tokens: int = 0  # PrefillDone.num_cached_tokens: prompt tokens the prefill took from its prefix cache
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
     broker: WorkerInfo | None = None
@@ -122,6 +123,7 @@ class CompletionRun:
                     first, self.prefill_s = done.first_token, done.prefill_s + done.step_one_s
                     self.prefill_step1_s = done.step_one_s
                     self.exact_from_layer = done.exact_from_layer
+                    self.num_cached_tokens = done.num_cached_tokens
                     self.prompt_logprobs = done.prompt_logprobs
                 try:
                     await self._generate(first, done, sampling)

@@ -69,5 +69,6 @@ def summary(run: CompletionRun) -> dict[str, Any]:
         "prefill_worker_id": run.prefill.worker_id if run.prefill else None,
         "decode_worker_id": run.decode.worker_id if run.decode else None,
         "prompt_tokens": len(run.job.prompt_ids),
+        "cached_tokens": run.num_cached_tokens,  # of those, taken from the prefill's prefix cache
         "token_ids": run.token_ids,
     }

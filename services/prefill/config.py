@@ -13,6 +13,9 @@ class PrefillConfig(ModelWorkerConfig):
     exact_from_share: float = 0.0
     # at start, a prefill of this many tokens measures the prompt rate the broker's first plan uses (0 = none)
     warmup_tokens: int = 512
+    # host memory for the prefix cache (shared/compute/prefix_cache.py): KV pages of earlier prompts, reused by
+    # prompts that start the same way; 0 = off (every prompt computed whole)
+    prefix_cache_mb: int = 1024  # fp32 SmolLM2 (46 KB a token): 22K tokens
 
     def validate(self) -> None:
         ModelWorkerConfig.validate(self)
@@ -20,3 +23,5 @@ class PrefillConfig(ModelWorkerConfig):
             raise ConfigError(f"exact_from_share {self.exact_from_share} must be in [0, 1]")
         if self.warmup_tokens < 0:
             raise ConfigError(f"warmup_tokens {self.warmup_tokens} must be ≥ 0")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb {self.prefix_cache_mb} must be ≥ 0 (0 turns the prefix cache off)")

@@ -47,6 +47,7 @@ from services.prefill.checks import prefill_problem, reads_codes
 from services.prefill.config import PrefillConfig
 from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
+from shared.compute.prefix_cache import PrefixCache
 from shared.compute.sampling import FirstToken
 
 log = structlog.get_logger()
@@ -72,7 +73,16 @@ class PrefillService(ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path))
+        prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20, self.store.layout.page_tokens) \
+            if self.config.prefix_cache_mb else None
+        self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path), prefix_cache)
+        if prefix_cache is not None:
+            self.metrics.counter_read("smartgen_prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                                      "cache", lambda: prefix_cache.num_queried_tokens)
+            self.metrics.counter_read("smartgen_prefix_cache_hits_total", "Prompt tokens found in the prefix cache "
+                                      "(their KV reused, not computed)", lambda: prefix_cache.num_hit_tokens)
+            self.metrics.gauge("smartgen_prefix_cache_bytes", "Host memory held by the prefix cache's pages",
+                               lambda: prefix_cache.num_bytes)
         await self._warm_up()
         await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True),
                                  abort=endpoint(Abort, self.abort),
@@ -145,7 +155,8 @@ class PrefillService(ModelWorkerService):
             if self.active.get(req.request_id) is not transfer:
                 raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted before its prefill")
             started = transfer.prefill_started = time.perf_counter()
-            first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query)
+            first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query,
+                                           reuse_prefix=True)
             return first, time.perf_counter() - started
 
         if self.dataplane is not None and self.dataplane.faults.prefill_delay_s:  # fault injection (tests)
@@ -161,17 +172,18 @@ class PrefillService(ModelWorkerService):
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
         rate = n / prefill_s
-        if self.prefill_times.observe(n, prefill_s):  # a prompt length not measured before: tell the broker now
-            await self.publish_heartbeat()
+        # NOTE: a prefix cache hit computed only part of the prompt: its time says nothing of the rate at n tokens
+        if not first.num_cached_tokens and self.prefill_times.observe(n, prefill_s):  # a length not measured before
+            await self.publish_heartbeat()  # tell the broker now
         self.last_prompt_tokens = n
-        log.info("prefill_done", tokens=n, prefill_s=round(prefill_s, 3), tokens_per_s=round(rate, 1),
-                 mode=req.transfer_mode, **link)
+        log.info("prefill_done", tokens=n, cached_tokens=first.num_cached_tokens, prefill_s=round(prefill_s, 3),
+                 tokens_per_s=round(rate, 1), mode=req.transfer_mode, **link)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(self._await_pushes(req.request_id))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
-                           transfer.exact_from_layer, transfer.step_one_s)
+                           transfer.exact_from_layer, transfer.step_one_s, first.num_cached_tokens)
 
     async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
         """The layers held back (`Transfer.holds_back`): run step 1 here, give each of them step 1's exact selection as its
@@ -391,6 +403,8 @@ class PrefillService(ModelWorkerService):
         stats["prefill_tokens_per_s"] = round(tokens_per_s(rates, self.last_prompt_tokens), 2)
         stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in rates]
         stats["leases_expired"] = self.leases_expired.value()
+        if self.engine is not None and (cache := self.engine.prefix_cache) is not None:
+            stats["prefix_cache"] = cache.stats()
         return stats
 
     async def stop(self) -> None:

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from schemas import KvLayout, TokenLogprobs
 from shared.compute.kvstore import layout_for
+from shared.compute.prefix_cache import LayerKv
 from shared.compute.sampling import prompt_logprobs
 from shared.compute.slab_cache import BatchCache, SlabCache
 
@@ -75,15 +76,24 @@ class ModelRunner:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None) -> tuple[torch.Tensor, DynamicCache]:
-        """Run the prompt. Returns the last position's logits (vocab,) and the filled cache."""
+    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                past: LayerKv | None = None) -> tuple[torch.Tensor, DynamicCache]:
+        """Run the prompt. Returns the last position's logits (vocab,) and the filled cache. `past`: per layer, the
+        (keys, values), each (num_kv_heads, P, head_dim), of the prompt's first P tokens, computed before (a prefix
+        cache hit; P < N): only tokens P… run, at positions P…, attending to them. The cache and `on_layer` hold
+        all N tokens either way."""
         cache = DynamicCache(config=self.config)
+        num_past = past[0][0].shape[1] if past else 0
+        if num_past >= len(token_ids):
+            raise ValueError(f"a past of {num_past} tokens leaves nothing of a {len(token_ids)}-token prompt to run")
+        for i, (keys, values) in enumerate(past or ()):
+            cache.update(keys[None].to(self.device, self.dtype), values[None].to(self.device, self.dtype), i)
         hooks = []
         if on_layer is not None:
             for i, layer in enumerate(self.model.get_decoder().layers):
                 hooks.append(layer.register_forward_hook(self._layer_hook(i, cache, on_layer)))
         try:
-            ids = torch.tensor([list(token_ids)], device=self.device)
+            ids = torch.tensor([list(token_ids)[num_past:]], device=self.device)
             out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             for h in hooks:

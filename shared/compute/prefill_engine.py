@@ -15,6 +15,7 @@ from shared.compute.decode_engine import DecodeEngine
 from shared.compute.entry_codes import EntryCodes, every_entry, pushed_mask
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
+from shared.compute.prefix_cache import PrefixCache
 from shared.compute.quantization import QuantLayout
 from shared.compute.sampling import FirstToken, first_token
 from shared.compute.selectors import DENSE_LAYERS, Geometry, Selector, make_selector
@@ -53,8 +54,10 @@ class QueryPush:
 
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None):
+    def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.runner, self.store, self.prep_dir = runner, store, prep_dir
+        self.prefix_cache = prefix_cache  # None: every prompt computed whole
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
                                  runner.head_dim, store.layout.page_tokens, getattr(torch, store.layout.dtype))
         self._selectors: dict[str, Selector] = {}
@@ -68,27 +71,46 @@ class PrefillEngine:
         return self._selectors[name]
 
     def run(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling, on_layer_stored: Callable[[int], None],
-            encode: LayerEncoder | None = None, last_queries: bool = False) -> int:
+            encode: LayerEncoder | None = None, last_queries: bool = False, reuse_prefix: bool = False) -> int:
         """`run_scored`'s first token."""
-        return self.run_scored(slab, token_ids, sampling, on_layer_stored, encode, last_queries).token
+        return self.run_scored(slab, token_ids, sampling, on_layer_stored, encode, last_queries, reuse_prefix).token
 
     def run_scored(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling,
                    on_layer_stored: Callable[[int], None], encode: LayerEncoder | None = None,
-                   last_queries: bool = False) -> FirstToken:
+                   last_queries: bool = False, reuse_prefix: bool = False) -> FirstToken:
         """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V as stored (rounded to the store's
         dtype, so metadata and codes describe exactly the KV decode will attend to), then `on_layer_stored(layer)`
         fires as each layer has landed. `last_queries`: keep each layer's last-position query for `encode` (a
-        query-aware push). Returns the first completion token (and the log-probabilities `sampling` asks for)."""
+        query-aware push). `reuse_prefix` (with a prefix cache): take the prompt's cached pages instead of computing
+        them, and keep its new full pages. Either way every layer lands whole, all N tokens, in `slab`. Returns the
+        first completion token (and the log-probabilities `sampling` asks for, and how many tokens were cached)."""
+        cache = self.prefix_cache if reuse_prefix else None
+        # NOTE: echo's prompt scores need every position computed: it looks nothing up (but still fills the cache)
+        hit = cache.acquire(token_ids) if cache is not None and not sampling.echo else None
+        # at least the last token runs: its logits give the first completion token
+        num_cached = min(hit.num_tokens, len(token_ids) - 1) if hit is not None else 0
+        computed: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (H, N, D) in the compute dtype
 
         def store_layer(layer: int, keys, values) -> None:
+            if cache is not None:
+                computed.append((keys, values))
             self.store.write_layer(slab, layer, keys, values)
             if encode is not None:
                 stored_k, stored_v = self.store.read_layer(slab, layer, keys.shape[1])
                 encode(layer, stored_k.to(keys.device, keys.dtype), stored_v.to(values.device, values.dtype))
             on_layer_stored(layer)
 
-        with self._last_queries() if last_queries else _nothing():
-            return first_token(self.runner, token_ids, sampling, store_layer)
+        try:
+            past = hit.layer_kv(num_cached) if hit is not None and num_cached else None
+            with self._last_queries() if last_queries else _nothing():
+                first = first_token(self.runner, token_ids, sampling, store_layer, past)
+        finally:
+            if cache is not None and hit is not None:
+                cache.release(hit)
+        if cache is not None:
+            cache.insert(token_ids, computed)
+        first.num_cached_tokens = num_cached
+        return first
 
     def step_one_selection(self, slab: Slab, num_tokens: int, first: int, selector: str, budget: float,
                            floor: BudgetFloor) -> dict[int, np.ndarray]:

@@ -20,15 +20,18 @@ class FirstToken:
     token: int
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # Sampling.echo: prompt tokens 1…N-1
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not computed
 
 
-def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=None) -> FirstToken:
-    """Prefill `token_ids` on `runner` (a ModelRunner; `on_layer` as in its `prefill`) and sample token 0,
-    scoring what `sampling` asks for."""
+def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=None, past=None) -> FirstToken:
+    """Prefill `token_ids` on `runner` (a ModelRunner; `on_layer` and `past` as in its `prefill`) and sample
+    token 0, scoring what `sampling` asks for. NOTE: echo's prompt scores need every position run: no `past`."""
     if sampling.echo and sampling.logprobs >= 0:
+        if past:
+            raise ValueError("prompt log-probabilities (echo) need the whole prompt computed: no past KV")
         logits, _, prompt = runner.prefill_scored(token_ids, on_layer, sampling.logprobs)
     else:
-        (logits, _), prompt = runner.prefill(token_ids, on_layer), []
+        (logits, _), prompt = runner.prefill(token_ids, on_layer, past), []
     token = sample(logits, sampling, 0, token_ids)
     return FirstToken(token, scored(logits, token, sampling), prompt)
 

@@ -15,10 +15,12 @@ counters (smartgen_prompt_tokens_total, smartgen_generation_tokens_total) and th
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import prometheus_client as prom
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
@@ -77,8 +79,20 @@ class Registry:
         """A value read when scraped (e.g. pages in use)."""
         prom.Gauge(name, help_text, registry=self.registry).set_function(read)
 
+    def counter_read(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A counter counted elsewhere (e.g. by the prefix cache), read when scraped; exported as `<name>_total`."""
+        self.registry.register(_ReadCounter(name, help_text, read))
+
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class _ReadCounter(Collector):
+    def __init__(self, name: str, help_text: str, read: Callable[[], float]):
+        self.name, self.help_text, self.read = name.removesuffix("_total"), help_text, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.help_text, value=self.read())
 
 
 class LatencyMetrics:

@@ -76,3 +76,21 @@ def test_eval_accuracy_small_run(clean_stack, tmp_path):
     assert 0 <= rows[("full", None)]["scores"]["needle"] <= 100
     assert 0 <= rows[("full", None)]["scores"]["squad_docqa"] <= 100
     assert json.loads((tmp_path / "accuracy.json").read_text())["rows"]
+
+
+def test_bench_serve_prefix_hit(clean_stack, tmp_path, monkeypatch):
+    """--prefix-hit 0.75: each request asks its own question over one shared document, and the prefill finds the
+    document's full pages cached (about 75% of each prompt) in every disaggregated request; all-local ones compute it."""
+    monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)
+    cfg = BenchConfig(modes=["full"], pressures=[2.0], regimes=["prefill"], prompt_tokens=[256], requests=2,
+                      max_tokens=4, url=clean_stack.gateway_url, model=str(clean_stack.spec.model), out=str(tmp_path),
+                      progress=False, quality=False, prefix_hit=0.75)
+    bench_serve(cfg)
+    report = json.loads((tmp_path / "runs.json").read_text())
+    requests = report["requests"]
+    assert len(requests) == 2 * 3  # colocated, colocated-selective and full on 2 samples
+    for x in requests:
+        if x["mode"] == "full":
+            assert 0.6 * 256 <= x["cached_tokens"] <= 0.75 * 256, x["cached_tokens"]
+        else:
+            assert x["cached_tokens"] == 0

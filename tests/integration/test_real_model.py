@@ -1,6 +1,6 @@
 """The real SmolLM2 through the whole disaggregated path, on a prompt of over 1,000 tokens: full and colocated
 against model.generate, then SmartGen's selective transfer on a slow link against the same selector with all
-KV local."""
+KV local. The prefill's prefix cache is on: after the first, the prompt's prefills take its pages from it."""
 from __future__ import annotations
 
 import time
@@ -48,6 +48,13 @@ def test_real_model_full_and_colocated_match_generate(real_model_path, tmp_path)
                 print(f"{mode}: prompt {sg['prompt_tokens']} tokens, TTFT {sg['ttft_s']:.3f} s, "
                       f"TTST {sg['ttst_s']:.3f} s, TBT {sg['tbt_s']:.3f} s, kv_bytes {sg['kv_bytes']}")
                 assert sg["token_ids"] == expected, mode
+            # the prefix cache (on by default): the prompt again takes all its full pages from the prefill's cache
+            # and computes the rest, with generate's tokens still (the runs after this one hit it too)
+            status, again = post_json(stack.gateway_url + "/v1/completions", {"prompt": prompt, "max_tokens": NUM_TOKENS,
+                                      "temperature": 0, "transfer_mode": "full"}, timeout=300)
+            assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids) - 16, again
+            assert again["smartgen"]["token_ids"] == expected
+            print(f"full with {again['smartgen']['cached_tokens']} cached tokens: prefill {again['smartgen']['prefill_s']:.3f} s")
             assert_no_leaks(stack)
             check_concurrent_requests(stack, real_model_path, prompt, expected)
             assert_no_leaks(stack)

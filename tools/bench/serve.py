@@ -2,7 +2,8 @@
 
     smartgen bench serve [--modes M,…] [--pressure 2,6.5 | --link-gbps X,…] [--regime prefill,step]
                          [--prompt-tokens 2048,4096] [--requests 5] [--concurrency 1] [--selector quest]
-                         [--kv-budget 0.1] [--max-tokens 64] [--tasks T,…] [--profile-prompts N] [--online-profile]
+                         [--kv-budget 0.1] [--max-tokens 64] [--tasks T,… | --prefix-hit H] [--profile-prompts N]
+                         [--online-profile]
                          [--url URL] [--model PATH] [--out DIR] [--json PATH]
 
 1. Starts its own stack (embedded NATS, 1 prefill + 1 decode) unless `--url` names a running gateway.
@@ -23,7 +24,9 @@
    API, streamed, `max_tokens` each past EOS, prompt-major: every mode (each paced mode at each setting) serves
    prompt 1, then prompt 2, … (`concurrency` prompts at a time), so a ratio's rows ran on the same prompts minutes
    apart at most. The all-local references colocated and colocated-selective run in every run, unpaced, on every
-   prompt. Times are this client's clock, one SSE chunk per token; e2e its wall time.
+   prompt. Times are this client's clock, one SSE chunk per token; e2e its wall time. The started stack's prefix
+   cache is off, but with --prefix-hit H: then each request asks a question of its own over one shared document
+   (H of the prompt, tools/workloads.shared_document), which the prefill finds cached; R stays the whole prefill's.
 5. Per request, the TTST bound is honest: colocated-selective's step-1 compute on the same prompt (colocated's for
    a dense mode) plus the link term max(0, B₁ − r·T_prefill)/r, not the request's own step 1 (add_honest_bounds);
    t64 − t1 (`decode_s`) beside CTL64.
@@ -38,6 +41,8 @@ import argparse
 import json
 import os
 import platform
+import secrets
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
     serve.add_argument("--max-tokens", type=int, default=64)
     serve.add_argument("--tasks", type=csv_of(str), default=None, help="workloads (default: all five LongBench stand-ins)")
+    serve.add_argument("--prefix-hit", type=float, default=0.0, metavar="H",
+                       help="instead of --tasks: questions over one document of H × the prompt (e.g. 0.75), each "
+                            "request its own question, with the prefill's prefix cache on (default 0: no shared "
+                            "prefix, cache off)")
     serve.add_argument("--url", default="", help="a running gateway (default: start a stack)")
     add_model(serve)
     serve.add_argument("--out", default="bench-out", help="folder for runs.json, report.md and the plots")
@@ -131,7 +140,8 @@ def command(args: argparse.Namespace) -> None:
                       requests=args.requests, concurrency=args.concurrency, selector=args.selector,
                       kv_budget=args.kv_budget, max_tokens=args.max_tokens, url=args.url, model=args.model,
                       out=args.out, json_path=args.json or "", profile_prompts=args.profile_prompts,
-                      regimes=args.regime, online_profile=args.online_profile, quality=args.quality)
+                      regimes=args.regime, online_profile=args.online_profile, quality=args.quality,
+                      prefix_hit=args.prefix_hit)
     if args.modes:
         cfg.modes = args.modes
     if args.tasks:
@@ -159,6 +169,7 @@ class BenchConfig:
     json_path: str = ""
     profile_prompts: int = 0  # > 0: first build the selector's profile per prompt length from this many prompts
     quality: bool = True  # KL and agreement vs dense per row, on the served prompts (measure_quality)
+    prefix_hit: float = 0.0  # > 0: tools/workloads.shared_document prompts, a fresh question per request, cache on
     progress: bool = True
     stack_env: dict[str, str] = field(default_factory=dict)
 
@@ -198,10 +209,13 @@ def run(cfg: BenchConfig) -> dict:
         mode_body(m, cfg.selector, cfg.kv_budget)  # unknown names fail before anything starts
     if not cfg.regimes or not set(cfg.regimes) <= set(REGIMES):
         raise SystemExit(f"--regime takes {', '.join(REGIMES)}, not {cfg.regimes}")
+    if not 0 <= cfg.prefix_hit < 1:
+        raise SystemExit(f"--prefix-hit takes a share of the prompt in [0, 1), not {cfg.prefix_hit}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
-    with gateway_for(cfg.url, cfg.model, out, cfg.stack_env) as (gateway, stack):
+    cache_env = {"SMARTGEN_PREFIX_CACHE_MB": "1024"} if cfg.prefix_hit else {}
+    with gateway_for(cfg.url, cfg.model, out, {**cache_env, **cfg.stack_env}) as (gateway, stack):
         try:
             for i, concurrency in enumerate(cfg.concurrency):
                 # NOTE: profiles are built once (kvprofile keeps them); each concurrency is a whole run of its own
@@ -254,6 +268,8 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
     Prompt-major: every mode serves prompt 1 (each paced mode at each setting), then prompt 2, …, so the rows
     compared in a ratio ran minutes apart at most, on the same prompts (with concurrency C, C prompts at a time).
     The all-local references (REFERENCE_MODES) run in every run, unpaced, on every prompt."""
+    from tools import workloads
+
     records: list[dict] = []
     calibration: dict[str, dict] = {}
     profiles: dict[str, dict] = {}
@@ -268,13 +284,20 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
     group = max(1, cfg.concurrency[0])
     prompts: dict[int, list[str]] = {}
     for length in cfg.prompt_tokens:
-        samples = build_samples(tokenizer, cfg.tasks, cfg.requests, length)
+        # --prefix-hit: every request asks its own question over the one document (else a mode after the first would
+        # find the whole prompt cached); `samples` are the first, for calibration and quality
+        questions = iter(workloads.shared_document(tokenizer, cfg.requests * (1 + total // len(cfg.prompt_tokens)) + 1,
+                                                   length, cfg.prefix_hit)) if cfg.prefix_hit else None
+        samples = [next(questions) for _ in range(cfg.requests)] if questions \
+            else build_samples(tokenizer, cfg.tasks, cfg.requests, length)
         prompts[length] = [sample.prompt for sample in samples]
         gateway.pace(0)
         if cfg.profile_prompts:
             profiles[str(length)] = _build_profiles(cfg, gateway, tokenizer, samples)
         # NOTE: the longest prompt, so that R is set for the length asked (a task's data may fall short of it)
         calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
+        if questions:  # the document into the prefix cache: every measured request finds it
+            gateway.complete({"prompt": next(questions).prompt, "max_tokens": 1, "transfer_mode": "full"})
         runs = [("unpaced", ("gbps", 0.0), unpaced)] + [(regime, setting, paced) for regime in regimes
                                                         for setting in settings]
         for first in range(0, len(samples), group):
@@ -287,11 +310,15 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
                             **mode_body(mode, cfg.selector, cfg.kv_budget)}
                     gateway.learn_online(mode == ONLINE_MODE)
                     started = time.monotonic()
+                    served = [next(questions) for _ in batch] if questions else batch
                     try:
-                        results = _serve(gateway, body, batch, group, bar)
+                        results = _serve(gateway, body, served, group, bar)
                     finally:
                         gateway.learn_online(False)
                     wall_s = time.monotonic() - started
+                    if not questions and any(res.get("cached_tokens") for res in results):
+                        print("bench serve: the prefix cache found prompts served before; for comparable rows start "
+                              "the stack with SMARTGEN_PREFIX_CACHE_MB=0 (or use --prefix-hit)", file=sys.stderr)
                     for k, (sample, res) in enumerate(zip(batch, results)):
                         records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
                                         "link_gbps": gbps, "task": sample.task, "sample": first + k,
@@ -360,8 +387,11 @@ def gateway_for(url: str, model: str, out: Path,
     from tools.stack import StackSpec, started_stack
 
     # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
+    # NOTE: the prefix cache off unless asked (--prefix-hit): every mode serves the same prompts, and each would
+    # find the prompt cached by the one before
     env = {"SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
-           "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", **(extra_env or {})}
+           "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", "SMARTGEN_PREFIX_CACHE_MB": "0",
+           **(extra_env or {})}
     spec = StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)
     with started_stack(spec, 300) as stack:
         yield Gateway(stack.gateway_url, stack.admin_token), stack
@@ -379,9 +409,12 @@ def _link(setting: tuple[str, float], calib: dict, regime: str) -> tuple[float, 
 
 
 def _calibrate(gateway: Gateway, prompt: str) -> dict:
-    """One unpaced full-mode request (after a warm-up): this machine's prefill rate and KV bytes per token."""
-    gateway.complete({"prompt": prompt, "max_tokens": 2, "temperature": 0, "transfer_mode": "full"})
-    res = gateway.complete({"prompt": prompt, "max_tokens": 2, "temperature": 0, "transfer_mode": "full"})
+    """One unpaced full-mode request (after a warm-up): this machine's prefill rate and KV bytes per token.
+    NOTE: each opens with a line of its own, so where the prefix cache is on neither finds a page of it cached: the
+    rate is the whole prefill's."""
+    for tag in ("warm-up", "calibration"):
+        res = gateway.complete({"prompt": f"{tag} {secrets.token_hex(4)}\n{prompt}", "max_tokens": 2, "temperature": 0,
+                                "transfer_mode": "full"})
     n = res["prompt_tokens"]
     return {"prompt_tokens": n, "prefill_s": res["prefill_s"], "prefill_tokens_per_s": n / res["prefill_s"],
             "kv_bytes_per_token": res["kv_bytes"]["full"] / n}
