@@ -57,11 +57,47 @@ class KvLoader:
             await self._wait_until_nearly_landed(state)
             await self.load_while_pushing(state)
             state.report.kv_load_s = asyncio.get_running_loop().time() - started
+        elif self._dequantizes_as_it_lands(state):
+            await self._receive_codes(state)
         else:
             await self._wait_for_kv(state)
             landed = asyncio.get_running_loop().time()
             await self.load(state)
             state.report.kv_load_s = asyncio.get_running_loop().time() - landed
+
+    def _dequantizes_as_it_lands(self, state: DecodeRequest) -> bool:
+        """quantized: each layer's codes are dequantized into the slab's rows as soon as that layer has landed
+        (they land in layer order: PrefillDone.layer_push_bytes), so only the last layers wait after the push."""
+        req = state.generate
+        return (mode_of(req.transfer_mode).aux is Aux.CODES and len(req.layer_push_bytes) == self.store.layout.num_layers
+                and sum(req.layer_push_bytes) == state.push.expected_bytes and not state.push.landed.is_set())
+
+    async def _receive_codes(self, state: DecodeRequest) -> None:
+        """quantized, layer by layer: dequantize each layer on the torch thread as it lands, then build the cache."""
+        req = state.generate
+        assert state.slab is not None
+        slab, n = state.slab, len(req.token_ids)
+        jobs: list[asyncio.Future] = []
+
+        def layer_landed(layer: int) -> None:  # event loop, in landing order
+            jobs.append(asyncio.ensure_future(self.in_torch(self.engine.dequantize_layer, slab, n, req.kv_bits, layer)))
+
+        state.push.layer_ends = list(itertools.accumulate(req.layer_push_bytes))
+        state.push.on_layer_landed = layer_landed
+        try:
+            state.check_landed()  # the layers already here
+            await self._wait_for_kv(state)
+            ready = sum(job.done() for job in jobs)
+        finally:  # NOTE: a queued dequantization writes into the slab: it must be done before anyone frees it
+            await asyncio.gather(*jobs, return_exceptions=True)
+        log.info("codes_dequantized_as_they_landed", request_id=req.request_id, layers_ready_at_last_byte=ready,
+                 layers=len(jobs))
+        landed = asyncio.get_running_loop().time()
+        for job in jobs:
+            job.result()  # a dequantization that failed fails the request
+        await self.in_torch(self.engine.load_from_store, req.request_id, slab, n)
+        self.remote_kv.plan_event(state, PlanState.ALL_LOCAL)
+        state.report.kv_load_s = asyncio.get_running_loop().time() - landed
 
     async def recompute(self, state: DecodeRequest, tokens: list[int], why: str) -> int:
         """failure_policy `recompute`: the prefill node cannot provide this request's KV, so build its cache here

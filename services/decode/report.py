@@ -44,7 +44,7 @@ def final_event(state: DecodeRequest, selection: Selection | None, index: int, r
                       all_local_step=state.progress.all_local_step, background_declined=state.progress.background_declined,
                       recompute_reason=state.report.recompute_reason,
                       step1_kv_bytes=state.report.step1_kv_bytes, step1_compute_s=round(state.report.step1_compute_s, 6),
-                      kv_load_s=round(state.report.kv_load_s, 6), started_while_pushing=state.push.on_layer_landed is not None,
+                      kv_load_s=round(state.report.kv_load_s, 6), started_while_pushing=state.push.on_layer_landed is not None and remote is not None,
                       push_landing_wait_s=round(remote.landing_wait_s, 6) if remote else 0.0, fetch_reads=remote.num_fetch_reads if remote else 0,
                       speculative_reads=remote.num_speculative_reads if remote else 0,
                       ranked_reads=remote.num_ranked_reads if remote else 0,

@@ -152,12 +152,16 @@ class DecodeEngine:
     def load_quantized(self, request_id: str, slab: Slab, num_tokens: int, bits: int) -> None:
         """The prompt's KV landed as low-bit codes in `slab`'s aux area: dequantize them into its rows, then
         decode from the slab as in full mode."""
+        for layer in range(self.store.layout.num_layers):
+            self.dequantize_layer(slab, num_tokens, bits, layer)
+        self.load_from_store(request_id, slab, num_tokens)
+
+    def dequantize_layer(self, slab: Slab, num_tokens: int, bits: int, layer: int) -> None:
+        """One layer's low-bit codes in `slab`'s aux area into its rows (quantized mode, as each layer lands)."""
         lay = self.store.layout
         quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits)
-        aux, rows = self.store.aux(slab), self.store.view(slab)
-        for layer in range(lay.num_layers):
-            quant.dequantize(aux, layer, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
-        self.load_from_store(request_id, slab, num_tokens)
+        rows = self.store.view(slab)
+        quant.dequantize(self.store.aux(slab), layer, rows[layer, 0, :, :num_tokens], rows[layer, 1, :, :num_tokens])
 
     def prefill_local(self, request_id: str, token_ids: Sequence[int], sampling: Sampling, slab: Slab | None = None,
                       max_new_tokens: int = 64) -> int:

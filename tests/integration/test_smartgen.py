@@ -3,6 +3,7 @@ is left behind, selective transfer beats full transfer on TTST, and profiles liv
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -211,6 +212,21 @@ def test_auto_with_kv_bits_runs_quantized_or_a_low_bit_push_as_the_link_allows(p
     status, reply = post_json(paced.gateway_url + "/v1/completions",
                               {"prompt": "hi", "max_tokens": 2, "transfer_mode": "auto", "kv_bits": 2}, timeout=30)
     assert status == 400 and reply["error"]["param"] == "kv_bits"
+    assert_no_leaks(paced)
+
+
+def test_quantized_dequantizes_each_layer_as_it_lands(paced):
+    """quantized: where the codes are still landing when the decode worker gets the request (R = 8: 4-bit codes
+    take about twice the prefill), each layer is dequantized on the torch thread as soon as it has landed, so most
+    are ready by the last byte; the tokens are those of the same request whose codes had all landed first."""
+    body = dict(transfer_mode="quantized", kv_bits=4)
+    whole = complete(paced, **body)
+    with paced_to_ratio(paced, 8.0):
+        layered = complete(paced, **body)
+    assert layered["token_ids"] == whole["token_ids"]
+    lines = [json.loads(line) for line in paced.spec.log_file.read_text().splitlines() if "codes_dequantized" in line]
+    ours = [x for x in lines if x.get("request_id") == layered["id"]]
+    assert ours and 1 <= ours[0]["layers_ready_at_last_byte"] <= ours[0]["layers"] == 8, ours
     assert_no_leaks(paced)
 
 
