@@ -9,6 +9,7 @@ SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NAT
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -29,7 +30,8 @@ from schemas import Discover, WorkerInfo, encode, subjects
 from shared import __version__
 from shared.runtime.admin_auth import require_admin_token
 from shared.runtime.config import ServiceConfig
-from shared.runtime.logging import setup_logging
+from shared.runtime.access_log import JsonAccessLogger
+from shared.runtime.logging import LOGGER_NAME, setup_logging
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
 from shared.runtime.natsconn import connect_options, redacted_url
 from shared.runtime.rpc import subscriber
@@ -187,8 +189,8 @@ async def run_service(service: Service) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     async with AsyncExitStack() as stack:
-        runner = web.AppRunner(build_admin_app(service), access_log=None,
-                               handler_cancellation=service.cancel_on_disconnect)
+        runner = web.AppRunner(build_admin_app(service), access_log_class=JsonAccessLogger,
+                               access_log=logging.getLogger(LOGGER_NAME), handler_cancellation=service.cancel_on_disconnect)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.host, service.http_port())
@@ -269,7 +271,9 @@ def service_main(config_cls: type, service_cls: type[Service]) -> None:
     from shared.runtime.config import ConfigError, load_config
 
     try:
-        config = load_config(config_cls, sys.argv[1:])
-    except ConfigError as exc:
-        sys.exit(f"{service_cls.role}: {exc}")
+        config = load_config(config_cls, sys.argv[1:], role=service_cls.role)
+    except ConfigError as exc:  # a JSON line like every other (the stack's log is JSON throughout)
+        setup_logging(service_cls.role, "")
+        log.error("config_error", error=str(exc))
+        sys.exit(1)
     asyncio.run(run_service(service_cls(config)))
