@@ -1,24 +1,24 @@
 """`smartgen config show [--config PATH] [--role ROLE] [--json]`: every service's effective settings and where each
 came from (flag, env, the settings file, or the default), having checked the settings file for every role.
 
-The settings file and the precedence (flag > env > file > default) are in shared/runtime/settings_file.py and
-shared/runtime/config.py. This is the one place that knows every role's settings, so it checks what a single
-service cannot: that each top-level key of the file is a setting of some role.
+Each service says it itself (`python -m services.<role> --show-config`, run here as a process, as the stack runs
+them), so the precedence (flag > env > file > default, shared/runtime/config.py) has one implementation. Knowing
+every role's settings, this also checks what a single service cannot: that each top-level key of the file is a
+setting of some role (shared/runtime/settings_file.py).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-# NOTE: the services' config classes are data-only dataclasses: the settings surface, not a service's internals
-CONFIG_CLASSES = {"gateway": "services.gateway.config:GatewayConfig", "broker": "services.broker.config:BrokerConfig",
-                  "kvprofile": "services.kvprofile.config:KvProfileConfig",
-                  "prefill": "services.prefill.config:PrefillConfig", "decode": "services.decode.config:DecodeConfig"}
+from shared.runtime.config import CONFIG_ENV, SHOW_CONFIG_FLAG, ConfigError
+from shared.runtime.settings_file import ROLES, SettingsFileError, read_settings_file, unknown_key_message
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,63 +27,61 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     what = config.add_subparsers(dest="what", required=True)
     show = what.add_parser("show", help="print each setting's effective value and where it came from")
     show.add_argument("--config", metavar="PATH", default=None,
-                      help="a TOML settings file (default: $SMARTGEN_CONFIG, else none)")
-    show.add_argument("--role", choices=sorted(CONFIG_CLASSES), action="append",
-                      help="only this role (repeatable; default: every role)")
-    show.add_argument("--json", action="store_true", help="one JSON object: {role: {setting: {value, source}}}")
+                      help=f"a TOML settings file (default: ${CONFIG_ENV}, else none)")
+    show.add_argument("--role", choices=ROLES, action="append", help="only this role (repeatable; default: every role)")
+    show.add_argument("--json", action="store_true", help="one JSON object: {role: {setting: {value, source, help}}}")
     show.set_defaults(run=show_command)
 
 
-def config_class(role: str) -> type:
-    module, name = CONFIG_CLASSES[role].split(":")
-    return getattr(importlib.import_module(module), name)
+def effective_settings(roles: tuple[str, ...] | list[str], env: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """{role: {setting: {"value", "source", "help"}}} as each service would start with `env` (all at once).
+    Raises ConfigError with the first service's complaint."""
+    runs = {role: subprocess.Popen([sys.executable, "-m", f"services.{role}", SHOW_CONFIG_FLAG], cwd=REPO_ROOT,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for role in roles}
+    settings = {}
+    for role, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        if run.returncode != 0:
+            raise ConfigError(f"{role}: {_complaint(err)}")
+        settings[role] = json.loads(out)["settings"]
+    return settings
 
 
-def check_settings_file(path: str | Path) -> None:
-    """Raise ConfigError if the file cannot configure the stack: not TOML, a table that is not a role, a key that
-    no role has at the top level or that its table's role lacks."""
-    from shared.runtime.config import ConfigError
-    from shared.runtime.settings_file import SettingsFileError, file_values, read_settings_file, unknown_key_message
+def _complaint(stderr: str) -> str:
+    """The `error` of a service's config_error line, else its last line of output."""
+    for line in reversed(stderr.splitlines()):
+        try:
+            return json.loads(line)["error"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return (stderr.strip().splitlines() or ["exited without a word"])[-1]
 
+
+def check_top_level_keys(path: str | Path, names: set[str]) -> None:
+    """Raise ConfigError for a top-level key of the file that is none of `names` (every role's settings)."""
     try:
-        data = read_settings_file(path)
-        names = {f.name for role in CONFIG_CLASSES for f in dataclasses.fields(config_class(role))}
-        for key, value in data.items():
+        for key, value in read_settings_file(path).items():
             if not isinstance(value, dict) and key not in names:
-                raise SettingsFileError(unknown_key_message(key, f"{str(path)!r}", names))
-        for role in CONFIG_CLASSES:
-            file_values(config_class(role), role, data, path)
+                raise SettingsFileError(unknown_key_message(key, repr(str(path)), names))
     except SettingsFileError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def effective_settings(role: str, env: dict[str, str]) -> dict[str, dict[str, object]]:
-    """{setting: {"value", "source"}} of `role` as it would start with `env` (secrets shown as "***")."""
-    from shared.runtime.config import SECRET_FIELDS, resolve_config
-    from shared.runtime.natsconn import redacted_url
-
-    config, sources = resolve_config(config_class(role), [], env, role)
-    shown = {}
-    for name, source in sources.items():
-        value = getattr(config, name)
-        if name in SECRET_FIELDS and value:
-            value = "***"
-        elif name == "nats_url":
-            value = ",".join(redacted_url(url) for url in config.nats_urls)
-        shown[name] = {"value": value, "source": source}
-    return shown
+def checked_settings(env: dict[str, str], roles: tuple[str, ...] | list[str] = ROLES) -> dict[str, dict[str, dict]]:
+    """effective_settings of every role, and the settings file (if env names one) checked against all of them."""
+    settings = effective_settings(ROLES, env)
+    if env.get(CONFIG_ENV):
+        check_top_level_keys(env[CONFIG_ENV], {name for values in settings.values() for name in values})
+    return {role: settings[role] for role in roles}
 
 
 def show_command(args: argparse.Namespace) -> int:
-    from shared.runtime.config import CONFIG_ENV, ConfigError
-
     env = dict(os.environ)
     if args.config:
-        env[CONFIG_ENV] = args.config
+        env[CONFIG_ENV] = str(Path(args.config).resolve())
     try:
-        if env.get(CONFIG_ENV):
-            check_settings_file(env[CONFIG_ENV])
-        settings = {role: effective_settings(role, env) for role in args.role or CONFIG_CLASSES}
+        settings = checked_settings(env, args.role or ROLES)
     except ConfigError as exc:
         print(f"smartgen config: {exc}", file=sys.stderr)
         return 2

@@ -45,7 +45,7 @@ def command(args: argparse.Namespace) -> int:
     from shared.runtime.logging import setup_logging
     from shared.runtime.models import ModelNotFound, prepare_default_model, resolve_model
     from shared.runtime.config import CONFIG_ENV, ConfigError, write_secret_file
-    from tools.settings import check_settings_file
+    from tools.settings import checked_settings
     from shared.runtime.service import SHUTDOWN_GRACE_S
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
@@ -57,8 +57,8 @@ def command(args: argparse.Namespace) -> int:
         return 2
     config_path = str(Path(args.config).resolve()) if args.config else os.environ.get(CONFIG_ENV, "")
     try:
-        if config_path:
-            check_settings_file(config_path)
+        if config_path:  # every role's check, before anything starts (a service alone checks only its own)
+            checked_settings({**os.environ, CONFIG_ENV: config_path})
         model = args.model or _setting(config_path, "model", "")
         port = int(args.port or _setting(config_path, "gateway_port", 8000))
     except (ConfigError, ValueError) as exc:

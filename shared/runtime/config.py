@@ -22,6 +22,7 @@ from shared.runtime.settings_file import ROLES, SettingsFileError, field_help, f
 C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
 CONFIG_ENV = "SMARTGEN_CONFIG"  # the settings file, where no --config says
+SHOW_CONFIG_FLAG = "--show-config"
 # Settings that hold a secret: each can instead be read from the file named by `<name>_file` (docker secrets).
 # NOTE: their fields are repr=False and nothing logs them; keep it that way for any secret added here.
 SECRET_FIELDS = ("nats_token", "nats_password", "admin_token", "cluster_secret", "api_key")
@@ -158,6 +159,7 @@ def resolve_config(cls: type[C], argv: list[str] | None = None, env: typing.Mapp
     role = _role_of(cls) if role is None else role
     hints = typing.get_type_hints(cls)
     args = vars(build_parser(cls).parse_args(argv))
+    args.pop("show_config")
     config_path = args.pop("config") or env.get(CONFIG_ENV, "")
     try:
         from_file = file_values(cls, role, read_settings_file(config_path), config_path) if config_path else {}
@@ -190,11 +192,30 @@ def build_parser(cls: type) -> argparse.ArgumentParser:
                                                  "else its default.")
     parser.add_argument("--config", metavar="PATH", default=None,
                         help=f"a TOML settings file (also {CONFIG_ENV}); flags and env win over it")
+    parser.add_argument(SHOW_CONFIG_FLAG, action="store_true",
+                        help="print the effective settings as JSON, with where each came from, and exit")
     for f in dataclasses.fields(cls):
         default = "" if f.name in SECRET_FIELDS else f" (default {f.default!r})"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             help=f"{helps.get(f.name, '')} [{env_name(f.name)}]{default}".replace("%", "%%"))
     return parser
+
+
+def describe_config(config: ServiceConfig, sources: dict[str, str]) -> dict[str, dict[str, typing.Any]]:
+    """{setting: {"value", "source", "help"}} for `smartgen config show`: secrets as "***", NATS URLs without
+    credentials."""
+    from shared.runtime.natsconn import redacted_url
+
+    helps = field_help(type(config))
+    shown = {}
+    for name, source in sources.items():
+        value = getattr(config, name)
+        if name in SECRET_FIELDS and value:
+            value = "***"
+        elif name == "nats_url":
+            value = ",".join(redacted_url(url) for url in config.nats_urls)
+        shown[name] = {"value": value, "source": source, "help": helps.get(name, "")}
+    return shown
 
 
 def _role_of(cls: type) -> str:

@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import nats
 import nats.micro
@@ -37,6 +37,7 @@ from shared.runtime.natsconn import connect_options, redacted_url
 from shared.runtime.rpc import subscriber
 
 log = structlog.get_logger()
+C = TypeVar("C", bound=ServiceConfig)
 SHUTDOWN_GRACE_S = 10.0  # after SIGINT/SIGTERM the process ends within this, cleanly or not (tools/stack.py kills at 15 s)
 
 
@@ -264,16 +265,27 @@ async def _heartbeat_loop(service: Service) -> None:
         await asyncio.sleep(service.config.heartbeat_s)
 
 
-def service_main(config_cls: type, service_cls: type[Service]) -> None:
-    """The whole of a service's `__main__`: config from flags and env, then run until SIGINT/SIGTERM."""
+def config_main(config_cls: type[C], role: str) -> C:
+    """A service's `__main__`, first half: its config from flags, env and the settings file. Exits with a JSON
+    config_error line on a bad setting, or, given --show-config, after printing the effective settings as JSON
+    (`smartgen config show`; the `__main__` imports its service, torch and all, only after this)."""
+    import json
     import sys
 
-    from shared.runtime.config import ConfigError, load_config
+    from shared.runtime.config import SHOW_CONFIG_FLAG, ConfigError, describe_config, resolve_config
 
     try:
-        config = load_config(config_cls, sys.argv[1:], role=service_cls.role)
+        config, sources = resolve_config(config_cls, sys.argv[1:], role=role)
     except ConfigError as exc:  # a JSON line like every other (the stack's log is JSON throughout)
-        setup_logging(service_cls.role, "")
+        setup_logging(role, "")
         log.error("config_error", error=str(exc))
         sys.exit(1)
-    asyncio.run(run_service(service_cls(config)))
+    if SHOW_CONFIG_FLAG in sys.argv[1:]:
+        print(json.dumps({"role": role, "settings": describe_config(config, sources)}))
+        sys.exit(0)
+    return config
+
+
+def run_main(service: Service) -> None:
+    """A service's `__main__`, second half: run it until SIGINT/SIGTERM."""
+    asyncio.run(run_service(service))

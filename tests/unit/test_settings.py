@@ -13,7 +13,8 @@ from services.decode.config import DecodeConfig
 from services.gateway.config import GatewayConfig
 from shared.runtime.config import ConfigError, build_parser, load_config, resolve_config
 from shared.runtime.settings_file import field_help
-from tools.settings import CONFIG_CLASSES, check_settings_file, config_class
+from tests.contract.service_configs import CONFIG_CLASSES, config_class
+from tools.settings import check_top_level_keys
 from tools.stack import REPO_ROOT
 
 SETTINGS = """
@@ -76,8 +77,12 @@ def test_an_unknown_top_level_key_is_refused_where_every_role_is_known(tmp_path)
     path = tmp_path / "typo.toml"
     path.write_text("max_runing = 4\n")
     load_config(GatewayConfig, ["--config", str(path)], {})
+    names = {f.name for role in CONFIG_CLASSES for f in dataclasses.fields(config_class(role))}
     with pytest.raises(ConfigError, match="unknown setting 'max_runing'.*did you mean 'max_running'"):
-        check_settings_file(path)
+        check_top_level_keys(path, names)
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "config", "show", "--config", str(path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "unknown setting 'max_runing'" in result.stderr
 
 
 def test_every_flag_has_help():
@@ -104,7 +109,9 @@ def test_config_show_names_each_source(settings_file):
     waiting = next(line for line in text.splitlines() if line.startswith("max_waiting "))
     assert waiting.split("=", 1)[1].split() == ["12", "#", "env", "SMARTGEN_MAX_WAITING"], waiting
     shown = json.loads(run("--json").stdout)
-    assert shown["decode"]["max_batch"] == {"value": 5, "source": f"{settings_file} [decode]"}
-    assert shown["gateway"]["max_waiting"] == {"value": 12, "source": "env SMARTGEN_MAX_WAITING"}
+    assert shown["decode"]["max_batch"] | {"help": ""} == {"value": 5, "source": f"{settings_file} [decode]", "help": ""}
+    assert (shown["gateway"]["max_waiting"]["value"], shown["gateway"]["max_waiting"]["source"]) == \
+        (12, "env SMARTGEN_MAX_WAITING")
+    assert "continuous batching" in shown["decode"]["max_batch"]["help"]
     assert shown["broker"]["drain_s"]["source"] == "default"
     assert shown["gateway"]["admin_token"]["value"] == "***"
