@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--link-gbps", type=float, help="pace every data-plane link to this many Gbit/s (emulates a slow "
                                                     "NIC; SMARTGEN_LINK_GBPS; default 0 = unpaced)")
     up.add_argument("--port", type=int, help="the gateway's port, the OpenAI API (SMARTGEN_GATEWAY_PORT; default 8000)")
+    up.add_argument("--vllm-metrics", action="store_true", default=None,
+                    help="the gateway's /metrics also under vLLM's names (vllm:*), for vLLM's dashboards "
+                         "(SMARTGEN_VLLM_METRICS; default off)")
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
                                                   "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "
                                                   "SMARTGEN_API_KEY_FILE work too (default: open)")
@@ -77,6 +80,8 @@ def command(args: argparse.Namespace) -> int:
     env = {CONFIG_ENV: config_path} if config_path else {}
     if args.link_gbps is not None:
         env["SMARTGEN_LINK_GBPS"] = str(args.link_gbps)
+    if args.vllm_metrics:
+        env["SMARTGEN_VLLM_METRICS"] = "true"
     if args.api_key:  # NOTE: to the gateway as a file (mode 0600), never in an environment or a command line
         key_file = Path(tempfile.mkdtemp(prefix="smartgen-api-")) / "api-key"
         write_secret_file(key_file, args.api_key)
