@@ -70,7 +70,7 @@ def query_command(args: argparse.Namespace) -> int:
 
 
 def _labels(metric: dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(metric.items()) if k not in ("job", "instance")) or "-"
+    return ",".join(f"{k}={v}" for k, v in sorted(metric.items()) if k != "instance") or "-"
 
 
 def main(argv: list[str] | None = None) -> int:
