@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A real Prometheus (Debian's package) scraping `smartgen up`, then every query of SmartGen's Grafana dashboard asked
 # of it: each must answer with data. Also lists the vllm:* and smartgen_* names Prometheus stored (the stack runs
-# with --vllm-metrics). Writes its report to OUT (default docs/results/prometheus-dashboard) and exits 1 if a
-# query had no data.
+# with --vllm-metrics), which must include vLLM's main ones. Writes its report to OUT (default
+# docs/results/prometheus-dashboard) and exits 1 if a query had no data or a vLLM name is missing.
 #
 #   bash tools/check_prometheus.sh                      # the default model (SmolLM2); about 2 minutes
 #   MODEL=/path/to/model LOAD_S=60 OUT=/tmp/check bash tools/check_prometheus.sh
@@ -42,7 +42,7 @@ trap cleanup EXIT
 echo "starting smartgen up on $API (log: $WORK/up.log)" >&2
 "$PY" -m tools.cli up --port "$API_PORT" --vllm-metrics ${MODEL:+--model "$MODEL"} >"$WORK/up.log" 2>&1 &
 UP_PID=$!
-for _ in $(seq 1 180); do grep -q '"stack_ready"' "$WORK/up.log" && break; sleep 1; done
+for _ in $(seq 1 180); do grep -qs '"stack_ready"' "$WORK/up.log" && break; sleep 1; done
 grep -q '"stack_ready"' "$WORK/up.log" || { tail -20 "$WORK/up.log" >&2; echo "smartgen up did not become ready" >&2; exit 1; }
 
 # One job per role, as deploy/prometheus/prometheus.yml has them, at the addresses the gateway's /workers gives
@@ -81,6 +81,14 @@ curl -sf "$PROM/api/v1/label/__name__/values" | "$PY" -c '
 import json, sys
 names = json.load(sys.stdin)["data"]
 print("\n".join(n for n in names if n.startswith(("vllm:", "smartgen_"))))' >"$OUT/metric-names.txt"
+MISSING=""
+for name in vllm:time_to_first_token_seconds_bucket vllm:inter_token_latency_seconds_bucket \
+    vllm:time_per_output_token_seconds_bucket vllm:e2e_request_latency_seconds_bucket vllm:num_requests_running \
+    vllm:num_requests_waiting vllm:prompt_tokens_total vllm:generation_tokens_total vllm:request_success_total \
+    vllm:kv_cache_usage_perc; do
+  grep -qx "$name" "$OUT/metric-names.txt" || MISSING="$MISSING $name"
+done
+[ -z "$MISSING" ] || STATUS=1
 UP_TARGETS=$(curl -sf "$PROM/api/v1/targets" | "$PY" -c '
 import json, sys
 targets = json.load(sys.stdin)["data"]["activeTargets"]
@@ -95,7 +103,8 @@ print(", ".join(sorted(t["labels"]["job"] + " " + t["health"] for t in targets))
   echo "Targets: $UP_TARGETS."
   echo
   echo "$(grep -c '\*\*no data\*\*' "$OUT/queries.md" || true) queries without data; the table: [queries.md](queries.md);"
-  echo "names stored: [metric-names.txt](metric-names.txt) ($(grep -c '^vllm:' "$OUT/metric-names.txt") vllm:*, $(grep -c '^smartgen_' "$OUT/metric-names.txt") smartgen_*)."
+  echo "names stored: [metric-names.txt](metric-names.txt) ($(grep -c '^vllm:' "$OUT/metric-names.txt") vllm:*, $(grep -c '^smartgen_' "$OUT/metric-names.txt") smartgen_*);"
+  echo "vLLM's names this check requires, missing:${MISSING:- none}."
 } >"$OUT/README.md"
 cat "$OUT/README.md"
 exit $STATUS
