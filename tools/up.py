@@ -45,11 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     """Run the stack until Ctrl-C/SIGTERM (exit code 0) or until the supervisor gives up on a service that keeps
     dying at start-up (1); 2 for bad arguments or a missing model."""
+    from shared.runtime.config import CONFIG_ENV, ConfigError, write_secret_file
     from shared.runtime.logging import setup_logging
     from shared.runtime.models import ModelNotFound, prepare_default_model, resolve_model
-    from shared.runtime.config import CONFIG_ENV, ConfigError, write_secret_file
-    from tools.settings import checked_settings
     from shared.runtime.service import SHUTDOWN_GRACE_S
+    from tools.settings import checked_settings
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
 

@@ -1,8 +1,8 @@
 """The shape every SmartGen service shares, and the runner that brings one up and down.
 
-A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and `__main__` calls
-`run_service`. The runner, in order: logging → admin HTTP server (routes that change state behind the
-admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
+A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and its `__main__` calls `config_main`
+(settings, then JSON logging) and `run_main`. The runner, in order: admin HTTP server (routes that change state
+behind the admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
 registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
 SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
 """
@@ -183,7 +183,6 @@ def build_admin_app(service: Service) -> web.Application:
 
 async def run_service(service: Service) -> None:
     config = service.config
-    setup_logging(service.role, service.worker_id, config.log_level)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -283,6 +282,10 @@ def config_main(config_cls: type[C], role: str) -> C:
     if SHOW_CONFIG_FLAG in sys.argv[1:]:
         print(json.dumps({"role": role, "settings": describe_config(config, sources)}))
         sys.exit(0)
+    # NOTE: logging from here on, so that loading the service (its imports, the model) logs JSON too, a crash
+    # included; the worker id is drawn now for that reason (Service takes config.worker_id)
+    config.worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    setup_logging(role, config.worker_id, config.log_level)
     return config
 
 
