@@ -115,3 +115,23 @@ def test_config_show_names_each_source(settings_file):
     assert "continuous batching" in shown["decode"]["max_batch"]["help"]
     assert shown["broker"]["drain_s"]["source"] == "default"
     assert shown["gateway"]["admin_token"]["value"] == "***"
+
+
+def test_every_smartgen_option_has_help():
+    """Every argument of every `smartgen` sub-command says what it is in --help."""
+    import argparse
+
+    from tools.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "smartgen")
+    assert not missing, f"arguments without help: {missing}"
