@@ -19,9 +19,10 @@ def csv_of(kind: Callable[[str], object]) -> Callable[[str], list]:
 
 def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--model PATH: a transformers model folder; default $SMARTGEN_MODEL, else "" (the cached SmolLM2)."""
-    parser.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""), help=help)
+    parser.add_argument("--model", default=os.environ.get("SMARTGEN_MODEL", ""),
+                        help=help or "a transformers model folder (default: $SMARTGEN_MODEL, else the cached SmolLM2)")
 
 
 def add_json(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--json PATH: where a tool also writes its results (default None: nowhere)."""
-    parser.add_argument("--json", metavar="PATH", help=help)
+    parser.add_argument("--json", metavar="PATH", help=help or "also write the results as JSON to PATH")

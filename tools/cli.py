@@ -8,6 +8,7 @@
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
     smartgen eval drift [--selector S] [--factors F,F…] [--json PATH]
     smartgen model prepare | path
+    smartgen config show [--config PATH] [--role ROLE] [--json]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import argparse
 import signal
 import sys
 
-from tools import loadtest, model, prepare_selectors, profiles, up
+from tools import loadtest, model, prepare_selectors, profiles, settings, up
 from tools.bench import decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
 from tools.eval import accuracy, drift, fidelity
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         tool.register(evaluations)
     simulate.register(commands)
     model.register(commands)
+    settings.register(commands)
     return parser
 
 

@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--decode", type=int, default=1, metavar="M", help="the started stack's decode replicas")
     load.add_argument("--concurrency", type=int, default=16, help="clients, one streaming request in flight each")
     load.add_argument("--duration", type=float, default=300, help="seconds")
-    load.add_argument("--max-tokens", type=int, default=32)
+    load.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     load.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length")
     load.add_argument("--transfer-mode", nargs="+", default=[], choices=SERVABLE_TRANSFER_MODES, help="used in turn")
     load.add_argument("--grace", type=float, default=10, help="seconds in-flight requests get after the deadline")

@@ -13,7 +13,8 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `model` to the `smartgen` sub-commands."""
     model = subparsers.add_parser("model", help="the default model's cached safetensors folder")
-    model.add_argument("action", choices=["prepare", "path"])
+    model.add_argument("action", choices=["prepare", "path"],
+                       help="prepare: convert the GGUF into the cache once; path: print the cached folder")
     model.add_argument("--force", action="store_true", help="convert and prepare again even if already done")
     model.set_defaults(run=command)
 

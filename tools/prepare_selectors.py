@@ -42,10 +42,10 @@ def default_recipe() -> str:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `prepare-selectors` to the `smartgen` sub-commands."""
     prep = subparsers.add_parser("prepare-selectors", help="offline preparation for infinigen and hata, next to the model")
-    prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all")
+    prep.add_argument("--selector", choices=["all", "infinigen", "hata"], default="all", help="which to prepare (default all)")
     add_model(prep, "model folder (default SmolLM2)")
-    prep.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
-    prep.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    prep.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="calibration prompts (default %(default)s)")
+    prep.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="tokens per calibration prompt (default %(default)s)")
     prep.add_argument("--out", help="write here instead of <model>/smartgen-selectors")
     prep.set_defaults(run=command)
 

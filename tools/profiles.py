@@ -25,13 +25,14 @@ BUILD_TIMEOUT_S = 3600.0
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `profile` to the `smartgen` sub-commands."""
     prof = subparsers.add_parser("profile", help="positional importance profiles in a running stack's kvprofile service")
-    prof.add_argument("action", choices=["build", "list", "show", "delete"])
+    prof.add_argument("action", choices=["build", "list", "show", "delete"], help="what to do with the profiles")
     prof.add_argument("key", nargs="?", help="show/delete: the profile key (see `smartgen profile list`)")
-    prof.add_argument("--selector", default=DEFAULT_SELECTOR)
+    prof.add_argument("--selector", default=DEFAULT_SELECTOR, help="build: the selector to profile (default %(default)s)")
     prof.add_argument("--prompt-tokens", type=int, default=2048, help="calibration prompt length (sets the bucket)")
-    prof.add_argument("--num-prompts", type=int, default=4)
-    prof.add_argument("--decode-steps", type=int, default=16)
-    prof.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    prof.add_argument("--num-prompts", type=int, default=4, help="build: calibration prompts (default 4)")
+    prof.add_argument("--decode-steps", type=int, default=16, help="build: decode steps observed per prompt (default 16)")
+    prof.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET,
+                      help="build: share of the KV the selector picks (default %(default)s)")
     prof.set_defaults(run=command)
 
 

@@ -36,7 +36,7 @@ class StackSpec:
     num_prefill: int = 1
     num_decode: int = 1
     model: str = ""  # "" = the cached default SmolLM2
-    transfer_mode: str = "full"
+    transfer_mode: str = "full"  # "" = the services' own setting (env, settings file, default)
     gateway_port: int = 8000
     nats_url: str = ""  # "" = start an embedded server
     env: dict[str, str] = field(default_factory=dict)  # extra SMARTGEN_* settings for every service
@@ -94,8 +94,9 @@ class Stack:
         # several model processes on a small machine made decode steps 3× slower (docs/operations.md, "On small CPU machines").
         num_model_procs = self.spec.num_prefill + self.spec.num_decode
         threads = str(max(1, (os.cpu_count() or 1) // num_model_procs))
-        base = self._service_env({**os.environ, "SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode,
-                                  "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **self.spec.env})
+        mode = {"SMARTGEN_TRANSFER_MODE": self.spec.transfer_mode} if self.spec.transfer_mode else {}
+        base = self._service_env({**os.environ, **mode, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
+                                  **self.spec.env})
         if self.spec.model:
             base["SMARTGEN_MODEL"] = self.spec.model
         # NOTE: stable ids for the singletons, so a restarted broker answers on the subjects live plans name

@@ -9,7 +9,7 @@ class BrokerConfig(ServiceConfig):
     speculative_ratio: float = 0.1  # path 3: share of the remaining blocks fed to the background lane per decode step
     plan_ttl_s: float = 60.0  # a live plan with no progress for this long expires
     link_gbps: float = 0.0  # the link rate to assume until a prefill worker has measured one; 0 = default_link_gbps
-    default_link_gbps: float = 10.0
+    default_link_gbps: float = 10.0  # the link rate (Gbit/s) assumed when neither link_gbps nor a measurement says
     default_prefill_tokens_per_s: float = 1000.0  # assumed until a prefill worker reports its measured rate
     profile_ttl_s: float = 30.0  # cached profiles are asked for again after this long (updates also drop them)
 

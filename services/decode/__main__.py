@@ -1,7 +1,12 @@
-"""python -m services.decode [--flags]: a decode worker (flags and SMARTGEN_* env: see config.py)."""
+"""python -m services.decode [--flags]: a decode worker.
+
+--help lists every setting: a flag, SMARTGEN_* env or the settings file (shared/runtime/settings_file.py)."""
 from services.decode.config import DecodeConfig
-from services.decode.service import DecodeService
-from shared.runtime.service import service_main
+from shared.runtime.service import config_main, run_main
 
 if __name__ == "__main__":
-    service_main(DecodeConfig, DecodeService)
+    config = config_main(DecodeConfig, "decode")
+    # NOTE: the service (the model's code with it) only now: --help and --show-config answer at once
+    from services.decode.service import DecodeService
+
+    run_main(DecodeService(config))

@@ -24,6 +24,9 @@ class GatewayConfig(ServiceConfig):
     # SDK's api_key) or gets OpenAI's 401. api_key_file: a file holding it (docker secrets), as the other secrets.
     api_key: str = field(default="", repr=False)
     api_key_file: str = ""
+    # also export vLLM's metric names (vllm:time_to_first_token_seconds, …, labelled model_name) beside SmartGen's,
+    # for dashboards and alerts built for vLLM (shared/runtime/vllm_metrics.py)
+    vllm_metrics: bool = False
     max_body_mb: float = 4.0  # the largest request body read (a larger one is a 413): 8K-token prompts are ~50 KB
 
     def validate(self) -> None:

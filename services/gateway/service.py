@@ -15,6 +15,7 @@ from nats.micro.service import Service as MicroService
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from shared.runtime.metrics import LatencyMetrics
+from shared.runtime.vllm_metrics import VllmMetrics
 from shared.runtime.models import resolve_model
 from shared.runtime.service import Service
 from services.gateway import api
@@ -53,6 +54,9 @@ class GatewayService(Service):
                                              ["status", "code"])
         self.metrics.gauge("smartgen_kv_cache_usage_ratio", "Share of the live decode workers' KV pages in use",
                            self._kv_usage)
+        self.local_share = self.metrics.histogram(
+            "smartgen_local_share", "Share of the selected KV entries already on the decode node, per request",
+            ["transfer_mode"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0))
         self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -61,6 +65,8 @@ class GatewayService(Service):
         # every id that ends a turn: the tokenizer's EOS and the generation config's (a chat template with its own
         # end-of-turn token lists it there)
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_end_ids(path)} - {None})
+        self.vllm = VllmMetrics(self.metrics, self.model_id, lambda: float(self.admission.running),
+                                lambda: float(len(self.admission.waiting)), self._kv_usage) if config.vllm_metrics else None
 
     def http_port(self) -> int:
         return self.config.gateway_port
@@ -123,9 +129,15 @@ class GatewayService(Service):
 
     def record(self, run: CompletionRun) -> None:
         """Count a finished request in /metrics."""
-        self.latency.observe_timeline(run.token_times_s, run.mode or run.job.transfer_mode, self.model_id)
+        mode = run.mode or run.job.transfer_mode
+        self.latency.observe_timeline(run.token_times_s, mode, self.model_id)
         # NOTE: a client that left is not a failure (stop_string: the gateway ended it on a stop string)
-        self.latency.requests.inc(status=run.finish_reason or ("client_gone" if run.client_gone else "error"))
+        status = run.finish_reason or ("client_gone" if run.client_gone else "error")
+        self.latency.requests.inc(status=status)
+        if run.final is not None:
+            self.local_share.observe(run.final.local_share, transfer_mode=mode)
+        if self.vllm:
+            self.vllm.observe(run.token_times_s, len(run.job.prompt_ids), status, run.queue_s)
         self.prompt_tokens.inc(len(run.job.prompt_ids))
         if run.migrated_from:
             self.migrations.inc(len(run.migrated_from))

@@ -1,7 +1,12 @@
-"""python -m services.kvprofile [--flags] (flags and SMARTGEN_* env: see config.py)."""
+"""python -m services.kvprofile [--flags]: the KV importance profiles.
+
+--help lists every setting: a flag, SMARTGEN_* env or the settings file (shared/runtime/settings_file.py)."""
 from services.kvprofile.config import KvProfileConfig
-from services.kvprofile.service import KvProfileService
-from shared.runtime.service import service_main
+from shared.runtime.service import config_main, run_main
 
 if __name__ == "__main__":
-    service_main(KvProfileConfig, KvProfileService)
+    config = config_main(KvProfileConfig, "kvprofile")
+    # NOTE: the service (the model's code with it) only now: --help and --show-config answer at once
+    from services.kvprofile.service import KvProfileService
+
+    run_main(KvProfileService(config))

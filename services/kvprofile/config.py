@@ -10,10 +10,10 @@ class KvProfileConfig(ServiceConfig):
     online_weight: float = 0.05  # each served request moves a profile at most this far toward what it selected
     online_updates: bool = True  # refresh profiles from served requests (POST /online switches it at run time)
     model: str = ""  # the model calibration runs on (loaded on the first build); "" = the cached default SmolLM2
-    device: str = "cpu"
-    dtype: str = "auto"
-    torch_threads: int = 0
-    page_tokens: int = 16
+    device: str = "cpu"  # where calibration runs: "cpu", "cuda", "cuda:1", …
+    dtype: str = "auto"  # calibration's compute dtype: "auto" = float32 on CPU, bfloat16 on CUDA
+    torch_threads: int = 0  # 0 = torch's default
+    page_tokens: int = 16  # tokens per KV page, as the decode workers page KV
     kv_dtype: str = "bfloat16"  # as the decode workers keep KV (shared/runtime/config.py ModelWorkerConfig.kv_dtype)
 
     def validate(self) -> None:

@@ -1,6 +1,8 @@
-"""Service configuration: one dataclass per service, filled from CLI flags, then env, then defaults.
+"""Service configuration: one dataclass per service, filled from CLI flags, then env, then the settings file, then
+defaults.
 
-Each field `foo_bar` is set by `--foo-bar` or `SMARTGEN_FOO_BAR`. A service's config class
+Each field `foo_bar` is set by `--foo-bar`, `SMARTGEN_FOO_BAR` or `foo_bar = …` in the settings file
+(shared/runtime/settings_file.py); its comment is the flag's help. A service's config class
 subclasses `ServiceConfig` and validates itself in `validate()` with a sentence a person can act on.
 """
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from schemas.subjects import is_token
+from shared.runtime.settings_file import ROLES, SettingsFileError, field_help, file_values, read_settings_file
 
 C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "SMARTGEN_"
+CONFIG_ENV = "SMARTGEN_CONFIG"  # the settings file, where no --config says
+SHOW_CONFIG_FLAG = "--show-config"
 # Settings that hold a secret: each can instead be read from the file named by `<name>_file` (docker secrets).
 # NOTE: their fields are repr=False and nothing logs them; keep it that way for any secret added here.
 SECRET_FIELDS = ("nats_token", "nats_password", "admin_token", "cluster_secret", "api_key")
@@ -35,8 +40,8 @@ class ServiceConfig:
     advertise_host: str = ""  # the name peers reach this process by (e.g. its compose service); "" = host
     admin_port: int = 0  # 0 = pick a free port and advertise it
     worker_id: str = ""  # "" = "<role>-<8 hex>"
-    log_level: str = "info"
-    heartbeat_s: float = 1.0
+    log_level: str = "info"  # debug, info, warning or error (other libraries log from warning on)
+    heartbeat_s: float = 1.0  # how often this process announces itself (load, addresses) on NATS
     restarts: int = 0  # how many times a supervisor (`smartgen up`) started this service again after it died
     # NATS credentials (see shared/runtime/natsconn.py): a token, or a user and password; none = an open server
     nats_token: str = field(default="", repr=False)
@@ -138,22 +143,85 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-def load_config(cls: type[C], argv: list[str] | None = None, env: typing.Mapping[str, str] | None = None) -> C:
-    """Build `cls` from argv (highest precedence), then env, then the dataclass defaults."""
+def load_config(cls: type[C], argv: list[str] | None = None, env: typing.Mapping[str, str] | None = None,
+                role: str | None = None) -> C:
+    """Build `cls` from argv (highest precedence), then env, then the settings file (--config or SMARTGEN_CONFIG,
+    shared/runtime/settings_file.py), then the dataclass defaults. `role`: whose table of the file applies
+    (default: from the class's module, services.<role>.config)."""
+    return resolve_config(cls, argv, env, role)[0]
+
+
+def resolve_config(cls: type[C], argv: list[str] | None = None, env: typing.Mapping[str, str] | None = None,
+                   role: str | None = None) -> tuple[C, dict[str, str]]:
+    """(config, {field: where its value came from}): "flag --x", "env SMARTGEN_X", "<file>", "<file> [role]" or
+    "default"."""
     env = os.environ if env is None else env
+    role = _role_of(cls) if role is None else role
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}")
+    args = vars(build_parser(cls).parse_args(argv))
+    args.pop("show_config")
+    config_path = args.pop("config") or env.get(CONFIG_ENV, "")
+    try:
+        from_file = file_values(cls, role, read_settings_file(config_path), config_path) if config_path else {}
+    except SettingsFileError as exc:
+        raise ConfigError(str(exc)) from None
+    values, sources = {}, {}
     for f in dataclasses.fields(cls):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None)
-    args = vars(parser.parse_args(argv))
-    values = {}
-    for f in dataclasses.fields(cls):
-        raw = args[f.name] if args[f.name] is not None else env.get(env_name(f.name))
-        if raw is not None:
-            values[f.name] = _parse(hints[f.name], raw, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if args[f.name] is not None:
+            raw, sources[f.name] = args[f.name], f"flag {flag}"
+        elif env_name(f.name) in env:
+            raw, sources[f.name] = env[env_name(f.name)], f"env {env_name(f.name)}"
+        elif f.name in from_file:
+            raw, sources[f.name] = from_file[f.name]
+        else:
+            sources[f.name] = "default"
+            continue
+        values[f.name] = _parse(hints[f.name], raw, f.name) if isinstance(raw, str) else raw
     config = cls(**values)
     config.validate()
-    return config
+    return config, sources
+
+
+def build_parser(cls: type) -> argparse.ArgumentParser:
+    """The flags of `cls`: `--config` and one per field, each with its help (the field's comment), its env name and
+    its default."""
+    helps = field_help(cls)
+    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}",
+                                     description="Each setting: --flag, else SMARTGEN_<NAME>, else the settings file, "
+                                                 "else its default.")
+    parser.add_argument("--config", metavar="PATH", default=None,
+                        help=f"a TOML settings file (also {CONFIG_ENV}); flags and env win over it")
+    parser.add_argument(SHOW_CONFIG_FLAG, action="store_true",
+                        help="print the effective settings as JSON, with where each came from, and exit")
+    for f in dataclasses.fields(cls):
+        default = "" if f.name in SECRET_FIELDS else f" (default {f.default!r})"
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                            help=f"{helps.get(f.name, '')} [{env_name(f.name)}]{default}".replace("%", "%%"))
+    return parser
+
+
+def describe_config(config: ServiceConfig, sources: dict[str, str]) -> dict[str, dict[str, typing.Any]]:
+    """{setting: {"value", "source", "help"}} for `smartgen config show`: secrets as "***", NATS URLs without
+    credentials."""
+    from shared.runtime.natsconn import redacted_url
+
+    helps = field_help(type(config))
+    shown = {}
+    for name, source in sources.items():
+        value = getattr(config, name)
+        if name in SECRET_FIELDS and value:
+            value = "***"
+        elif name == "nats_url":
+            value = ",".join(redacted_url(url) for url in config.nats_urls)
+        shown[name] = {"value": value, "source": source, "help": helps.get(name, "")}
+    return shown
+
+
+def _role_of(cls: type) -> str:
+    """"decode" for services.decode.config.DecodeConfig; "" for a class outside services/."""
+    parts = cls.__module__.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "services" and parts[1] in ROLES else ""
 
 
 def _parse(tp: typing.Any, raw: str, name: str) -> typing.Any:
@@ -199,7 +267,7 @@ class ModelWorkerConfig(ServiceConfig):
     dataplane_tls_ca: str = ""
     dataplane_tls_cert: str = ""
     dataplane_tls_key: str = ""
-    max_active_requests: int = 8
+    max_active_requests: int = 8  # requests this worker holds at once (the gateway admits no more than all take)
 
     def validate(self) -> None:
         ServiceConfig.validate(self)

@@ -75,9 +75,10 @@ class Registry:
                   buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
         return Histogram(self.registry, name, help_text, labels, buckets)
 
-    def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        """A value read when scraped (e.g. pages in use)."""
-        prom.Gauge(name, help_text, registry=self.registry).set_function(read)
+    def gauge(self, name: str, help_text: str, read: Callable[[], float], labels: dict[str, str] | None = None) -> None:
+        """A value read when scraped (e.g. pages in use), with fixed `labels` if given."""
+        gauge = prom.Gauge(name, help_text, list(labels or {}), registry=self.registry)
+        (gauge.labels(**labels) if labels else gauge).set_function(read)
 
     def counter_read(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter counted elsewhere (e.g. by the prefix cache), read when scraped; exported as `<name>_total`."""

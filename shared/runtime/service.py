@@ -1,14 +1,15 @@
 """The shape every SmartGen service shares, and the runner that brings one up and down.
 
-A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and `__main__` calls
-`run_service`. The runner, in order: logging → admin HTTP server (routes that change state behind the
-admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
+A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and its `__main__` calls `config_main`
+(settings, then JSON logging) and `run_main`. The runner, in order: admin HTTP server (routes that change state
+behind the admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
 registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
 SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ import socket
 import time
 import uuid
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import nats
 import nats.micro
@@ -29,12 +30,14 @@ from schemas import Discover, WorkerInfo, encode, subjects
 from shared import __version__
 from shared.runtime.admin_auth import require_admin_token
 from shared.runtime.config import ServiceConfig
-from shared.runtime.logging import setup_logging
+from shared.runtime.access_log import JsonAccessLogger
+from shared.runtime.logging import LOGGER_NAME, setup_logging
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
 from shared.runtime.natsconn import connect_options, redacted_url
 from shared.runtime.rpc import subscriber
 
 log = structlog.get_logger()
+C = TypeVar("C", bound=ServiceConfig)
 SHUTDOWN_GRACE_S = 10.0  # after SIGINT/SIGTERM the process ends within this, cleanly or not (tools/stack.py kills at 15 s)
 
 
@@ -180,15 +183,14 @@ def build_admin_app(service: Service) -> web.Application:
 
 async def run_service(service: Service) -> None:
     config = service.config
-    setup_logging(service.role, service.worker_id, config.log_level)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     async with AsyncExitStack() as stack:
-        runner = web.AppRunner(build_admin_app(service), access_log=None,
-                               handler_cancellation=service.cancel_on_disconnect)
+        runner = web.AppRunner(build_admin_app(service), access_log_class=JsonAccessLogger,
+                               access_log=logging.getLogger(LOGGER_NAME), handler_cancellation=service.cancel_on_disconnect)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.host, service.http_port())
@@ -262,14 +264,31 @@ async def _heartbeat_loop(service: Service) -> None:
         await asyncio.sleep(service.config.heartbeat_s)
 
 
-def service_main(config_cls: type, service_cls: type[Service]) -> None:
-    """The whole of a service's `__main__`: config from flags and env, then run until SIGINT/SIGTERM."""
+def config_main(config_cls: type[C], role: str) -> C:
+    """A service's `__main__`, first half: its config from flags, env and the settings file. Exits with a JSON
+    config_error line on a bad setting, or, given --show-config, after printing the effective settings as JSON
+    (`smartgen config show`; the `__main__` imports its service, torch and all, only after this)."""
+    import json
     import sys
 
-    from shared.runtime.config import ConfigError, load_config
+    from shared.runtime.config import SHOW_CONFIG_FLAG, ConfigError, describe_config, resolve_config
 
     try:
-        config = load_config(config_cls, sys.argv[1:])
-    except ConfigError as exc:
-        sys.exit(f"{service_cls.role}: {exc}")
-    asyncio.run(run_service(service_cls(config)))
+        config, sources = resolve_config(config_cls, sys.argv[1:], role=role)
+    except ConfigError as exc:  # a JSON line like every other (the stack's log is JSON throughout)
+        setup_logging(role, "")
+        log.error("config_error", error=str(exc))
+        sys.exit(1)
+    if SHOW_CONFIG_FLAG in sys.argv[1:]:
+        print(json.dumps({"role": role, "settings": describe_config(config, sources)}))
+        sys.exit(0)
+    # NOTE: logging from here on, so that loading the service (its imports, the model) logs JSON too, a crash
+    # included; the worker id is drawn now for that reason (Service takes config.worker_id)
+    config.worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    setup_logging(role, config.worker_id, config.log_level)
+    return config
+
+
+def run_main(service: Service) -> None:
+    """A service's `__main__`, second half: run it until SIGINT/SIGTERM."""
+    asyncio.run(run_service(service))

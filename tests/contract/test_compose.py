@@ -184,8 +184,10 @@ def test_service_matches_its_config(services, role, tmp_path):
 
 
 def test_every_service_is_in_the_stack(services):
-    """NATS and the five services, each with a health check."""
-    assert set(services) == {"nats", *CONFIG_CLASSES}
+    """NATS and the five services, each with a health check; Prometheus and Grafana only in the monitoring profile
+    (tests/contract/test_monitoring.py)."""
+    assert {name for name, s in services.items() if not s.get("profiles")} == {"nats", *CONFIG_CLASSES}
+    assert {name for name, s in services.items() if "monitoring" in s.get("profiles", [])} == {"prometheus", "grafana"}
     assert all("healthcheck" in s for s in services.values())
 
 

@@ -14,16 +14,18 @@ import psutil
 import pytest
 
 from tools.nats_server import free_port
+from tools.stack import REPO_ROOT
 from tests.integration.conftest import get_json, list_workers, post_json
 
 ADMIN_TOKEN = "cli-test-admin-token"  # `smartgen up` takes SMARTGEN_ADMIN_TOKEN as its stack's; GET /workers needs it
 
 
 def start_up(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    smartgen = Path(sys.executable).parent / "smartgen"
-    # NOTE: a process group of its own, as a shell gives a foreground job: Ctrl-C signals the whole group
-    return subprocess.Popen([smartgen, "up", *args], env={**os.environ, "SMARTGEN_ADMIN_TOKEN": ADMIN_TOKEN, **env},
-                            stdout=log.open("wb"),
+    # NOTE: `python -m tools.cli` from this checkout, not the `smartgen` script: that one runs the installed copy
+    # (another worktree's code). A process group of its own, as a shell gives a foreground job: Ctrl-C signals the
+    # whole group
+    return subprocess.Popen([sys.executable, "-m", "tools.cli", "up", *args], cwd=REPO_ROOT,
+                            env={**os.environ, "SMARTGEN_ADMIN_TOKEN": ADMIN_TOKEN, **env}, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -52,7 +54,7 @@ def interrupt_and_check_clean_exit(proc: subprocess.Popen, log: Path) -> None:
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running after Ctrl-C: {alive}"
     text = log.read_text()
-    assert "smartgen: stopped" in text and "Traceback" not in text, text[-3000:]
+    assert '"stack_stopped"' in text and "Traceback" not in text, text[-3000:]
 
 
 def test_up_with_replicas_serves_and_stops_cleanly(tiny_model_path, tmp_path):
@@ -93,8 +95,7 @@ def check_exported_secrets(log: Path, workers: list[dict]) -> list[str]:
     from that file paces a worker's link. Returns the tokens."""
     from shared.runtime.admin_auth import admin_headers
 
-    line = next(ln for ln in log.read_text().splitlines() if "export SMARTGEN_NATS_URL=" in ln)
-    exported = dict(kv.split("=", 1) for kv in line.split("export ", 1)[1].split())
+    exported = next(e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "stack_client_env")["env"]
     files = [Path(exported["SMARTGEN_NATS_TOKEN_FILE"]), Path(exported["SMARTGEN_ADMIN_TOKEN_FILE"])]
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
     secrets = [f.read_text() for f in files]
@@ -209,7 +210,7 @@ def test_up_gives_up_on_a_service_that_keeps_dying_at_start(tiny_model_path, tmp
         assert "giving up" in text and "3 times in a row" in text and "exit code" in text, text[-3000:]
         assert "no prefill replica is left" in text or "no decode replica is left" in text, text[-3000:]
         assert "restarting it in 0.5 s (restart 1)" in text and "restarting it in 1 s (restart 2)" in text
-        assert "smartgen: stopped" in text and "Traceback" not in text, text[-3000:]
+        assert '"stack_stopped"' in text and "Traceback" not in text, text[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -236,6 +237,6 @@ def test_a_killed_up_leaves_nothing_running(tiny_model_path, tmp_path):
 
 def wait_for_workers_until_up(proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while "ready — OpenAI API" not in log.read_text():
+    while '"stack_ready"' not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.3)

@@ -106,14 +106,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--link-gbps", type=csv_of(float), default=[], metavar="X[,X…]", help="explicit rates instead")
     serve.add_argument("--regime", type=csv_of(str), default=list(REGIMES), metavar="prefill,step",
                        help="prefill-matched and/or step-matched pacing for each R (default both)")
-    serve.add_argument("--prompt-tokens", type=csv_of(int), default=[2048, 4096], metavar="L[,L…]")
+    serve.add_argument("--prompt-tokens", type=csv_of(int), default=[2048, 4096], metavar="L[,L…]",
+                       help="prompt lengths (default 2048,4096)")
     serve.add_argument("--requests", type=int, default=5, help="requests per mode and setting (default 5)")
     serve.add_argument("--concurrency", type=csv_of(int), default=[1], metavar="C[,C…]",
                        help="requests in flight at once; several values: the whole run at each (out/c<C>/), then "
                             "the batch-size table and figure (out/concurrency.md, batch_size.png)")
-    serve.add_argument("--selector", default=DEFAULT_SELECTOR)
-    serve.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
-    serve.add_argument("--max-tokens", type=int, default=64)
+    serve.add_argument("--selector", default=DEFAULT_SELECTOR, help="for the selective modes (default %(default)s)")
+    serve.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET, help="share of the KV selected (default %(default)s)")
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
     serve.add_argument("--tasks", type=csv_of(str), default=None, help="workloads (default: all five LongBench stand-ins)")
     serve.add_argument("--prefix-hit", type=float, default=0.0, metavar="H",
                        help="instead of --tasks: questions over one document of H × the prompt (e.g. 0.75), each "

@@ -56,12 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `simulate` to the `smartgen` sub-commands."""
     sim = subparsers.add_parser("simulate", help="project TTST/TBT/CTL to the paper's GPU cluster from a local bench run")
     sim.add_argument("--runs", metavar="RUNS_JSON", help="a `bench serve` runs.json to calibrate local hit rates with")
-    sim.add_argument("--models", type=csv_of(str), default=["Llama-3.1-8B", "Qwen3-14B"])
-    sim.add_argument("--gbps", type=csv_of(float), default=[15.0, 25.0, 32.0])
-    sim.add_argument("--prompt-tokens", type=csv_of(int), default=[8192, 10240, 16384, 32768, 49152])
-    sim.add_argument("--batch", type=csv_of(int), default=[1, 6])
+    sim.add_argument("--models", type=csv_of(str), default=["Llama-3.1-8B", "Qwen3-14B"],
+                     help="model shapes to project, comma-separated (default Llama-3.1-8B,Qwen3-14B)")
+    sim.add_argument("--gbps", type=csv_of(float), default=[15.0, 25.0, 32.0], help="link rates, Gbit/s (default 15,25,32)")
+    sim.add_argument("--prompt-tokens", type=csv_of(int), default=[8192, 10240, 16384, 32768, 49152],
+                     help="prompt lengths, comma-separated")
+    sim.add_argument("--batch", type=csv_of(int), default=[1, 6], help="decode batch sizes, comma-separated (default 1,6)")
     sim.add_argument("--prefix-hit", type=float, default=0.0, help="share of each prompt served by a prefix cache")
-    sim.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    sim.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET, help="share of the KV selected (default %(default)s)")
     add_json(sim)
     sim.set_defaults(run=command)
 

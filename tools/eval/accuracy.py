@@ -37,17 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     acc = subparsers.add_parser("accuracy", help="LongBench task scores through the serving path, per mode and selector")
     acc.add_argument("--modes", type=csv_of(str), default=None, help="comma-separated (default: every mode but the ablations)")
     acc.add_argument("--selector", nargs="+", default=[DEFAULT_SELECTOR], help="for the selective modes")
-    acc.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET)
+    acc.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET, help="share of the KV selected (default %(default)s)")
     acc.add_argument("--tasks", nargs="+", default=None, help="workloads (default: all five LongBench stand-ins)")
     acc.add_argument("--samples", type=int, default=4, help="samples per task")
-    acc.add_argument("--prompt-tokens", type=int, default=2048)
+    acc.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length per sample (default 2048)")
     acc.add_argument("--link-gbps", type=float, default=0.0, help="pace the data plane (0 = unpaced; tokens do not depend on it)")
     acc.add_argument("--url", default="", help="a running gateway (default: start a stack)")
     acc.add_argument("--paired", action="store_true",
                      help="in one process: dense, quantized 4/2-bit and each selector from one prefill per sample, with "
                           "paired bootstrap intervals, KL and agreement (tools/eval/paired.py; resumable)")
     add_model(acc)
-    acc.add_argument("--out", default="eval-out")
+    acc.add_argument("--out", default="eval-out", help="folder for the per-sample outputs (default eval-out)")
     add_json(acc)
     acc.set_defaults(run=command)
 

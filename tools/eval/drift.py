@@ -32,12 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `drift` to the `smartgen eval` evaluations."""
     drift = subparsers.add_parser("drift", help="selection drift over decode steps and what reading ahead buys "
                                                 "(offline, all KV local)")
-    drift.add_argument("--selector", default="quest")
-    drift.add_argument("--budget", type=float, default=DEFAULT_KV_BUDGET)
-    drift.add_argument("--prompt-tokens", type=int, default=2048)
-    drift.add_argument("--steps", type=int, default=64)
-    drift.add_argument("--factors", type=csv_of(float), default=[1.1, 1.25, 1.5, 2.0])
-    drift.add_argument("--tasks", type=csv_of(str), default=["squad_docqa", "aclsum_report", "lcc_stdlib", "needle"])
+    drift.add_argument("--selector", default="quest", help="default quest")
+    drift.add_argument("--budget", type=float, default=DEFAULT_KV_BUDGET, help="share of the KV selected (default %(default)s)")
+    drift.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default 2048)")
+    drift.add_argument("--steps", type=int, default=64, help="decode steps followed (default 64)")
+    drift.add_argument("--factors", type=csv_of(float), default=[1.1, 1.25, 1.5, 2.0],
+                       help="read-ahead sizes as multiples of the budget (default 1.1,1.25,1.5,2)")
+    drift.add_argument("--tasks", type=csv_of(str), default=["squad_docqa", "aclsum_report", "lcc_stdlib", "needle"],
+                       help="workloads, comma-separated (default squad_docqa,aclsum_report,lcc_stdlib,needle)")
     add_model(drift)
     add_json(drift)
     drift.set_defaults(run=command)

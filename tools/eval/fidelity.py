@@ -36,11 +36,12 @@ if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smart
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `fidelity` to the `smartgen eval` evaluations."""
     fid = subparsers.add_parser("fidelity", help="each selector against dense attention, all KV local (in process)")
-    fid.add_argument("--selector", nargs="+", default=list(SELECTORS))
-    fid.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    fid.add_argument("--selector", nargs="+", default=list(SELECTORS), help="selectors to compare (default all)")
+    fid.add_argument("--budget", nargs="+", type=float, default=[0.05, 0.1, 0.2],
+                     help="shares of the KV selected (default 0.05 0.1 0.2)")
     add_model(fid)
-    fid.add_argument("--num-docs", type=int, default=2)
-    fid.add_argument("--prompt-tokens", type=int, default=2048)
+    fid.add_argument("--num-docs", type=int, default=2, help="documents per task (default 2)")
+    fid.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default 2048)")
     fid.add_argument("--tokens", type=int, default=64, help="teacher-forced continuation tokens per document")
     fid.add_argument("--no-floor", action="store_true",
                      help="the bare budget: no dense threshold, minimum, sinks or recent window (what the floor buys)")
