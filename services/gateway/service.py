@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from schemas import mode_of
 from shared.runtime.metrics import LatencyMetrics
 from shared.runtime.vllm_metrics import VllmMetrics
 from shared.runtime.models import resolve_model
@@ -137,7 +138,9 @@ class GatewayService(Service):
         if run.final is not None:
             self.local_share.observe(run.final.local_share, transfer_mode=mode)
         if self.vllm:
-            self.vllm.observe(run.token_times_s, len(run.job.prompt_ids), status, run.queue_s)
+            queried = len(run.job.prompt_ids) if mode_of(mode).is_disaggregated else 0  # colocated: no prefill worker
+            self.vllm.observe(run.token_times_s, len(run.job.prompt_ids), status, run.queue_s, queried,
+                              run.num_cached_tokens)
         self.prompt_tokens.inc(len(run.job.prompt_ids))
         if run.migrated_from:
             self.migrations.inc(len(run.migrated_from))

@@ -2,9 +2,10 @@
 `vllm_metrics` setting, SMARTGEN_VLLM_METRICS or `smartgen up --vllm-metrics`).
 
 Each is what the gateway measures for its own smartgen_* name (shared/runtime/metrics.py), under vLLM's name,
-type and labels (`model_name`; `finished_reason` on vllm:request_success_total). Not exported: vLLM's prefix cache
-(vllm:prefix_cache_queries/hits: SmartGen has no prefix cache), its engine internals (iteration tokens,
-preemptions, scheduler steps), and its prefill/decode split per request.
+type and labels (`model_name`; `finished_reason` on vllm:request_success_total); vllm:prefix_cache_queries/hits count
+the prompt tokens looked up in the prefill workers' prefix caches and those found (each request's
+`cached_tokens`). Not exported: its engine internals (iteration tokens, preemptions, scheduler steps), and its
+prefill/decode split per request.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ class VllmMetrics:
         self.output_lengths = histogram("vllm:request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS)
         self.prompt_tokens = registry.counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"])
         self.generation_tokens = registry.counter("vllm:generation_tokens", "Tokens generated", ["model_name"])
+        self.prefix_queries = registry.counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                               ["model_name"])
+        self.prefix_hits = registry.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                            ["model_name"])
         self.successes = registry.counter("vllm:request_success", "Requests finished, by vLLM's finish reason",
                                           ["model_name", "finished_reason"])
         registry.gauge("vllm:num_requests_running", "Requests admitted and not finished", running, label)
@@ -45,10 +50,15 @@ class VllmMetrics:
                        kv_usage, label)
         registry.gauge("vllm:gpu_cache_usage_perc", "vLLM's older name of vllm:kv_cache_usage_perc", kv_usage, label)
 
-    def observe(self, token_times_s: Sequence[float], num_prompt_tokens: int, finish_reason: str, queue_s: float) -> None:
-        """One finished request: token_times_s[i] is token i's time since its arrival."""
+    def observe(self, token_times_s: Sequence[float], num_prompt_tokens: int, finish_reason: str, queue_s: float,
+                num_queried_tokens: int = 0, num_cached_tokens: int = 0) -> None:
+        """One finished request: token_times_s[i] is token i's time since its arrival; `num_queried_tokens` of its
+        prompt were looked up in a prefill worker's prefix cache (all of it where a prefill worker ran it, none in
+        colocated mode) and `num_cached_tokens` found there."""
         label = {"model_name": self.model_name}
         self.prompt_tokens.inc(num_prompt_tokens, **label)
+        self.prefix_queries.inc(num_queried_tokens, **label)
+        self.prefix_hits.inc(num_cached_tokens, **label)
         self.generation_tokens.inc(len(token_times_s), **label)
         self.prompt_lengths.observe(num_prompt_tokens, **label)
         self.output_lengths.observe(len(token_times_s), **label)

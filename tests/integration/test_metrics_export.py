@@ -62,5 +62,10 @@ def test_the_dashboards_metrics_and_vllms_names_are_exported(tiny_model_path, tm
     assert total(gateway, "vllm:time_to_first_token_seconds_count") == 3 \
         == total(gateway, "smartgen_time_to_first_token_seconds_count")
     assert total(gateway, "vllm:request_success_total") == 3
+    # the same prompt three times: full computes it, smartgen finds its full pages in the prefill's prefix cache
+    # (vLLM's names count what the prefill's own counters do), colocated asks no prefill worker
+    prefill = next(text for name, text in scraped.items() if name.startswith("prefill:"))
+    assert total(gateway, "vllm:prefix_cache_hits_total") == total(prefill, "smartgen_prefix_cache_hits_total") > 0
+    assert total(gateway, "vllm:prefix_cache_queries_total") == total(prefill, "smartgen_prefix_cache_queries_total")
     assert not any(name.startswith("vllm:") for text in scraped.values() if text is not gateway
                    for name in exposed_sample_names(text))
