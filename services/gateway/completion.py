@@ -56,6 +56,7 @@ class CompletionRun:
     job: CompletionJob
     stop_token_ids: list[int]
     timeout_s: float
+    gateway_id: str = ""  # this gateway's worker id, in every Generate: decode aborts the request if it dies
     token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
     finish_reason: str = ""
@@ -186,7 +187,7 @@ class CompletionRun:
         self.mode, self.kv_bits = ModeName.COLOCATED, 0
         resume = Generate(job.request_id, ModeName.COLOCATED, job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
                           sampling, subject, self.selector, job.kv_budget if self.selector else None,
-                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
+                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids), gateway_id=self.gateway_id)
         try:
             await self._on_some_decode(lambda: call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                                                     resume, Accepted, CONTROL_TIMEOUT_S))
@@ -289,7 +290,7 @@ class CompletionRun:
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
                                    done.query_entries if done else 0,
                                    prefill_aux_bytes=done.aux_bytes if done else 0,
-                                   layer_push_bytes=done.layer_push_bytes if done else []),
+                                   layer_push_bytes=done.layer_push_bytes if done else [], gateway_id=self.gateway_id),
                           Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
