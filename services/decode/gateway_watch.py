@@ -32,7 +32,7 @@ class GatewayWatch:
         self.first_seen: dict[str, float] = {}  # request id → time.monotonic() this watch first saw it running
         self.told: set[str] = set()  # requests already aborted (each is aborted once)
         self.num_reconnects = 0
-        self.judge_from = time.monotonic()  # no verdict on a gateway heard before this (start, a reconnect)
+        self.judge_from = time.monotonic()  # no verdict until a TTL after this (start, last cut off, a reconnect)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, requests: Mapping[str, Any], abort: Callable[[str, str], Awaitable[Any]]) -> None:
@@ -53,7 +53,7 @@ class GatewayWatch:
         """(request id, gateway id) of each running request whose gateway has not been heard for the TTL."""
         now = time.monotonic()
         if not self.nc.is_connected:
-            self.judge_from = now + self.ttl_s  # NOTE: heartbeats come back only after the reconnect
+            self.judge_from = now  # NOTE: heartbeats come back only after the reconnect: a TTL from then
             return []
         if self.nc.stats["reconnects"] != self.num_reconnects:
             self.num_reconnects, self.judge_from = self.nc.stats["reconnects"], now
