@@ -7,8 +7,8 @@
               client's gaps between tokens are measured, once without the hostile clients (baseline), then with
   slowloris   connections that send a request line, then a header line a second and never the blank line that
               ends the headers: the gateway must close each (`header_timeout_s`); when it did is recorded
-  never-read  streaming requests whose client never reads a byte (a 4 KiB receive buffer): the gateway drops them
-              after its write timeout; they must not hurt the normal streams meanwhile
+  never-read  long streaming requests whose client never reads a byte (a 4 KiB receive buffer): a gateway write that
+              stalls on one is dropped after the write timeout; they must not hurt the normal streams meanwhile
   long-stop   requests with a stop string of 100,000 characters: each must be a 400, at once
 The hostile clients start first; the normal streams run while they are all in place. The result (JSON on stdout,
 or --json) lists each group's outcomes; tests/integration/test_hostile_clients.py runs a small one.
@@ -113,7 +113,7 @@ def never_reader(host: str, port: int, cfg: HostileConfig) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # NOTE: before connect, so the window stays small
     sock.connect((host, port))
-    # NOTE: ~1 MB of events, more than the gateway's socket buffers take: its writes stall, as for a client that froze
+    # NOTE: ~1 MB of events; loopback's socket buffers can take that much (then no write stalls), a network's may not
     body = json.dumps({"prompt": PROMPT, "max_tokens": NEVER_READ_TOKENS, "ignore_eos": True, "stream": True}).encode()
     auth = f"Authorization: Bearer {cfg.api_key}\r\n" if cfg.api_key else ""
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
