@@ -269,6 +269,9 @@ class Generate:
     # decode worker with different selector preparations disagree here, instead of waiting for bytes that never come)
     prefill_aux_bytes: int = 0
     layer_push_bytes: list[int] = field(default_factory=list)  # PrefillDone.layer_push_bytes
+    # the gateway that streams this request to its client: once its heartbeats stop, nobody reads the stream and the
+    # decode worker aborts the request ("" = not said: never aborted for that)
+    gateway_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

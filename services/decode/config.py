@@ -8,6 +8,9 @@ from shared.runtime.config import ConfigError, ModelWorkerConfig
 class DecodeConfig(ModelWorkerConfig):
     kv_timeout_s: float = 120.0  # how long `generate` waits for the KV to land before failing the request
     open_timeout_s: float = 60.0  # pages reserved by `open` are freed if `generate` does not follow by then
+    # a running request whose gateway's heartbeats stop for this long is aborted (nobody reads its stream; as the
+    # gateway's worker_ttl_s): services/decode/gateway_watch.py
+    gateway_ttl_s: float = 5.0
     max_batch: int = 32  # continuous batching: at most this many running requests step in one forward
     # a request's tokens do not depend on what else steps with it (each row projected as if alone; costs
     # throughput at B ≥ 2, docs/operations.md "Batch invariance"); false: faster batches whose rounding depends on the batch
@@ -28,6 +31,8 @@ class DecodeConfig(ModelWorkerConfig):
 
     def validate(self) -> None:
         ModelWorkerConfig.validate(self)
+        if self.gateway_ttl_s <= 0:
+            raise ConfigError("gateway_ttl_s must be positive (seconds without a gateway's heartbeat)")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be ≥ 1")
         if min(self.selective_min_tokens, self.sink_tokens, self.recent_tokens) < 0 or self.min_budget_tokens < 1:

@@ -22,7 +22,8 @@ Life of a request here:
      `recompute` runs the prefill here from the prompt (replaying the tokens so far) and carries on.
   4. At the end, on `abort`, or on failure: stop reading, release the prefill's lease, tell the broker,
      revoke the ticket, wait out any frame still landing, free the slab and drop the cache. The last
-     stream event says how it ended and what moved on which path.
+     stream event says how it ended and what moved on which path. A request whose gateway stops heartbeating
+     is aborted (gateway_watch.py).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
 from services.decode.checks import aux_to_fill, aux_to_reserve, fits_problem, generate_problem
 from services.decode.config import DecodeConfig
+from services.decode.gateway_watch import GatewayWatch
 from services.decode.kv_loader import KvLoader, TransferError
 from services.decode.remote import RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
@@ -72,6 +74,7 @@ class DecodeService(ModelWorkerService):
         self.batcher: StepBatcher | None = None  # continuous batching: every running request's steps go together
         self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
         self.loader: KvLoader | None = None  # the cache on what landed, and the remote view (kv_loader.py)
+        self.gateway_watch: GatewayWatch | None = None  # aborts requests whose gateway died (gateway_watch.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)  # aborts of requests not (yet) here
@@ -96,6 +99,8 @@ class DecodeService(ModelWorkerService):
                                  abort=endpoint(Abort, self.abort), resend=endpoint(ResendTokens, self.resend))
         await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))
         self.dataplane.on_link_lost = self.link_lost
+        self.gateway_watch = GatewayWatch(nc, self.config.gateway_ttl_s, self.config.heartbeat_s)
+        await self.gateway_watch.start(self.active, lambda rid, why: self.abort(Abort(rid, why)))
 
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenKv) -> KvHandle:
@@ -390,6 +395,8 @@ class DecodeService(ModelWorkerService):
                 "request_ids": sorted(set(self.active) | self.streaming)}
 
     async def stop(self) -> None:
+        if self.gateway_watch is not None:
+            await self.gateway_watch.close()
         for state in list(self.active.values()):
             if state.task is not None:
                 state.task.cancel()

@@ -38,6 +38,8 @@ class Gateway(Protocol):
     max_positions: int
     started_unix: float
     stop_token_ids: list[int]
+    worker_id: str
+    draining: bool
 
     admission: Admission
 
@@ -153,7 +155,7 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
 def _new_run(gw: Gateway, job: CompletionJob, queue_s: float) -> CompletionRun:
     """An admitted job's run (after `queue_s` seconds in the admission queue)."""
     end_ids = sorted({*([] if job.ignore_eos else gw.stop_token_ids), *job.stop_token_ids})  # EOS unless ignored
-    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s)
+    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s, gw.worker_id)
     run.queue_s = queue_s
     return run
 

@@ -56,6 +56,7 @@ class CompletionRun:
     job: CompletionJob
     stop_token_ids: list[int]
     timeout_s: float
+    gateway_id: str = ""  # this gateway's worker id, in every Generate: decode aborts the request if it dies
     token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
     finish_reason: str = ""
@@ -158,9 +159,32 @@ class CompletionRun:
                         self.finish_reason = event.finish_reason
                         return
             except DecodeLost as exc:
+                if reason := self._answer_complete():  # it died after the last token: nothing is left to resume
+                    log.warning("decode_lost_after_last_token", decode_worker_id=self.decode.worker_id)
+                    await self._let_go_of_lost_decode(f"{exc} after the answer's last token")
+                    self.finish_reason = reason
+                    return
                 if job.failure_policy != "recompute" or len(self.migrated_from) >= MAX_MIGRATIONS:
                     raise
                 await self._migrate(str(exc), sampling)
+
+    def _answer_complete(self) -> str:
+        """"length" or "stop" when the tokens here already end the answer (max_tokens, or an end id last), else ""."""
+        if len(self.token_ids) >= self.job.max_tokens:
+            return "length"
+        return "stop" if self.token_ids and self.token_ids[-1] in self.stop_token_ids else ""
+
+    async def _let_go_of_lost_decode(self, why: str) -> None:
+        """The decode worker died (or froze): abort it in case it was only frozen, free the prefill's KV held for its
+        reads, and end the transfer plan it was fed by."""
+        assert self.decode is not None
+        await self._abort(self.decode, why, wait=False)
+        if self.prefill is not None:
+            await self._abort(self.prefill, "its decode worker died", wait=False)
+        self._watch_prefill = ""
+        if self._plan_asked and self.plan is not None:
+            await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
+                                  encode(PlanEvent(self.job.request_id, PlanState.FAILED, why)))
 
     async def _migrate(self, why: str, sampling: Sampling) -> None:
         """failure_policy `recompute`, the decode worker died mid-request: move the request to another decode
@@ -171,13 +195,7 @@ class CompletionRun:
         assert lost is not None
         self.migrated_from.append(lost.worker_id)
         log.warning("decode_lost_resuming", decode_worker_id=lost.worker_id, tokens_so_far=len(self.token_ids))
-        await self._abort(lost, "its request moved to another decode worker", wait=False)
-        if self.prefill is not None:  # it holds KV for the dead worker's reads: free it now
-            await self._abort(self.prefill, "its decode worker died", wait=False)
-        self._watch_prefill = ""
-        if self._plan_asked and self.plan is not None:  # the transfer plan ends with the worker it fed
-            await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
-                                  encode(PlanEvent(job.request_id, PlanState.FAILED, f"{why}; resumed colocated")))
+        await self._let_go_of_lost_decode(f"{why}; resumed colocated")
         self.decode = self.registry.pick("decode", exclude=set(self.migrated_from))
         if self.decode is None:
             raise RequestFailed(f"{why}, and no other decode worker is registered to resume on")
@@ -188,7 +206,7 @@ class CompletionRun:
         self.mode, self.kv_bits = ModeName.COLOCATED, 0
         resume = Generate(job.request_id, ModeName.COLOCATED, job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
                           sampling, subject, self.selector, job.kv_budget if self.selector else None,
-                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids))
+                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids), gateway_id=self.gateway_id)
         try:
             await self._on_some_decode(lambda: call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
                                                     resume, Accepted, CONTROL_TIMEOUT_S))
@@ -291,7 +309,7 @@ class CompletionRun:
                                    prefill.dataplane_addr if prefill else "", job.failure_policy,
                                    done.query_entries if done else 0,
                                    prefill_aux_bytes=done.aux_bytes if done else 0,
-                                   layer_push_bytes=done.layer_push_bytes if done else []),
+                                   layer_push_bytes=done.layer_push_bytes if done else [], gateway_id=self.gateway_id),
                           Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:

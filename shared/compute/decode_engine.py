@@ -184,14 +184,17 @@ class DecodeEngine:
     def recompute(self, request_id: str, slab: Slab, token_ids: Sequence[int], completion: Sequence[int],
                   sampling: Sampling, selector: str = "", budget: float = 0.0, count_blocks: int = 0) -> int:
         """failure_policy `recompute`: drop whatever cache the request had and build it in `slab` as colocated
-        mode does (prefill, then the selector if any), then replay the completion so far except its last token,
-        which the next step feeds. Returns the first completion token as sampled here."""
+        mode does (the prompt's prefill), then replay the completion so far but its last token (which the next step
+        feeds) in one forward over the slab, then the selector if any. Returns the first completion token as sampled
+        here. NOTE: one forward, not a step per token: a long replay would hold the torch thread, and every request
+        batched on it, for as many steps. The replayed tokens attend over the slab's KV as steps do, densely: with a
+        selector, tokens after the replay can differ from a run that never stopped (which attended selectively)."""
         self.end(request_id)
         first = self.prefill_local(request_id, token_ids, sampling, slab)
+        if len(completion) > 1:
+            self.runner.extend(self.caches[request_id], completion[:-1])
         if selector:
             self.use_selection(request_id, selector, budget, False, None, None, count_blocks)
-        for token in completion[:-1]:
-            self.step_logits(request_id, token)
         return first
 
     def step(self, request_id: str, token: int, sampling: Sampling, index: int) -> int:

@@ -101,6 +101,13 @@ class ModelRunner:
         return out.logits[0, -1], cache
 
     @torch.inference_mode()
+    def extend(self, cache: DynamicCache, token_ids: Sequence[int]) -> None:
+        """Append `token_ids` to `cache` in one forward, each attending over the cache and the ones before it (a
+        replay of tokens already decoded: the KV that stepping them one by one would leave, up to rounding)."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
     def prefill_scored(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
                        top: int = 0) -> tuple[torch.Tensor, DynamicCache, list[TokenLogprobs]]:
         """`prefill`, and each prompt token's log-probability after the tokens before it (tokens 1…N-1) with the

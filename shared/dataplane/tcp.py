@@ -25,7 +25,10 @@ from shared.dataplane.tcp_link import CONTROL, LaneStats, Link
 # a READ asks the server to answer on the reader's lane
 READ_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: frames.FLAG_PUSH_LANE, Lane.BACKGROUND: frames.FLAG_BACKGROUND}
 log = structlog.get_logger()
-HANDSHAKE_TIMEOUT_S = 10.0  # connect, and each step of the handshake
+HANDSHAKE_TIMEOUT_S = 10.0  # connect (dialer); the whole handshake, TLS included, from accept (listener)
+# accepted connections still in their handshake: beyond this many, a new one is closed at once (counted in
+# peers_refused), so a flood of connections that never say hello costs at most this many sockets and tasks
+MAX_PENDING_HANDSHAKES = 32
 RATE_WINDOW_BYTES = 16 << 20  # the send rate is a moving average over about this many recent bytes
 
 
@@ -44,6 +47,12 @@ async def _recv_handshake(channel: Channel, op: int) -> bytes:
     return bytes(payload)
 
 
+async def _challenge(channel: Channel, nonce: bytes) -> bytes:
+    """The listener's challenge out, the dialer's hello back (its payload)."""
+    await channel.sendall(Header(frames.OP_CHALLENGE, payload_len=len(nonce)).pack() + nonce)
+    return await _recv_handshake(channel, frames.OP_HELLO)
+
+
 def _peer_name(sock: socket.socket) -> str:
     try:
         return "%s:%s" % sock.getpeername()[:2]
@@ -53,8 +62,10 @@ def _peer_name(sock: socket.socket) -> str:
 
 class TcpDataPlane(DataPlane):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "", link_gbps: float = 0.0,
-                 checksums: bool = True, cluster_secret: str = "", tls: DataPlaneTls | None = None):
+                 checksums: bool = True, cluster_secret: str = "", tls: DataPlaneTls | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
         super().__init__(link_gbps)
+        self.handshake_timeout_s, self.max_pending_handshakes = handshake_timeout_s, max_pending_handshakes
         self.tls = tls  # every link through mutual TLS (channel.py); None = plain TCP
         self.cluster_key = cluster_secret.encode()  # proves membership at every link's start ("" = an open plane)
         self.num_peers_refused = 0  # connections that failed the handshake, either way
@@ -173,9 +184,9 @@ class TcpDataPlane(DataPlane):
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), HANDSHAKE_TIMEOUT_S)
-                channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=False), HANDSHAKE_TIMEOUT_S)
-                await asyncio.wait_for(self._prove_to_listener(channel), HANDSHAKE_TIMEOUT_S)
+                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), self.handshake_timeout_s)
+                channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=False), self.handshake_timeout_s)
+                await asyncio.wait_for(self._prove_to_listener(channel), self.handshake_timeout_s)
             except (handshake.PeerRefused, ssl.SSLError) as exc:
                 sock.close()
                 self.num_peers_refused += 1
@@ -220,16 +231,25 @@ class TcpDataPlane(DataPlane):
                 log.warning("dataplane_accept_failed", error=str(exc))
                 await asyncio.sleep(0.1)
                 continue
+            if len(self._unnamed) >= self.max_pending_handshakes:  # a flood of silent connections: shed this one
+                self.num_peers_refused += 1
+                log.warning("dataplane_peer_refused", error=f"{len(self._unnamed)} handshakes pending already",
+                            peer=_peer_name(sock))
+                sock.close()
+                continue
             task = asyncio.create_task(self._greet(sock))
             self._unnamed.add(task)
             task.add_done_callback(self._unnamed.discard)
 
     async def _greet(self, sock: socket.socket) -> None:
         """The listener's half of the handshake (handshake.py); a peer that proves it holds the cluster secret
-        names its own data-plane address in its hello, and the socket becomes a link to that address."""
+        names its own data-plane address in its hello, and the socket becomes a link to that address. A peer that
+        has not finished its part `handshake_timeout_s` after it connected is refused."""
         sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.handshake_timeout_s
         try:
-            channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=True), HANDSHAKE_TIMEOUT_S)
+            channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=True), self.handshake_timeout_s)
         except (OSError, ConnectionError, asyncio.TimeoutError) as exc:  # ssl.SSLError too: a subclass of OSError
             self.num_peers_refused += 1  # only TLS can fail here: no certificate from the cluster's CA, or not TLS
             log.warning("dataplane_peer_refused", error=f"TLS handshake: {exc or type(exc).__name__}",
@@ -238,8 +258,7 @@ class TcpDataPlane(DataPlane):
             return
         try:
             challenge = handshake.new_nonce()
-            await channel.sendall(Header(frames.OP_CHALLENGE, payload_len=len(challenge)).pack() + challenge)
-            hello = await asyncio.wait_for(_recv_handshake(channel, frames.OP_HELLO), HANDSHAKE_TIMEOUT_S)
+            hello = await asyncio.wait_for(_challenge(channel, challenge), max(0.0, deadline - loop.time()))
             try:
                 nonce, address = handshake.check_hello(self.cluster_key, challenge, hello)
             except handshake.PeerRefused:

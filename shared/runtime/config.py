@@ -60,6 +60,10 @@ class ServiceConfig:
     # On SIGTERM/SIGINT a service first drains: it takes nothing new (its heartbeats say so, so gateways pick
     # others) and waits up to this long for what it holds to finish, then stops (0 = stop at once)
     drain_s: float = 30.0
+    # The HTTP server closes a connection that has not sent a whole request head (request line and headers) within
+    # this long of connecting or of its last response: a client trickling its headers (slowloris) holds a socket
+    # for this long at most. The same limit closes an idle keep-alive connection.
+    header_timeout_s: float = 10.0
 
     @property
     def nats_urls(self) -> list[str]:
@@ -94,6 +98,8 @@ class ServiceConfig:
             raise ConfigError(f"admin_port {self.admin_port} is not a TCP port")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
+        if self.header_timeout_s <= 0:
+            raise ConfigError("header_timeout_s must be positive (seconds a client has to send a request's headers)")
         if self.restarts < 0:
             raise ConfigError("restarts must be ≥ 0")
         if self.worker_id and not is_token(self.worker_id):

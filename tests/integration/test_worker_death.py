@@ -51,8 +51,10 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
 @pytest.mark.parametrize("mode", ["full", "smartgen"])
 def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, tmp_path, mode):
     """failure_policy `recompute`, two decode workers, kill -9 of the one streaming: the client sees one
-    continuous stream with every token, the same greedy tokens as colocated decoding, and the response names
-    the worker it lost; nothing stays held on the workers left."""
+    continuous stream with every token, and the response names the worker it lost; nothing stays held on the
+    workers left. Dense (full), the tokens are colocated decoding's greedy tokens; with a selector the new worker
+    replays the streamed tokens densely in one forward, so only the tokens before the kill must be the selective
+    run's (services/decode: DecodeEngine.recompute)."""
     from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
@@ -80,7 +82,10 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
                                   if w["role"] == "decode" and get_json(w["admin_url"] + "/stats")["active_requests"])
                     os.kill(killed["pid"], signal.SIGKILL)
         assert killed is not None and final is not None
-        assert final["token_ids"] == reference["smartgen"]["token_ids"] and len(final["token_ids"]) == 300
+        expected = reference["smartgen"]["token_ids"]
+        assert len(final["token_ids"]) == 300 and final["token_ids"][:20] == expected[:20]
+        if mode == "full":
+            assert final["token_ids"] == expected
         assert final["resumed_from"] == [killed["id"]] and final["recomputed"]
         assert final["decode_worker_id"] != killed["id"]
         assert_no_leaks(stack)

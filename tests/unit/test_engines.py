@@ -74,27 +74,40 @@ def test_colocated_engine_reproduces_generate(tiny_model_path):
     assert torch.is_tensor(engine.caches["r"].layers[0].keys)
 
 
-def test_recompute_mid_decode_continues_with_the_colocated_tokens(tiny_model_path):
-    """failure_policy recompute: a request whose cache is lost after 5 tokens (its KV came from a slab) is rebuilt
-    from the prompt, the 5 tokens replayed, and decodes on exactly as colocated mode does, also with a selector."""
+def test_recompute_mid_decode_replays_in_one_forward_and_continues_with_the_colocated_tokens(tiny_model_path):
+    """failure_policy recompute: a request whose cache is lost after 40 tokens (its KV came from a slab) is rebuilt
+    from the prompt and the 40 tokens replayed in one forward over the slab: the slab then holds the KV stepping
+    left (bf16, as the services keep it), and dense decoding goes on with exactly colocated's tokens. With a
+    selector the replay is dense, so the run goes on from there (its tokens need not be the selective run's)."""
     runner = ModelRunner(tiny_model_path)
     ids = prompt_ids(tiny_model_path, PROMPT * 3)
+    layout = runner.kv_layout(4, "bfloat16")
     for selector in ("", "quest"):
-        colocated = DecodeEngine(runner, KvStore(runner.kv_layout(4), 64), floor=NO_FLOOR)
+        colocated = DecodeEngine(runner, KvStore(layout, 64), floor=NO_FLOOR)
         expected = [colocated.prefill_local("r", ids, Sampling())]
         if selector:
             colocated.use_selection("r", selector, 0.25)
-        for i in range(1, 12):
+        for i in range(1, 60):
             expected.append(colocated.step("r", expected[-1], Sampling(), i))
-        layout = runner.kv_layout(page_tokens=4)
         engine = DecodeEngine(runner, KvStore(layout, 64), floor=NO_FLOOR)
-        slab = engine.store.allocate("r", len(ids) + 12)
+        slab = engine.store.allocate("r", len(ids) + 60)
         engine.load_from_store("r", slab, len(ids))  # garbage KV: what is lost is never read again
-        tokens = expected[:5]
-        assert engine.recompute("r", slab, ids, tokens, Sampling(), selector, 0.25) == expected[0]
-        for i in range(5, 12):
+        tokens = expected[:40]
+        forwards = []
+        hook = runner.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        try:
+            assert engine.recompute("r", slab, ids, tokens, Sampling(), selector, 0.25) == expected[0]
+        finally:
+            hook.remove()
+        assert len(forwards) == 2  # the prompt's prefill and the replay, whatever the completion's length
+        assert engine.caches["r"].get_seq_length() == len(ids) + 39
+        for i in range(40, 60):
             tokens.append(engine.step("r", tokens[-1], Sampling(), i))
-        assert tokens == expected, selector
+        if not selector:
+            assert tokens == expected
+            n = len(ids) + 59
+            replayed, stepped = engine.store.view(slab)[..., :n, :], colocated.store.view(colocated.store.slab("r"))[..., :n, :]
+            assert torch.allclose(replayed.float(), stepped.float(), atol=2e-2, rtol=1e-2)  # a bf16 rounding step at most
 
 
 def test_bf16_kv_gives_one_set_of_tokens_in_every_path(tiny_model_path):
