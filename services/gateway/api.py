@@ -21,6 +21,7 @@ from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.logprobs import chat_logprobs, completion_logprobs, echo_problem
 from services.gateway.openapi import openapi_document
 from services.gateway.report import summary
+from services.gateway.structured import ToolCallStream, tool_calls
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
@@ -218,6 +219,7 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
     text = TextStream(gw.tokenizer, run.job.stop, run.job.include_stop_str_in_output)
     response: web.StreamResponse | None = None
     sent_any = False  # the first chunk of a chat stream names the role
+    calls = ToolCallStream(run.job.structure) if run.job.structure.tool_mode else None  # tool_choice: delta.tool_calls
     offset = 0  # the text offset of the next token (completions logprobs)
     try:
         async for token in run.tokens():
@@ -227,7 +229,8 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
                 await response.prepare(request)
             # NOTE: one chunk per token, even when the text is held back (a possible stop string, an incomplete
             # UTF-8 sequence): a client times every token from the stream (bench serve, vllm bench, guidellm)
-            chunk = _chunk(gw, run, text.add(token), None, first=not sent_any)
+            piece = text.add(token)
+            chunk = _chunk(gw, run, calls.delta(piece) if calls else piece, None, first=not sent_any)
             if run.job.logprobs >= 0:
                 offset = _add_logprobs(gw, run, chunk, offset)
             await _send(response, chunk)
@@ -251,7 +254,14 @@ async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.
         await response.prepare(request)
     tail = text.flush()
     await run.close()  # so the final chunk reports the final finish_reason
-    final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length", first=not sent_any)
+    finish_reason = "stop" if run.finish_reason == "stop" else "length"
+    if calls is not None:
+        delta, is_calls = calls.finish(text.emitted, tail)
+        if delta:
+            await _send(response, _chunk(gw, run, delta, None, first=not sent_any))
+            sent_any = True
+        tail, finish_reason = {}, "tool_calls" if is_calls else finish_reason
+    final = _chunk(gw, run, tail, finish_reason, first=not sent_any)
     final["usage"] = _usage(run)
     final["smartgen"] = summary(run)
     await _send(response, final)
@@ -281,12 +291,16 @@ def _usage(run: CompletionRun) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def _chunk(gw: Gateway, run: CompletionRun, delta: str, finish_reason: str | None,
+def _chunk(gw: Gateway, run: CompletionRun, delta: str | dict[str, Any], finish_reason: str | None,
            first: bool = False) -> dict[str, Any]:
+    """One stream chunk: `delta` is the new text, or (chat, tool calls) the delta object itself."""
     job: CompletionJob = run.job
     if job.kind == "chat":
-        choice = {"index": 0, "delta": {"content": delta} if delta or finish_reason is None else {},
-                  "finish_reason": finish_reason}
+        if isinstance(delta, dict):
+            delta = dict(delta)
+        else:
+            delta = {"content": delta} if delta or finish_reason is None else {}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         if first:
             choice["delta"]["role"] = "assistant"
         return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
@@ -309,7 +323,10 @@ def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
     job = run.job
     finish_reason = "stop" if run.finish_reason == "stop" else "length"
     if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if job.structure.tool_mode and (calls := tool_calls(job.structure, text)) is not None:
+            message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason,
                   "logprobs": chat_logprobs(gw.tokenizer, run.token_ids, run.token_logprobs) if job.logprobs >= 0 else None}
         obj = "chat.completion"
     else:

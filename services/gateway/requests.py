@@ -11,6 +11,8 @@ from typing import Any
 from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
                      SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
+from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
+from services.gateway.structured import Structure, structure_of
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -25,19 +27,6 @@ NOT_YET = {"best_of": (1,)}
 MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # OpenAI's limit on (top_)logprobs alternatives
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s  # 429/503: the Retry-After header (None = the status's default)
-
-    def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -71,6 +60,7 @@ class CompletionJob:
     min_tokens: int = 0  # vLLM: no end token (EOS, stop_token_ids) before this many completion tokens
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM: more token ids that end the answer
     include_stop_str_in_output: bool = False  # vLLM: a matched stop string stays at the end of the text
+    structure: Structure = field(default_factory=Structure)  # response_format, tools: the answer's grammar and shape
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -127,8 +117,9 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}'", "model", "model_not_found")
+    structure = structure_of(body, kind)
     if kind == "chat":
-        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+        prompt_ids = _chat_prompt(body.get("messages"), tokenizer, structure.tools)
     else:
         prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
     if not prompt_ids:
@@ -242,6 +233,9 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     min_tokens = 0 if min_tokens is None else min_tokens
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
         raise ApiError(400, f"min_tokens must be an integer from 0 to max_tokens ({max_tokens})", "min_tokens")
+    if min_tokens and structure.grammar:  # a complete answer allows nothing but its end, which min_tokens forbids
+        raise ApiError(400, "min_tokens cannot be combined with structured output (response_format, tools, guided_*)",
+                       "min_tokens")
     failure_policy = body.get("failure_policy", FAILURE_POLICIES[0])
     if failure_policy not in FAILURE_POLICIES:
         raise ApiError(400, f"failure_policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
@@ -256,6 +250,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
                          logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
                          stop_token_ids=sorted(set(stop_token_ids)), include_stop_str_in_output=include_stop,
+                         structure=structure,
                          **penalties)
 
 
@@ -331,7 +326,8 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", "prompt")
 
 
-def _chat_prompt(messages: Any, tokenizer) -> list[int]:
+def _chat_prompt(messages: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """The chat template over `messages` (and the request's `tools`, for a template that shows them)."""
     if messages is None:
         raise ApiError(400, "missing required field 'messages'", "messages")
     if not isinstance(messages, list) or not messages:
@@ -345,7 +341,8 @@ def _chat_prompt(messages: Any, tokenizer) -> list[int]:
         content = m["content"] if isinstance(m["content"], str) else _text_parts(m["content"], i)
         _check_text(content, "messages")
         turns.append({"role": m["role"], "content": content})
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    shown = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **shown)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas import Sampling, TokenLogprobs
+from shared.compute.grammar import TokenGrammar
 
 
 @dataclass
@@ -29,7 +30,8 @@ def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=N
         logits, _, prompt = runner.prefill_scored(token_ids, on_layer, sampling.logprobs)
     else:
         (logits, _), prompt = runner.prefill(token_ids, on_layer), []
-    token = sample(logits, sampling, 0, token_ids)
+    grammar = TokenGrammar(runner.path, runner.vocab_size, sampling.end_ids, sampling.grammar) if sampling.grammar else None
+    token = sample(logits, sampling, 0, token_ids, grammar=grammar)
     return FirstToken(token, scored(logits, token, sampling), prompt)
 
 
@@ -39,9 +41,12 @@ def scored(logits: torch.Tensor, token: int, sampling: Sampling) -> TokenLogprob
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequence[int] = (),
-           completion: Sequence[int] = ()) -> int:
+           completion: Sequence[int] = (), grammar: TokenGrammar | None = None) -> int:
     """logits: (vocab,) for the last position; index: the completion token's index (0 = first token); `prompt`
-    and `completion` (its tokens 0…index-1): what the penalties look at."""
+    and `completion` (its tokens 0…index-1): what the penalties look at; `grammar` (the request's, when
+    `sampling.grammar` is set): only the tokens it allows after completion[:index] can come out."""
+    if grammar is not None:
+        logits = grammar.masked(logits, completion[:index])
     if sampling.penalizes:
         logits = penalized(logits, sampling, prompt, completion[:index])
     if sampling.logit_bias:
