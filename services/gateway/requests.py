@@ -12,6 +12,7 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_S
                      SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
 from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
+from services.gateway.fields import OFF_VALUES, check_fields
 from services.gateway.structured import Structure, structure_of
 
 MAX_STOP_STRINGS = 4
@@ -21,9 +22,6 @@ MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts ×
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 MAX_TOP_K = 2**31 - 1  # any top_k past the vocabulary means no limit; beyond this it could not travel (msgpack)
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
-# OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
-# the default), refused with a 400 naming the option otherwise: never silently ignored.
-NOT_YET = {"best_of": (1,)}
 MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # OpenAI's limit on (top_)logprobs alternatives
@@ -61,6 +59,7 @@ class CompletionJob:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM: more token ids that end the answer
     include_stop_str_in_output: bool = False  # vLLM: a matched stop string stays at the end of the text
     structure: Structure = field(default_factory=Structure)  # response_format, tools: the answer's grammar and shape
+    noted: dict[str, Any] = field(default_factory=dict)  # user, metadata, …: fields for the log line (fields.py)
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -86,8 +85,6 @@ def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: st
                           default_selector, request_id)]
     if (len(prompts) if several else 1) * n > MAX_PROMPTS:
         raise ApiError(400, f"prompts × n may be at most {MAX_PROMPTS} choices", "n" if n > 1 else "prompt")
-    if body.get("stream"):
-        raise ApiError(400, "stream: true takes one prompt and n = 1", "n" if n > 1 else "prompt")
     base = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
     if len(base) > MAX_REQUEST_ID_CHARS - 3:
         raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS - 3} characters with several choices",
@@ -117,13 +114,15 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}'", "model", "model_not_found")
+    noted = check_fields(body, kind)
     structure = structure_of(body, kind)
     if kind == "chat":
-        prompt_ids = _chat_prompt(body.get("messages"), tokenizer, structure.tools)
+        prompt_ids = chat_prompt(body.get("messages"), tokenizer, structure.tools, *chat_options(body))
     else:
         prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    prompt_ids = _truncated(prompt_ids, body.get("truncate_prompt_tokens"), max_positions)
 
     room = max_positions - len(prompt_ids)
     if room < 1:
@@ -176,11 +175,6 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                                        or not isinstance(stream_options.get("include_usage", False), bool)):
         raise ApiError(400, "stream_options goes with stream: true, as {\"include_usage\": true|false}",
                        "stream_options")
-    for name, off in NOT_YET.items():
-        value = body.get(name)
-        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
-            raise ApiError(400, f"{name}={value!r} is not supported yet: leave it out or send {off[0]!r}", name,
-                           "unsupported_parameter")
 
     logprobs, echo = _logprobs_and_echo(body, kind)
     if echo and stream:
@@ -250,7 +244,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
                          logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
                          stop_token_ids=sorted(set(stop_token_ids)), include_stop_str_in_output=include_stop,
-                         structure=structure,
+                         structure=structure, noted=noted,
                          **penalties)
 
 
@@ -315,7 +309,7 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
+        check_text(prompt, "prompt")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < len(tokenizer) for t in prompt):
@@ -326,7 +320,36 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", "prompt")
 
 
-def _chat_prompt(messages: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
+def chat_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """vLLM's add_generation_prompt (default true) and continue_final_message (default false): the template either
+    opens the assistant's turn or leaves the last (assistant) message open for the answer to continue."""
+    add = body.get("add_generation_prompt")
+    add = True if add is None else add
+    cont = body.get("continue_final_message")
+    cont = False if cont is None else cont
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be true or false", name)
+    if add and cont:
+        raise ApiError(400, "continue_final_message continues the last message: send add_generation_prompt: false",
+                       "continue_final_message")
+    if cont and not (isinstance(body.get("messages"), list) and body["messages"]
+                     and isinstance(body["messages"][-1], dict) and body["messages"][-1].get("role") == "assistant"):
+        raise ApiError(400, "continue_final_message needs an assistant message last", "continue_final_message")
+    return add, cont
+
+
+def _truncated(prompt_ids: list[int], keep: Any, max_positions: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (absent or null: all of them)."""
+    if keep is None:
+        return prompt_ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= max_positions:
+        raise ApiError(400, f"truncate_prompt_tokens must be an integer from 1 to {max_positions}", "truncate_prompt_tokens")
+    return prompt_ids[-keep:]
+
+
+def chat_prompt(messages: Any, tokenizer, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> list[int]:
     """The chat template over `messages` (and the request's `tools`, for a template that shows them)."""
     if messages is None:
         raise ApiError(400, "missing required field 'messages'", "messages")
@@ -339,10 +362,10 @@ def _chat_prompt(messages: Any, tokenizer, tools: list[dict] | None = None) -> l
             raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content "
                                 "(or a list of text parts)", "messages")
         content = m["content"] if isinstance(m["content"], str) else _text_parts(m["content"], i)
-        _check_text(content, "messages")
+        check_text(content, "messages")
         turns.append({"role": m["role"], "content": content})
-    shown = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **shown)
+    options = ({"tools": tools} if tools else {}) | ({"continue_final_message": True} if continue_final_message else {})
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt, **options)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -359,7 +382,7 @@ def _text_parts(parts: list, i: int) -> str:
     return "\n".join(texts)
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     """JSON may escape lone surrogates (\\ud800) that are no Unicode text: the tokenizer cannot take them."""
     try:
         text.encode("utf-8")

@@ -73,7 +73,10 @@ def _format_grammars(body: dict[str, Any]) -> list[tuple[str, str]]:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_object":
             out.append(("response_format", _json_grammar({"type": "object"}, "response_format")))
-        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
+                and isinstance(fmt["json_schema"].get("name", ""), str) \
+                and isinstance(fmt["json_schema"].get("description", ""), str) \
+                and isinstance(fmt["json_schema"].get("strict", False), (bool, type(None))):
             schema = fmt["json_schema"].get("schema", {})
             out.append(("response_format", _json_grammar(schema, "response_format")))
         elif kind != "text":
@@ -131,7 +134,9 @@ def _tools(body: dict[str, Any]) -> list[dict] | None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
                 and isinstance(function.get("name"), str) and function["name"]
-                and isinstance(function.get("parameters", {}), dict)):
+                and isinstance(function.get("parameters", {}), dict)
+                and isinstance(function.get("description", ""), str)
+                and isinstance(function.get("strict", False), bool)):
             raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": …, "parameters": '
                                 '{…JSON schema…}}}}', "tools")
     return tools
@@ -152,7 +157,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict] | None) -> tuple[str, s
     if choice == "none":
         return "", "", ""
     if choice == "auto":
-        raise ApiError(400, "tool_choice 'auto' (the default with tools) needs a parser for this model's own "
+        raise ApiError(400, "tool_choice 'auto' (the default when tools are given) needs a parser for this model's own "
                             "tool-call format, which SmartGen does not have: send tool_choice 'required', 'none' or "
                             '{"type": "function", "function": {"name": …}}', "tool_choice")
     if choice == "required":

@@ -73,6 +73,7 @@ class TokenGrammar:
         tokenizer = grammar_tokenizer(Path(model_dir), vocab_size, tuple(end_ids))
         self.matcher = cache.matcher(tokenizer, grammar)
         self.vocab_size = vocab_size
+        self.end_ids = tuple(end_ids)
         self.num_consumed = 0  # completion tokens 0…num_consumed-1 have advanced the matcher
         self._words = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # (1, ⌈vocab/32⌉) int32 bit words
 
@@ -93,10 +94,16 @@ class TokenGrammar:
         """After `completion`: a (vocab_size,) bool mask of the tokens the grammar allows next."""
         self.follow(completion)
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._words, 0)
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar cannot go on: {self.matcher.get_error()}")
         bits = (self._words[0, :, None] >> _BITS) & 1  # (words, 32)
-        return bits.reshape(-1)[: self.vocab_size].bool()
+        allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        if self.matcher.is_error() or not allowed.any():
+            # NOTE: a grammar with no way on (its language is empty, e.g. a regex no text matches): the answer ends
+            # here, as one the grammar completed would, rather than failing the request mid-way
+            if not self.end_ids:
+                raise GrammarError(f"the grammar cannot go on and there is no end token: {self.matcher.get_error()}")
+            allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+            allowed[list(self.end_ids)] = True
+        return allowed
 
     def masked(self, logits: torch.Tensor, completion: Sequence[int]) -> torch.Tensor:
         """logits (vocab,) with every token the grammar does not allow next set to -inf."""

@@ -115,3 +115,12 @@ def test_tool_calls_come_from_the_answer_text_in_openai_shape():
     assert stream.finish('{"a": 1}', "") == ({}, True)
     assert ToolCallStream(required).finish('[{"name": "pi', "")[1] is False
     assert structure_of({"tools": TOOLS, "tool_choice": "none"}, "chat") == Structure(tools=TOOLS)
+
+
+def test_a_grammar_with_no_way_on_ends_the_answer_instead_of_failing_it(tiny_model_path, end_id):
+    """A regex no text matches passes validation; its first mask allows only the end tokens (finish: stop)."""
+    grammar = structure_of({"guided_regex": "[^\\s\\S]"}, "completion").grammar
+    allowed = TokenGrammar(tiny_model_path, 49152, [end_id], grammar).allowed([])
+    assert allowed.nonzero().flatten().tolist() == [end_id]
+    with pytest.raises(GrammarError):
+        TokenGrammar(tiny_model_path, 49152, [], grammar).allowed([])
