@@ -86,6 +86,31 @@ def test_json_schema_and_named_tool_calls_hold_under_the_mask_in_every_mode(clea
     check_named_tool_calls(client, mode, temperature=1.0)
 
 
+def test_each_row_of_a_batch_gets_its_own_requests_mask(clean_stack):
+    """Continuous batching: a json_schema request, a guided_choice one and a free-text one at once share decode's
+    forward passes; each gets exactly the tokens it gets alone (its own mask, or none, on its own row)."""
+    import concurrent.futures
+
+    from tests.integration.conftest import get_json, model_workers, post_json
+
+    base = {"messages": QUESTION, "max_tokens": 40, "temperature": 1.0, "seed": 5}
+    bodies = [base | {"response_format": FORMAT, "transfer_mode": "full"},
+              base | {"guided_choice": ["sunny today", "cloudy", "rain later"], "transfer_mode": "smartgen"},
+              base | {"ignore_eos": True, "transfer_mode": "colocated"}]
+    url = clean_stack.gateway_url + "/v1/chat/completions"
+    alone = [post_json(url, body)[1] for body in bodies]
+    decode = next(w for w in model_workers(clean_stack) if w["role"] == "decode")
+    before = get_json(decode["admin_url"] + "/stats")["batching"]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda body: post_json(url, body)[1], bodies + bodies))
+    after = get_json(decode["admin_url"] + "/stats")["batching"]
+    assert [r["smartgen"]["token_ids"] for r in together] == [r["smartgen"]["token_ids"] for r in alone] * 2
+    jsonschema.validate(json.loads(alone[0]["choices"][0]["message"]["content"]), SCHEMA)
+    assert alone[1]["choices"][0]["message"]["content"] in ("sunny today", "cloudy", "rain later")
+    steps = sum(len(r["smartgen"]["token_ids"]) - 1 for r in together)
+    assert after["batches"] - before["batches"] < steps  # some steps shared a forward pass
+
+
 def test_required_tool_choice_and_json_object_and_refusals(clean_stack):
     """`required`: a list of calls of the given tools, streamed whole at the end; json_object: a JSON object;
     `auto` and a schema that cannot be enforced: a 400 naming the field, and nothing leaks."""
