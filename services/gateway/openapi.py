@@ -15,12 +15,12 @@ from schemas import AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, KV_BITS, PU
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
                                        MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
                                        OFF_VALUES)
+from services.gateway.chat import ROLES as CHAT_ROLES
 from services.gateway.fields import NOTED, OFF_BY_ROUTE, REFUSED
 from services.gateway.structured import GUIDED, MAX_TOOLS
 from shared import __version__
 
 Schema = dict[str, Any]
-CHAT_ROLES = ("system", "user", "assistant")  # as parse_job takes them
 
 
 def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Schema:
@@ -175,11 +175,20 @@ _STR_OR_NULL: Schema = {"type": ["string", "null"]}
 _NUMBER_OR_NULL: Schema = {"type": ["number", "null"]}
 # One server-sent event (before OpenAPI 3.2 a stream's `schema` describes each event): its `data` is a JSON
 # chunk (the last one with `usage` and `smartgen`, or an error object), then the literal [DONE].
+# NOTE: content may be null (or absent) only on an assistant turn with tool_calls: said in words (a 400 otherwise)
 _MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"anyOf": [
-        _STR, {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "text"], "properties": {
-            "type": {"enum": ["text"]}, "text": _STR}}}]}}}}
+    "type": "object", "required": ["role"], "additionalProperties": False,
+    "properties": {"role": {"enum": list(CHAT_ROLES)}, "name": _STR_OR_NULL, "content": {"anyOf": [
+        _STR, {"type": "null"}, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]},
+        "tool_calls": {"type": ["array", "null"], "minItems": 1, "items": {
+            "type": "object", "required": ["function"], "properties": {
+                "id": _STR, "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name", "arguments"],
+                             "properties": {"name": _STR, "arguments": {"type": "string",
+                                                                        "description": "JSON text"}}}}},
+                       "description": "an assistant turn's calls, as this API answered them"},
+        "tool_call_id": _STR_OR_NULL}}}
 _SSE_EVENT: Schema = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
 
 

@@ -12,6 +12,7 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_S
                      SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
 from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
+from services.gateway.chat import chat_options, chat_prompt, check_text
 from services.gateway.fields import OFF_VALUES, check_fields
 from services.gateway.structured import Structure, structure_of
 
@@ -320,25 +321,6 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", "prompt")
 
 
-def chat_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    """vLLM's add_generation_prompt (default true) and continue_final_message (default false): the template either
-    opens the assistant's turn or leaves the last (assistant) message open for the answer to continue."""
-    add = body.get("add_generation_prompt")
-    add = True if add is None else add
-    cont = body.get("continue_final_message")
-    cont = False if cont is None else cont
-    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
-        if not isinstance(value, bool):
-            raise ApiError(400, f"{name} must be true or false", name)
-    if add and cont:
-        raise ApiError(400, "continue_final_message continues the last message: send add_generation_prompt: false",
-                       "continue_final_message")
-    if cont and not (isinstance(body.get("messages"), list) and body["messages"]
-                     and isinstance(body["messages"][-1], dict) and body["messages"][-1].get("role") == "assistant"):
-        raise ApiError(400, "continue_final_message needs an assistant message last", "continue_final_message")
-    return add, cont
-
-
 def _truncated(prompt_ids: list[int], keep: Any, max_positions: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (absent or null: all of them)."""
     if keep is None:
@@ -346,45 +328,3 @@ def _truncated(prompt_ids: list[int], keep: Any, max_positions: int) -> list[int
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= max_positions:
         raise ApiError(400, f"truncate_prompt_tokens must be an integer from 1 to {max_positions}", "truncate_prompt_tokens")
     return prompt_ids[-keep:]
-
-
-def chat_prompt(messages: Any, tokenizer, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False) -> list[int]:
-    """The chat template over `messages` (and the request's `tools`, for a template that shows them)."""
-    if messages is None:
-        raise ApiError(400, "missing required field 'messages'", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), (str, list)):
-            raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content "
-                                "(or a list of text parts)", "messages")
-        content = m["content"] if isinstance(m["content"], str) else _text_parts(m["content"], i)
-        check_text(content, "messages")
-        turns.append({"role": m["role"], "content": content})
-    options = ({"tools": tools} if tools else {}) | ({"continue_final_message": True} if continue_final_message else {})
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt, **options)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _text_parts(parts: list, i: int) -> str:
-    """Chat content as a list of parts: the text of its {"type": "text", "text": …} parts, one per line; any other
-    part type is a 400 that names it."""
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"messages[{i}].content has a part of type {kind!r}: this server takes text parts "
-                                '({"type": "text", "text": …}) only', "messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def check_text(text: str, param: str) -> None:
-    """JSON may escape lone surrogates (\\ud800) that are no Unicode text: the tokenizer cannot take them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{param} holds a lone surrogate (\\ud800–\\udfff), not Unicode text", param) from None

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.errors import ApiError, error_response
-from services.gateway.requests import chat_options, chat_prompt, check_text
+from services.gateway.chat import chat_options, chat_prompt, check_text
 from services.gateway.structured import structure_of
 from shared import __version__
 

@@ -29,12 +29,13 @@ class GrammarError(ValueError):
     """The grammar does not compile, or a token it does not allow was fed to it."""
 
 
-@lru_cache(maxsize=4)
-def grammar_tokenizer(model_dir: Path, vocab_size: int, end_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's tokenizer (its tokenizer.json): `vocab_size` logits (the model's, which may
-    pad past the tokenizer), `end_ids` the tokens a complete grammar allows. ~1.5 s to build: once per process."""
+@lru_cache(maxsize=2)
+def grammar_tokenizer(model_dir: Path, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer (its tokenizer.json) over `vocab_size` logits (the model's, which
+    may pad past the tokenizer). 0.2–1.5 s to build: once per process, on its first structured request.
+    NOTE: its own end-of-sequence guess is not used: a request's end ids (Sampling.end_ids) are (TokenGrammar)."""
     text = (Path(model_dir) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(end_ids) or None)
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size)
 
 
 class GrammarCache:
@@ -70,8 +71,9 @@ class TokenGrammar:
 
     def __init__(self, model_dir: Path, vocab_size: int, end_ids: Sequence[int], grammar: str,
                  cache: GrammarCache = CACHE):
-        tokenizer = grammar_tokenizer(Path(model_dir), vocab_size, tuple(end_ids))
+        tokenizer = grammar_tokenizer(Path(model_dir), vocab_size)
         self.matcher = cache.matcher(tokenizer, grammar)
+        self.grammar_end_ids = list(tokenizer.eos_tokens)  # what llguidance takes for the end: replaced by end_ids
         self.vocab_size = vocab_size
         self.end_ids = tuple(end_ids)
         self.num_consumed = 0  # completion tokens 0…num_consumed-1 have advanced the matcher
@@ -96,6 +98,11 @@ class TokenGrammar:
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._words, 0)
         bits = (self._words[0, :, None] >> _BITS) & 1  # (words, 32)
         allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        # the end: the request's end ids, where the answer so far is complete (and the grammar's own guess never)
+        is_accepting = not self.matcher.is_error() and self.matcher.is_accepting()
+        allowed[self.grammar_end_ids] = False
+        if self.end_ids:
+            allowed[list(self.end_ids)] |= is_accepting
         if self.matcher.is_error() or not allowed.any():
             # NOTE: a grammar with no way on (its language is empty, e.g. a regex no text matches): the answer ends
             # here, as one the grammar completed would, rather than failing the request mid-way

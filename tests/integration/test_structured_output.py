@@ -158,3 +158,24 @@ def test_real_model_answers_json_schema_and_tool_calls_validly(real_model_path, 
         except BaseException:
             print(log_file.read_text()[-4000:])
             raise
+
+
+def test_a_tool_loop_sends_the_call_and_its_result_back(clean_stack):
+    """Turn 2 of a tool loop with the openai SDK: the assistant's tool_calls message (as the SDK got it) and a `tool`
+    message go back; the prompt shows the call's JSON and the result (this template has no tool_calls of its own);
+    a tool_calls field on a user message is a 400."""
+    from tests.integration.conftest import post_json
+
+    client = client_of(clean_stack)
+    first = client.chat(messages=QUESTION, tools=TOOLS, tool_choice=NAMED, max_tokens=80, temperature=1.0, seed=4)
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    turns = [*QUESTION, message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    second = client.chat(messages=turns, tools=TOOLS, tool_choice="none", max_tokens=5, temperature=0)
+    assert second.choices[0].message.content is not None and second.choices[0].message.tool_calls is None
+    status, shown = post_json(clean_stack.gateway_url + "/tokenize", {"messages": turns})
+    prompt = post_json(clean_stack.gateway_url + "/detokenize", {"tokens": shown["tokens"]})[1]["prompt"]
+    assert '"name": "get_weather"' in prompt and "18 C and sunny" in prompt
+    with pytest.raises(BadRequestError):
+        client.chat(messages=[{"role": "user", "content": "hi", "tool_calls": [call.model_dump()]}], max_tokens=2)

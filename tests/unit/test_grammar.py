@@ -124,3 +124,23 @@ def test_a_grammar_with_no_way_on_ends_the_answer_instead_of_failing_it(tiny_mod
     assert allowed.nonzero().flatten().tolist() == [end_id]
     with pytest.raises(GrammarError):
         TokenGrammar(tiny_model_path, 49152, [], grammar).allowed([])
+
+
+def test_the_end_is_the_requests_end_ids_and_only_where_the_answer_is_complete(tiny_model_path, end_id):
+    """guided_choice ["yes", "yes sir"]: no end token before "yes", the request's end ids (EOS and a stop id) after
+    it, never the tokenizer's other special tokens; another set of end ids reuses the worker's tokenizer."""
+    from shared.compute.grammar import grammar_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    grammar = structure_of({"guided_choice": ["yes", "yes sir"]}, "completion").grammar
+    stop_id = tokenizer.convert_tokens_to_ids("!")
+    state = TokenGrammar(tiny_model_path, 49152, [end_id, stop_id], grammar)
+    builds = grammar_tokenizer.cache_info().misses
+    assert not state.allowed([])[[end_id, stop_id]].any()
+    yes = tokenizer("yes", add_special_tokens=False)["input_ids"]
+    after = state.allowed(yes)
+    assert after[end_id] and after[stop_id] and after.sum() > 2  # the end, or " sir"
+    other_specials = [i for i in (tokenizer.bos_token_id, 0, 1) if i not in (end_id, stop_id)]
+    assert not after[other_specials].any()
+    TokenGrammar(tiny_model_path, 49152, [end_id], grammar)
+    assert grammar_tokenizer.cache_info().misses == builds
