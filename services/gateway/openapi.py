@@ -15,7 +15,6 @@ from schemas import AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, KV_BITS, PU
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
                                        MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
                                        OFF_VALUES)
-from services.gateway.chat import ROLES as CHAT_ROLES
 from services.gateway.fields import NOTED, OFF_BY_ROUTE, REFUSED
 from services.gateway.structured import GUIDED, MAX_TOOLS
 from shared import __version__
@@ -89,7 +88,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                             ["name"])})},
                     "tool_choice": {"description": "with tools: 'none', 'required' or a named function ('auto', the "
                                                    "default with tools, is a 400: no parser for this model's format)",
-                                    "anyOf": [{"enum": ["none", "required", "auto", None]},
+                                    "anyOf": [{"enum": ["none", "required", None]},
                                               _object({"type": {"const": "function"},
                                                        "function": _object({"name": _STR})})]},
                     "parallel_tool_calls": {"type": ["boolean", "null"],
@@ -175,20 +174,27 @@ _STR_OR_NULL: Schema = {"type": ["string", "null"]}
 _NUMBER_OR_NULL: Schema = {"type": ["number", "null"]}
 # One server-sent event (before OpenAPI 3.2 a stream's `schema` describes each event): its `data` is a JSON
 # chunk (the last one with `usage` and `smartgen`, or an error object), then the literal [DONE].
-# NOTE: content may be null (or absent) only on an assistant turn with tool_calls: said in words (a 400 otherwise)
-_MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role"], "additionalProperties": False,
-    "properties": {"role": {"enum": list(CHAT_ROLES)}, "name": _STR_OR_NULL, "content": {"anyOf": [
-        _STR, {"type": "null"}, {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]},
-        "tool_calls": {"type": ["array", "null"], "minItems": 1, "items": {
-            "type": "object", "required": ["function"], "properties": {
-                "id": _STR, "type": {"const": "function"},
-                "function": {"type": "object", "required": ["name", "arguments"],
-                             "properties": {"name": _STR, "arguments": {"type": "string",
-                                                                        "description": "JSON text"}}}}},
-                       "description": "an assistant turn's calls, as this API answered them"},
-        "tool_call_id": _STR_OR_NULL}}}
+_CONTENT: Schema = {"anyOf": [_STR, {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]}
+_TOOL_CALLS: Schema = {"type": "array", "minItems": 1, "description": "the assistant's calls, as this API answered them",
+                       "items": {"type": "object", "required": ["function"], "properties": {
+                           "id": _STR, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                               "name": _STR, "arguments": {"type": "string", "description": "JSON text"}}}}}}
+
+
+def _message(roles: list[str], content: Schema, required: list[str], **extra: Schema) -> Schema:
+    return {"type": "object", "required": ["role", *required], "additionalProperties": False,
+            "properties": {"role": {"enum": roles}, "content": content, "name": _STR_OR_NULL, **extra}}
+
+
+# One chat message per role: an assistant turn with tool_calls may have no content; a tool turn has tool_call_id
+_MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    _message(["system", "user"], _CONTENT, ["content"]),
+    _message(["assistant"], _CONTENT, ["content"], tool_calls={"type": ["array", "null"], **{
+        k: v for k, v in _TOOL_CALLS.items() if k != "type"}}),
+    _message(["assistant"], {"anyOf": [_CONTENT, {"type": "null"}]}, ["tool_calls"], tool_calls=_TOOL_CALLS),
+    _message(["tool"], _CONTENT, ["content"], tool_call_id=_STR_OR_NULL)]}}
 _SSE_EVENT: Schema = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
 
 

@@ -56,7 +56,7 @@ def utility_routes(gw) -> list[web.RouteDef]:
     async def version(_: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
 
-    return [web.get("/v1/models", models), web.get("/v1/models/{model_id:.+}", model),
+    return [web.get("/v1/models", models), web.get(r"/v1/models/{model_id:[\s\S]+}", model),
             web.post("/tokenize", tokenize), web.post("/detokenize", detokenize), web.get("/version", version)]
 
 
@@ -67,7 +67,7 @@ def tokenized(body: dict[str, Any], tokenizer) -> list[int]:
     add_special = body.get("add_special_tokens")
     if add_special is not None and not isinstance(add_special, bool):
         raise ApiError(400, "add_special_tokens must be true or false", "add_special_tokens")
-    if not isinstance(body.get("return_token_strs", False), bool):
+    if not isinstance(body.get("return_token_strs", False), (bool, type(None))):
         raise ApiError(400, "return_token_strs must be true or false", "return_token_strs")
     if "messages" in body:
         _only(body, common | {"messages", "add_generation_prompt", "continue_final_message", "tools"})

@@ -112,6 +112,17 @@ class TokenGrammar:
             allowed[list(self.end_ids)] = True
         return allowed
 
+    def accepts(self, token: int) -> bool:
+        """Whether the parser takes `token` next (after the completion `masked` was given): an end id the mask allowed
+        always is; any other token is checked without consuming it."""
+        return token in self.end_ids or self.matcher.validate_tokens([token]) == 1
+
+    def dead_end(self) -> int:
+        """The token that ends an answer the grammar cannot carry on (an end id), or GrammarError without one."""
+        if not self.end_ids:
+            raise GrammarError(f"the grammar cannot go on and there is no end token: {self.matcher.get_error()}")
+        return self.end_ids[0]
+
     def masked(self, logits: torch.Tensor, completion: Sequence[int]) -> torch.Tensor:
         """logits (vocab,) with every token the grammar does not allow next set to -inf."""
         allowed = self.allowed(completion).to(logits.device)

@@ -13,6 +13,8 @@ import torch
 from schemas import Sampling, TokenLogprobs
 from shared.compute.grammar import TokenGrammar
 
+MAX_REDRAWS = 16  # structured output: draws of tokens the grammar's mask allowed but its parser refuses
+
 
 @dataclass
 class FirstToken:
@@ -54,6 +56,22 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequenc
     if index < sampling.min_tokens and sampling.end_ids:  # too early to end: the end tokens are not candidates
         logits = logits.clone()
         logits[torch.tensor(sampling.end_ids, device=logits.device)] = float("-inf")
+    token = drawn(logits, sampling, index)
+    for _ in range(MAX_REDRAWS):
+        if grammar is None or grammar.accepts(token):
+            return token
+        # NOTE: llguidance's mask can let through a token its parser then refuses (seen with control characters in a
+        # regex): that token is taken out and the draw repeated; with nothing left the answer ends
+        logits = logits.clone()
+        logits[token] = float("-inf")
+        if not torch.isfinite(logits).any():
+            break
+        token = drawn(logits, sampling, index)
+    return grammar.dead_end()
+
+
+def drawn(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
+    """The token drawn from (processed) logits (vocab,): greedy at temperature 0, else seeded by (seed, index)."""
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float().cpu() / sampling.temperature

@@ -144,3 +144,22 @@ def test_the_end_is_the_requests_end_ids_and_only_where_the_answer_is_complete(t
     assert not after[other_specials].any()
     TokenGrammar(tiny_model_path, 49152, [end_id], grammar)
     assert grammar_tokenizer.cache_info().misses == builds
+
+
+def test_a_token_the_mask_lets_through_but_the_parser_refuses_is_drawn_again(tiny_model_path, end_id):
+    """A regex with control characters (found by the API fuzz test): llguidance's mask allows a token its parser
+    refuses; the sampler never hands such a token out (it draws again, or ends the answer), so no request fails."""
+    regex = json.loads('"\\udba6\\udd470\\udaaa\\udd5f\\ud847\\udc85|0\\u0007\\u0014\\u00e6x\\u00cc"')
+    grammar = structure_of({"guided_regex": regex}, "completion").grammar
+    refused = 0
+    for seed in range(6):
+        state, out = TokenGrammar(tiny_model_path, 49152, [end_id], grammar), []
+        gen = torch.Generator().manual_seed(seed)
+        while len(out) < 12 and not state.is_complete(out):
+            allowed = state.allowed(out).nonzero().flatten().tolist()
+            refused += sum(t != end_id and state.matcher.validate_tokens([t]) != 1 for t in allowed)
+            token = sample(torch.randn(49152, generator=gen), Sampling(1.0, seed), len(out), (), out, state)
+            if token == end_id:
+                break
+            out.append(token)  # is_complete follows it: a refused token would raise GrammarError here
+    assert refused > 0  # the case still arises (else this test no longer tests anything)
