@@ -49,6 +49,8 @@ def check_json_schema_answers(client: Client, mode: str, temperature: float) -> 
                                               temperature=temperature, seed=seed, extra_body={"transfer_mode": mode})
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
         assert chat.choices[0].finish_reason == "stop", (mode, seed, chat.choices[0].message.content)
+        if seed == 0:
+            print(mode, "json_schema:", chat.choices[0].message.content)
     chunks = list(client.chat(messages=QUESTION, response_format=FORMAT, max_tokens=80,
                                                  temperature=temperature, seed=1, stream=True,
                                                  extra_body={"transfer_mode": mode}))
@@ -68,6 +70,8 @@ def check_named_tool_calls(client: Client, mode: str, temperature: float) -> Non
         [call] = choice.message.tool_calls
         assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        if seed == 0:
+            print(mode, "tool call:", call.function.name, call.function.arguments)
     chunks = list(client.chat(messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
                                                  max_tokens=80, temperature=temperature, seed=2, stream=True,
                                                  extra_body={"transfer_mode": mode}))
