@@ -181,6 +181,9 @@ class Sampling:
     min_p: float = 0.0  # vLLM: at temperature > 0, drop tokens less likely than min_p × the most likely one
     min_tokens: int = 0  # vLLM: the tokens in `end_ids` cannot be sampled before this many tokens were generated
     end_ids: list[int] = field(default_factory=list)  # the token ids that end the answer (what min_tokens holds off)
+    # structured output: an llguidance grammar (its JSON text, checked by the gateway) every sampled token must
+    # follow; the workers mask the logits with it and end the answer when it is complete ("" = free text)
+    grammar: str = ""
 
     @property
     def penalizes(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 from schemas import Sampling, TokenLogprobs
 from shared.compute.decode_engine import DecodeEngine
+from shared.compute.grammar import GrammarError, TokenGrammar
 from shared.compute.sampling import sample, scored
 
 
@@ -34,6 +35,7 @@ class _Ask:
     index: int  # the completion index of the token to return
     prompt: Sequence[int]  # what the penalties look at (Sampling.penalizes), with the completion's first `index`
     completion: Sequence[int]
+    grammar: TokenGrammar | None  # the request's, if it has one: masks the row's logits
     future: asyncio.Future[tuple[int, TokenLogprobs | None]]
 
 
@@ -50,15 +52,15 @@ class StepBatcher:
         self.last_batch = 0
 
     async def step(self, request_id: str, token: int, sampling: Sampling, index: int, prompt: Sequence[int] = (),
-                   completion: Sequence[int] = ()) -> tuple[int, TokenLogprobs | None]:
+                   completion: Sequence[int] = (), grammar: TokenGrammar | None = None) -> tuple[int, TokenLogprobs | None]:
         """Feed `token` to the request and return its completion token `index` (with its log-probabilities when
         `sampling` asks for them); raises what failed its row. `prompt` and `completion` (tokens so far): for the
-        penalties, if `sampling` has any."""
+        penalties, if `sampling` has any; `grammar`: the request's structured output, advanced over `completion`."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-batcher")
         if request_id in self._asks:
             raise RuntimeError(f"request {request_id} already has a step queued")
-        ask = self._asks[request_id] = _Ask(token, sampling, index, prompt, completion,
+        ask = self._asks[request_id] = _Ask(token, sampling, index, prompt, completion, grammar,
                                             asyncio.get_running_loop().create_future())
         self._asked.set()
         try:
@@ -116,7 +118,11 @@ class StepBatcher:
             if isinstance(logits, Exception):
                 out.append(logits)
             else:
-                token = sample(logits, ask.sampling, ask.index, ask.prompt, ask.completion)
+                try:
+                    token = sample(logits, ask.sampling, ask.index, ask.prompt, ask.completion, ask.grammar)
+                except GrammarError as exc:  # this row's grammar cannot go on: it fails alone
+                    out.append(exc)
+                    continue
                 out.append((token, scored(logits, token, ask.sampling)))
         return out
 

@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Any
 
 from schemas import Generate, KvLayout, PlanState, TransferMode, mode_of, pushed_bytes
+from shared.compute.grammar import TokenGrammar
 from shared.compute.kvstore import Slab
 from shared.dataplane import Grant
 from services.decode.remote import RemoteKv
@@ -117,6 +118,11 @@ class DecodeRequest:
     push: PushProgress = field(default_factory=PushProgress)
     progress: RemoteProgress = field(default_factory=RemoteProgress)
     report: StepReport = field(default_factory=StepReport)
+    grammar: TokenGrammar | None = None  # structured output (Sampling.grammar): follows the completion's tokens
+
+    def is_complete(self, completion: list[int]) -> bool:
+        """Structured output: the request's grammar allows nothing more after `completion` (it ends: `stop`)."""
+        return self.grammar is not None and self.grammar.is_complete(completion)
 
     def advance(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:

@@ -40,6 +40,7 @@ from nats.micro.service import Service as MicroService
 from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, subjects)
 from shared.compute.decode_engine import DecodeEngine
+from shared.compute.grammar import TokenGrammar
 from shared.compute.kvstore import OutOfPages, Slab
 from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
@@ -221,7 +222,7 @@ class DecodeService(ModelWorkerService):
     # --- the request's task ---------------------------------------------------------------
     async def _run(self, state: DecodeRequest) -> None:
         req = state.generate
-        assert self.engine and self.nc
+        assert self.engine and self.nc and self.runner
         rid, stop_ids = req.request_id, set(req.stop_token_ids)
         tokens: list[int] = []  # the completion so far: token i is tokens[i]
         finals: list[TokenEvent] = []  # the stream's last event, once sent
@@ -231,6 +232,9 @@ class DecodeService(ModelWorkerService):
         kv_wait_s, reason, error = 0.0, "length", ""
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
+                if req.sampling.grammar:  # structured output: its matcher, compiled here (cached per worker)
+                    state.grammar = await self.in_torch(TokenGrammar, self.runner.path, self.runner.vocab_size,
+                                                        req.sampling.end_ids, req.sampling.grammar)
                 if req.resume_tokens:  # moved here from a decode worker that died: rebuild, then carry on
                     tokens.extend(req.resume_tokens)
                     await self.in_torch(self.engine.recompute, rid, state.slab, req.token_ids, tokens, req.sampling,
@@ -247,12 +251,12 @@ class DecodeService(ModelWorkerService):
                 if req.selector and rid not in self.engine.selections:
                     await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, None, None,
                                         NUM_BLOCKS)
-                while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens:
+                while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens and not state.is_complete(tokens):
                     token, logprobs = await self._step(state, tokens)
                     tokens.append(token)
                     await self._emit(req, TokenEvent(rid, len(tokens) - 1, token, logprobs=logprobs))
                     await self.remote_kv.after_step(state, len(tokens) - 1)
-                reason = "stop" if tokens[-1] in stop_ids else "length"
+                reason = "stop" if tokens[-1] in stop_ids or state.is_complete(tokens) else "length"
             except asyncio.CancelledError:
                 reason = "abort"
             except Exception as exc:
@@ -313,19 +317,22 @@ class DecodeService(ModelWorkerService):
         try:
             if index == 1:
                 return await self._first_step(state, tokens)
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens,
+                                            state.grammar)
         except RemoteReadError as exc:
             if req.failure_policy != "recompute" or state.report.recompute_reason:
                 raise
             await self._recompute(state, tokens, str(exc))
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens)
+            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens,
+                                            state.grammar)
 
     async def _first_step(self, state: DecodeRequest, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
         req = state.generate
         assert self.engine and self.store
         started = asyncio.get_running_loop().time()
-        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1, req.token_ids, tokens)  # (token, its logprobs)
+        token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1, req.token_ids, tokens,
+                                         state.grammar)  # (token, its logprobs)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.report.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
         state.report.step1_kv_bytes = step1_kv_bytes(state, self.store.layout, self.engine.selections.get(req.request_id))

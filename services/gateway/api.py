@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: request parsing, JSON and SSE responses.
 
-POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /workers,
-GET /openapi.json (openapi.py: what all of these take and answer).
+POST /v1/completions, POST /v1/chat/completions (stream or not), GET /workers, GET /openapi.json (openapi.py: what
+all of these take and answer); utility.py: GET /v1/models(/{id}), POST /tokenize, /detokenize, GET /version.
 Every response (and the last SSE chunk) carries a `smartgen` object with the request's latency and
 transfer figures. Bad requests get a 400 with an OpenAI-style error body and touch no worker;
 429 and 503 carry a Retry-After header.
@@ -9,6 +9,7 @@ transfer figures. Bad requests get a 400 with an OpenAI-style error body and tou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any, Protocol
 
@@ -18,12 +19,16 @@ from nats.aio.client import Client
 
 from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun, RequestFailed
+from services.gateway.errors import error_response as _error
 from services.gateway.logprobs import chat_logprobs, completion_logprobs, echo_problem
 from services.gateway.openapi import openapi_document
 from services.gateway.report import summary
+from services.gateway.sse import REQUEST_ID_HEADER, stream, usage
+from services.gateway.structured import tool_calls
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
+from services.gateway.utility import utility_routes
 from shared.runtime.registry import WorkerRegistry
 
 
@@ -47,10 +52,8 @@ class Gateway(Protocol):
         """Count a finished request in /metrics."""
 
 log = structlog.get_logger()
-WRITE_TIMEOUT_S = 30.0  # a streaming client that takes no bytes for this long is dropped (_write)
 BODY_TIMEOUT_S = 30.0  # a request body that has not fully arrived after this long: 408 (a slow sender holds no slot)
-RETRY_AFTER_S = {429: 1, 503: 5}  # a worker at capacity frees up soon; a new worker registers within a heartbeat TTL
-REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: used as the request id, echoed in the reply
+# REQUEST_ID_HEADER: a client's id for its request, used as the request id and echoed in the reply
 
 
 def routes(gw: Gateway) -> list[web.RouteDef]:
@@ -59,11 +62,6 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _serve(gw, request, "chat")
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": gw.model_id, "object": "model", "created": int(gw.started_unix), "owned_by": "smartgen",
-             "max_model_len": gw.max_positions}]})
 
     async def workers(_: web.Request) -> web.Response:
         return web.json_response({"workers": [
@@ -78,13 +76,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         return web.json_response(document)
 
     return [web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions),
-            web.get("/v1/models", models), web.get("/workers", workers), web.get("/openapi.json", openapi)]
-
-
-def _error(exc: ApiError) -> web.Response:
-    retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S.get(exc.status)
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+            web.get("/workers", workers), web.get("/openapi.json", openapi), *utility_routes(gw)]
 
 
 async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResponse:
@@ -110,12 +102,14 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
     for one in jobs:
         if one.echo and one.logprobs >= 0 and (problem := echo_problem(len(one.prompt_ids), one.logprobs, max_payload)):
             return _error(ApiError(400, problem, "echo"))
+    if len(jobs) > 1 and jobs[0].stream:
+        return await _stream_several(gw, request, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     if len(jobs) > 1:
         return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     job = jobs[0]
     with structlog.contextvars.bound_contextvars(request_id=job.request_id):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
-                 transfer_mode=job.transfer_mode, stream=job.stream)
+                 transfer_mode=job.transfer_mode, stream=job.stream, **job.noted)
         try:
             async with gw.admission.slot() as queue_s:
                 return await _run(gw, request, job, queue_s)
@@ -132,7 +126,7 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
     try:
         if job.stream:
             try:
-                streamed = await _stream(gw, request, run)
+                streamed = await stream(gw, request, [run], 1, job.request_id, lambda _: contextlib.nullcontext())
                 if not streamed.prepared:  # an error answered before the stream began
                     streamed.headers[REQUEST_ID_HEADER] = job.request_id
                 return streamed
@@ -218,104 +212,42 @@ async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str 
     return response
 
 
-async def _stream(gw: Gateway, request: web.Request, run: CompletionRun) -> web.StreamResponse:
-    text = TextStream(gw.tokenizer, run.job.stop, run.job.include_stop_str_in_output)
-    response: web.StreamResponse | None = None
-    sent_any = False  # the first chunk of a chat stream names the role
-    offset = 0  # the text offset of the next token (completions logprobs)
+async def _stream_several(gw: Gateway, request: web.Request, jobs: list[CompletionJob], client_id: str | None,
+                          n: int) -> web.StreamResponse:
+    """Several choices streamed (sse.stream): each is a request of its own (admitted, queued and counted alone)."""
+    runs = [_new_run(gw, job, 0.0) for job in jobs]
+    batch_id = client_id or jobs[0].request_id.rsplit("-", 1)[0]  # the jobs' ids are <batch_id>-<i>
+
+    @contextlib.asynccontextmanager
+    async def admitted(run: CompletionRun):
+        with structlog.contextvars.bound_contextvars(request_id=run.job.request_id):
+            log.info("request_received", kind=run.job.kind, prompt_tokens=len(run.job.prompt_ids),
+                     max_tokens=run.job.max_tokens, transfer_mode=run.job.transfer_mode, stream=True, batch=len(jobs),
+                     **run.job.noted)
+            try:
+                async with gw.admission.slot() as run.queue_s:
+                    yield
+            finally:
+                await run.close()
+                gw.record(run)
+
     try:
-        async for token in run.tokens():
-            if response is None:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                       REQUEST_ID_HEADER: run.job.request_id})
-                await response.prepare(request)
-            # NOTE: one chunk per token, even when the text is held back (a possible stop string, an incomplete
-            # UTF-8 sequence): a client times every token from the stream (bench serve, vllm bench, guidellm)
-            chunk = _chunk(gw, run, text.add(token), None, first=not sent_any)
-            if run.job.logprobs >= 0:
-                offset = _add_logprobs(gw, run, chunk, offset)
-            await _send(response, chunk)
-            sent_any = True
-            if text.is_stopped:
-                run.stop_early("stop_string")
-                break
-    except ApiError as exc:
-        if response is None:
-            return _error(exc)
-        await _send(response, exc.body())
-        return response
-    except RequestFailed as exc:
-        if response is None:
-            return _error(ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed"))
-        await _send(response, ApiError(502, f"the request failed in a worker: {exc}", code="worker_failed").body())
-        await _write(response, b"data: [DONE]\n\n")
-        return response
-    if response is None:  # finished without a single token (cannot happen with max_tokens ≥ 1, but be exact)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-    tail = text.flush()
-    await run.close()  # so the final chunk reports the final finish_reason
-    final = _chunk(gw, run, tail, "stop" if run.finish_reason == "stop" else "length", first=not sent_any)
-    final["usage"] = _usage(run)
-    final["smartgen"] = summary(run)
-    await _send(response, final)
-    if run.job.include_usage:  # stream_options.include_usage: OpenAI's usage-only last chunk
-        await _send(response, {**{k: final[k] for k in ("id", "object", "created", "model")}, "choices": [],
-                               "usage": final["usage"]})
-    await _write(response, b"data: [DONE]\n\n")
+        response = await stream(gw, request, runs, n, batch_id, admitted)
+    except ConnectionResetError:
+        return web.Response(status=499)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = batch_id
     return response
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await _write(response, b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-async def _write(response: web.StreamResponse, data: bytes) -> None:
-    """Send stream bytes; a client that takes none for WRITE_TIMEOUT_S (its socket buffers full: it does not read)
-    is dropped, as one that left: the stream ends, the workers are told, and its admission slot is free again.
-    NOTE: the slot covers generation, not a slow reader."""
-    try:
-        await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise ConnectionResetError(f"the client took no data for {WRITE_TIMEOUT_S:g} s") from None
-
-
-def _usage(run: CompletionRun) -> dict[str, Any]:
-    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefill took from its prefix cache."""
-    n_prompt, n_out = len(run.job.prompt_ids), len(run.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": run.num_cached_tokens}}
-
-
-def _chunk(gw: Gateway, run: CompletionRun, delta: str, finish_reason: str | None,
-           first: bool = False) -> dict[str, Any]:
-    job: CompletionJob = run.job
-    if job.kind == "chat":
-        choice = {"index": 0, "delta": {"content": delta} if delta or finish_reason is None else {},
-                  "finish_reason": finish_reason}
-        if first:
-            choice["delta"]["role"] = "assistant"
-        return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
-                "model": gw.model_id, "choices": [choice]}
-    return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": gw.model_id,
-            "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}]}
-
-
-def _add_logprobs(gw: Gateway, run: CompletionRun, chunk: dict[str, Any], offset: int) -> int:
-    """Put the latest token's log-probabilities into its stream chunk; returns the next token's text offset."""
-    token, scores = run.token_ids[-1:], run.token_logprobs[-1:]
-    if run.job.kind == "chat":
-        chunk["choices"][0]["logprobs"] = chat_logprobs(gw.tokenizer, token, scores)
-        return offset
-    logprobs = chunk["choices"][0]["logprobs"] = completion_logprobs(gw.tokenizer, token, scores, offset=offset)
-    return offset + sum(len(t) for t in logprobs["tokens"])
 
 
 def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
     job = run.job
     finish_reason = "stop" if run.finish_reason == "stop" else "length"
     if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if job.structure.tool_mode and (calls := tool_calls(job.structure, text)) is not None:
+            message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason,
                   "logprobs": chat_logprobs(gw.tokenizer, run.token_ids, run.token_logprobs) if job.logprobs >= 0 else None}
         obj = "chat.completion"
     else:
@@ -326,4 +258,4 @@ def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:
         choice = {"index": 0, "text": prompt + text, "finish_reason": finish_reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": job.request_id, "object": obj, "created": job.created, "model": gw.model_id, "choices": [choice],
-            "usage": _usage(run), "smartgen": summary(run)}
+            "usage": usage([run]), "smartgen": summary(run)}

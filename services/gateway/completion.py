@@ -112,7 +112,7 @@ class CompletionRun:
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
                             repetition_penalty=job.repetition_penalty, logit_bias=job.logit_bias, logprobs=job.logprobs,
                             echo=job.echo and job.logprobs >= 0, min_p=job.min_p, min_tokens=job.min_tokens,
-                            end_ids=list(self.stop_token_ids))
+                            end_ids=list(self.stop_token_ids), grammar=job.structure.grammar)
         first, done = -1, None
         try:
             if not disaggregated:

@@ -15,11 +15,12 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_P
                      KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES)
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
                                        MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
-                                       NOT_YET)
+                                       OFF_VALUES)
+from services.gateway.fields import NOTED, OFF_BY_ROUTE, REFUSED
+from services.gateway.structured import GUIDED, MAX_TOOLS
 from shared import __version__
 
 Schema = dict[str, Any]
-CHAT_ROLES = ("system", "user", "assistant")  # as parse_job takes them
 
 
 def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Schema:
@@ -35,6 +36,11 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
             "/v1/chat/completions": {"post": _generation("Create a chat completion", "ChatCompletionRequest",
                                                          "ChatCompletionResponse")},
             "/v1/models": {"get": _read("The served model", "ModelList")},
+            "/v1/models/{model_id}": {"get": _model_read()},
+            "/tokenize": {"post": _post("vLLM's: a prompt or chat messages as token ids", "TokenizeRequest",
+                                        "TokenizeResponse")},
+            "/detokenize": {"post": _post("vLLM's: token ids as text", "DetokenizeRequest", "DetokenizeResponse")},
+            "/version": {"get": _read("The server's version", "Version")},
             "/health": {"get": _read("200 once a prefill, a decode and a broker worker are registered", "Health",
                                      unavailable=True)},
             "/ready": {"get": _read("Like /health, as {ready: bool}", "Ready", unavailable=True)},
@@ -53,7 +59,7 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
             "schemas": {
                 "CompletionRequest": _request({
                     "prompt": {"description": "text or token ids, or a list of several of either (one choice each; "
-                                              "not with stream)",
+                                              "streamed, their chunks interleave by choice index)",
                                "anyOf": [{"type": "string", "minLength": 1},
                                          {"type": "array", "items": {"type": "string", "minLength": 1},
                                           "minItems": 1, "maxItems": MAX_PROMPTS},
@@ -68,17 +74,31 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                     "echo": {"type": "boolean", "description": "the prompt comes back before the completion (with "
                                                                "its logprobs, if asked); not with stream"},
                     "top_logprobs": {"type": "null", "description": "chat only (here: logprobs)"},
+                    **_off(OFF_BY_ROUTE["completion"]),
                 }, ["prompt"], model_id, max_positions, vocab_size),
                 "ChatCompletionRequest": _request({
-                    "messages": {"type": "array", "minItems": 1, "items": {
-                        "type": "object", "required": ["role", "content"],
-                        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"anyOf": [
-                            _STR, {"type": "array", "minItems": 1, "items": _object(
-                                {"type": {"enum": ["text"]}, "text": _STR})}]}}}},
+                    "messages": _MESSAGES,
                     "logprobs": {"type": "boolean", "description": "each token's log-probability"},
                     "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
                                      "description": "with logprobs: this many alternatives per token"},
                     "echo": {"enum": [False, None], "description": "completions only"},
+                    "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": _object({
+                        "type": {"const": "function"}, "function": _object({
+                            "name": {"type": "string", "minLength": 1}, "description": _STR,
+                            "parameters": {"type": "object", "description": "a JSON schema"}, "strict": {"type": "boolean"}},
+                            ["name"])})},
+                    "tool_choice": {"description": "with tools: 'none', 'required' or a named function ('auto', the "
+                                                   "default with tools, is a 400: no parser for this model's format)",
+                                    "anyOf": [{"enum": ["none", "required", None]},
+                                              _object({"type": {"const": "function"},
+                                                       "function": _object({"name": _STR})})]},
+                    "parallel_tool_calls": {"type": ["boolean", "null"],
+                                            "description": "false: tool_choice 'required' makes exactly one call"},
+                    "add_generation_prompt": {"type": ["boolean", "null"],
+                                              "description": "vLLM: the template opens the assistant's turn (default)"},
+                    "continue_final_message": {"type": ["boolean", "null"], "description": "vLLM: the answer continues "
+                                               "the last (assistant) message; with add_generation_prompt: false"},
+                    **_off(OFF_BY_ROUTE["chat"]),
                 }, ["messages"], model_id, max_positions, vocab_size),
                 "CompletionResponse": _response("text_completion", {
                     "type": "object", "required": ["index", "text", "finish_reason"],
@@ -91,10 +111,14 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                                        "text_offset": {"type": "array", "items": _INT}})]}}}),
                 "ChatCompletionResponse": _response("chat.completion", {
                     "type": "object", "required": ["index", "message", "finish_reason"],
-                    "properties": {"index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]},
+                    "properties": {"index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"const": "assistant"},
-                                                              "content": {"type": "string"}}},
+                                                              "content": _STR_OR_NULL,
+                                                              "tool_calls": {"type": "array", "items": _object({
+                                                                  "id": _STR, "type": {"const": "function"},
+                                                                  "function": _object({"name": _STR,
+                                                                                       "arguments": _STR})})}}},
                                    "logprobs": {"anyOf": [{"type": "null"}, _object({"content": {
                                        "type": "array", "items": _object({"token": _STR, "logprob": {"type": "number"},
                                                                           "bytes": {"type": "array", "items": _INT},
@@ -105,9 +129,28 @@ def openapi_document(model_id: str, max_positions: int, vocab_size: int) -> Sche
                 "SmartGen": _smartgen_object(),
                 "Error": _object({"error": _object({"message": _STR, "type": _STR, "param": _STR_OR_NULL,
                                                     "code": _STR_OR_NULL}, required=["message", "type"])}),
-                "ModelList": _object({"object": {"const": "list"}, "data": {"type": "array", "items": _object({
-                    "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                    "max_model_len": _INT})}}),
+                "ModelList": _object({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}),
+                "Model": _object({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                                  "max_model_len": _INT}),
+                "TokenizeRequest": {"anyOf": [
+                    {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+                        "model": {"enum": [model_id, None]}, "prompt": _STR,
+                        "add_special_tokens": {"type": ["boolean", "null"], "description": "default true"},
+                        "return_token_strs": {"type": ["boolean", "null"]}}},
+                    {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+                        "model": {"enum": [model_id, None]}, "messages": _MESSAGES,
+                        "add_generation_prompt": {"type": ["boolean", "null"], "description": "default true"},
+                        "continue_final_message": {"type": ["boolean", "null"]},
+                        "add_special_tokens": {"type": ["boolean", "null"], "description": "default false"},
+                        "return_token_strs": {"type": ["boolean", "null"]}, "tools": {"type": ["array", "null"]}}}]},
+                "TokenizeResponse": _object({"count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
+                                             "token_strs": {"type": ["array", "null"], "items": _STR}}),
+                "DetokenizeRequest": {"type": "object", "required": ["tokens"], "additionalProperties": False,
+                                      "properties": {"model": {"enum": [model_id, None]}, "tokens": {
+                                          "type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                     "maximum": vocab_size - 1}}}},
+                "DetokenizeResponse": _object({"prompt": _STR}),
+                "Version": _object({"version": _STR}),
                 "Health": _object({"status": _STR, "role": _STR, "worker_id": _STR,
                                    "workers": {"type": "object", "additionalProperties": _INT}},
                                   required=["status"]),
@@ -134,6 +177,27 @@ _STR_OR_NULL: Schema = {"type": ["string", "null"]}
 _NUMBER_OR_NULL: Schema = {"type": ["number", "null"]}
 # One server-sent event (before OpenAPI 3.2 a stream's `schema` describes each event): its `data` is a JSON
 # chunk (the last one with `usage` and `smartgen`, or an error object), then the literal [DONE].
+_CONTENT: Schema = {"anyOf": [_STR, {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]}
+_TOOL_CALLS: Schema = {"type": "array", "minItems": 1, "description": "the assistant's calls, as this API answered them",
+                       "items": {"type": "object", "required": ["function"], "properties": {
+                           "id": _STR, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                               "name": _STR, "arguments": {"type": "string", "description": "JSON text"}}}}}}
+
+
+def _message(roles: list[str], content: Schema, required: list[str], **extra: Schema) -> Schema:
+    return {"type": "object", "required": ["role", *required], "additionalProperties": False,
+            "properties": {"role": {"enum": roles}, "content": content, "name": _STR_OR_NULL, **extra}}
+
+
+# One chat message per role: an assistant turn with tool_calls may have no content; a tool turn has tool_call_id
+_MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    _message(["system", "user"], _CONTENT, ["content"]),
+    _message(["assistant"], _CONTENT, ["content"], tool_calls={"type": ["array", "null"], **{
+        k: v for k, v in _TOOL_CALLS.items() if k != "type"}}),
+    _message(["assistant"], {"anyOf": [_CONTENT, {"type": "null"}]}, ["tool_calls"], tool_calls=_TOOL_CALLS),
+    _message(["tool"], _CONTENT, ["content"], tool_call_id=_STR_OR_NULL)]}}
 _SSE_EVENT: Schema = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
 
 
@@ -162,12 +226,13 @@ def _ref(name: str) -> Schema:
 def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: str, max_positions: int,
              vocab_size: int) -> Schema:
     """A generation body: the prompt fields, OpenAI's sampling fields, then SmartGen's extras.
-    OpenAI's options not implemented yet (best_of) are described at the one value that
-    means "off"; any other value is a 400. Other fields (user, …) are accepted and ignored."""
+    Options not implemented here are described at the values that mean "off", refused ones as null only, and
+    any other field is a 400 (services/gateway/fields.py): no field is silently ignored."""
     room = max_positions - 1
     max_tokens = {"type": ["integer", "null"], "minimum": 1, "maximum": room,
                   "description": "completion tokens; prompt + max_tokens must fit the context"}
-    return {"type": "object", "required": required, "additionalProperties": True, "properties": {
+    json_schema = {"type": ["object", "boolean"], "description": "a JSON schema the answer must follow"}
+    return {"type": "object", "required": required, "additionalProperties": False, "properties": {
         **prompt_fields,
         "model": {"enum": [model_id, None], "description": "the served model (any other is a 404)"},
         "max_tokens": max_tokens,
@@ -175,8 +240,8 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "description": "0 = greedy"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
         "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_PROMPTS,
-              "description": "answers per prompt, each sampled alone (with a seed: answer j uses seed + j); not with "
-                             f"stream; prompts × n ≤ {MAX_PROMPTS}"},
+              "description": "answers per prompt, each sampled alone (with a seed: answer j uses seed + j); streamed, "
+                             f"their chunks interleave by choice index; prompts × n ≤ {MAX_PROMPTS}"},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
                   "description": "nucleus sampling: the most likely tokens whose probabilities reach top_p (1 = all)"},
         "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
@@ -203,9 +268,27 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "stream": {"type": "boolean", "description": "server-sent events, one chunk per token, ending with `data: [DONE]`"},
         "stream_options": {"anyOf": [{"type": "null"}, _object({"include_usage": {"type": "boolean"}}, [])],
                            "description": "with stream: include_usage adds a last chunk with `choices: []` and the usage"},
-        **{name: {"anyOf": [{"type": "null"}, *({"const": v} for v in off)],
-                  "description": "not supported yet: only this value (or leaving it out) is accepted"}
-           for name, off in NOT_YET.items()},
+        **_off(OFF_VALUES),
+        **{name: {"type": "null", "description": f"not supported: {why}"} for name, why in REFUSED.items()},
+        **{name: {"type": [{str: "string", dict: "object"}[kind], "null"],
+                  "description": "recorded in the request's log line; it does not change the answer"}
+           for name, kind in NOTED.items()},
+        "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": max_positions,
+                                   "description": "vLLM: only the prompt's last this many tokens"},
+        "response_format": {"description": "structured output (docs/structured-output.md)", "anyOf": [
+            {"type": "null"}, _object({"type": {"enum": ["text", "json_object"]}}),
+            _object({"type": {"const": "json_schema"}, "json_schema": _object(
+                {"name": _STR, "schema": json_schema, "strict": {"type": ["boolean", "null"]},
+                 "description": _STR}, [])}, ["type", "json_schema"])]},
+        "guided_json": {"anyOf": [{"type": "null"}, json_schema, _STR], "description": "vLLM: a JSON schema (or its text)"},
+        "guided_regex": {"type": ["string", "null"], "description": "vLLM: a regular expression the answer matches"},
+        "guided_choice": {"type": ["array", "null"], "minItems": 1, "items": {"type": "string", "minLength": 1},
+                          "description": "vLLM: the answer is one of these strings"},
+        "guided_grammar": {"type": ["string", "null"], "description": "vLLM: a Lark grammar the answer follows"},
+        "structured_outputs": {"anyOf": [{"type": "null"}, {
+            "type": "object", "minProperties": 1, "maxProperties": 1,
+            "properties": {kind: {} for kind in GUIDED}, "additionalProperties": False}],
+            "description": "vLLM: one of json, regex, choice, grammar, as the guided_* fields"},
         "stop": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": MAX_STOP_CHARS},
                            {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
                             "maxItems": MAX_STOP_STRINGS}]},
@@ -227,6 +310,13 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
         "failure_policy": {"enum": list(FAILURE_POLICIES),
                            "description": "when the KV cannot come from the prefill node: fail, or recompute"},
     }}
+
+
+def _off(values: dict[str, tuple[Any, ...]]) -> dict[str, Schema]:
+    """Options not implemented: only the values that mean "off" (or leaving them out)."""
+    return {name: {"anyOf": [{"type": "null"}, *({"const": v} for v in off)],
+                   "description": "not supported: only this value (or leaving it out) is accepted"}
+            for name, off in values.items()}
 
 
 def _response(kind: str, choice: Schema) -> Schema:
@@ -262,6 +352,26 @@ def _admin_read(summary: str, schema: str) -> Schema:
     operation["responses"] |= {"401": {"description": "no or wrong admin token", **refused},
                                "403": {"description": "this gateway has no admin token", **refused}}
     return {**operation, "security": [{"adminToken": []}]}
+
+
+def _error_answer(why: str) -> Schema:
+    return {"description": why, "content": {"application/json": {"schema": _ref("Error")}}}
+
+
+def _model_read() -> Schema:
+    """GET /v1/models/{model_id}: the served model's card; any other id is a 404."""
+    operation = _read("One model (the served one; any other id is a 404)", "Model")
+    operation["responses"]["404"] = _error_answer("no model of that id is served here")
+    return {**operation, "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": _STR}]}
+
+
+def _post(summary: str, request: str, response: str) -> Schema:
+    """A POST that computes its answer on the gateway alone (no worker)."""
+    return {"summary": summary, "operationId": request[0].lower() + request[1:].removesuffix("Request"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
+                          "400": _error_answer("the body does not fit this route"),
+                          "404": _error_answer("an unknown model")}}
 
 
 def _generation(summary: str, request: str, response: str) -> Schema:

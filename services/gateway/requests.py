@@ -11,6 +11,10 @@ from typing import Any
 from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
                      SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
 from schemas.subjects import is_token
+from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
+from services.gateway.chat import chat_options, chat_prompt, check_text
+from services.gateway.fields import OFF_VALUES, check_fields
+from services.gateway.structured import Structure, structure_of
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -19,25 +23,9 @@ MAX_PROMPTS = 32  # choices a body may ask for (a completions list of prompts ×
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack integers (and seed torch generators)
 MAX_TOP_K = 2**31 - 1  # any top_k past the vocabulary means no limit; beyond this it could not travel (msgpack)
 MAX_REQUEST_ID_CHARS = 128  # an X-Request-Id becomes the request id, which goes into NATS subjects
-# OpenAI sampling and output options not implemented yet: accepted at the values that mean "off" (the first is
-# the default), refused with a 400 naming the option otherwise: never silently ignored.
-NOT_YET = {"best_of": (1,)}
 MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # OpenAI's limit on (top_)logprobs alternatives
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s  # 429/503: the Retry-After header (None = the status's default)
-
-    def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -71,6 +59,8 @@ class CompletionJob:
     min_tokens: int = 0  # vLLM: no end token (EOS, stop_token_ids) before this many completion tokens
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM: more token ids that end the answer
     include_stop_str_in_output: bool = False  # vLLM: a matched stop string stays at the end of the text
+    structure: Structure = field(default_factory=Structure)  # response_format, tools: the answer's grammar and shape
+    noted: dict[str, Any] = field(default_factory=dict)  # user, metadata, …: fields for the log line (fields.py)
     arrival: float = field(default_factory=time.monotonic)  # t0 of every latency figure
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -96,8 +86,6 @@ def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: st
                           default_selector, request_id)]
     if (len(prompts) if several else 1) * n > MAX_PROMPTS:
         raise ApiError(400, f"prompts × n may be at most {MAX_PROMPTS} choices", "n" if n > 1 else "prompt")
-    if body.get("stream"):
-        raise ApiError(400, "stream: true takes one prompt and n = 1", "n" if n > 1 else "prompt")
     base = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
     if len(base) > MAX_REQUEST_ID_CHARS - 3:
         raise ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS - 3} characters with several choices",
@@ -127,12 +115,15 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}'", "model", "model_not_found")
+    noted = check_fields(body, kind)
+    structure = structure_of(body, kind)
     if kind == "chat":
-        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+        prompt_ids = chat_prompt(body.get("messages"), tokenizer, structure.tools, *chat_options(body))
     else:
         prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    prompt_ids = _truncated(prompt_ids, body.get("truncate_prompt_tokens"), max_positions)
 
     room = max_positions - len(prompt_ids)
     if room < 1:
@@ -185,11 +176,6 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                                        or not isinstance(stream_options.get("include_usage", False), bool)):
         raise ApiError(400, "stream_options goes with stream: true, as {\"include_usage\": true|false}",
                        "stream_options")
-    for name, off in NOT_YET.items():
-        value = body.get(name)
-        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
-            raise ApiError(400, f"{name}={value!r} is not supported yet: leave it out or send {off[0]!r}", name,
-                           "unsupported_parameter")
 
     logprobs, echo = _logprobs_and_echo(body, kind)
     if echo and stream:
@@ -244,6 +230,9 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     min_tokens = 0 if min_tokens is None else min_tokens
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
         raise ApiError(400, f"min_tokens must be an integer from 0 to max_tokens ({max_tokens})", "min_tokens")
+    if min_tokens and structure.grammar:  # a complete answer allows nothing but its end, which min_tokens forbids
+        raise ApiError(400, "min_tokens cannot be combined with structured output (response_format, tools, guided_*)",
+                       "min_tokens")
     failure_policy = body.get("failure_policy", FAILURE_POLICIES[0])
     if failure_policy not in FAILURE_POLICIES:
         raise ApiError(400, f"failure_policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
@@ -258,6 +247,7 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
                          failure_policy=failure_policy, logprobs=logprobs, echo=echo, top_p=top_p, top_k=top_k,
                          logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
                          stop_token_ids=sorted(set(stop_token_ids)), include_stop_str_in_output=include_stop,
+                         structure=structure, noted=noted,
                          **penalties)
 
 
@@ -322,7 +312,7 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
+        check_text(prompt, "prompt")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < len(tokenizer) for t in prompt):
@@ -333,43 +323,10 @@ def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", "prompt")
 
 
-def _chat_prompt(messages: Any, tokenizer) -> list[int]:
-    if messages is None:
-        raise ApiError(400, "missing required field 'messages'", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), (str, list)):
-            raise ApiError(400, f"messages[{i}] must be an object with role system/user/assistant and string content "
-                                "(or a list of text parts)", "messages")
-        content = m["content"] if isinstance(m["content"], str) else _text_parts(m["content"], i)
-        _check_text(content, "messages")
-        turns.append({"role": m["role"], "content": content})
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _text_parts(parts: list, i: int) -> str:
-    """Chat content as a list of parts: the text of its {"type": "text", "text": …} parts, one per line; any other
-    part type is a 400 that names it, and so is an empty list."""
-    if not parts:
-        raise ApiError(400, f"messages[{i}].content is an empty list of parts: give a string or at least one text part",
-                       "messages")
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"messages[{i}].content has a part of type {kind!r}: this server takes text parts "
-                                '({"type": "text", "text": …}) only', "messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _check_text(text: str, param: str) -> None:
-    """JSON may escape lone surrogates (\\ud800) that are no Unicode text: the tokenizer cannot take them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{param} holds a lone surrogate (\\ud800–\\udfff), not Unicode text", param) from None
+def _truncated(prompt_ids: list[int], keep: Any, max_positions: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (absent or null: all of them)."""
+    if keep is None:
+        return prompt_ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= max_positions:
+        raise ApiError(400, f"truncate_prompt_tokens must be an integer from 1 to {max_positions}", "truncate_prompt_tokens")
+    return prompt_ids[-keep:]

@@ -37,7 +37,8 @@ def _generation_end_ids(path) -> list[int]:
 
 class GatewayService(Service):
     role = "gateway"
-    public_path_prefixes = ("/v1/",)  # the OpenAI API is the public API: no admin token (its own API key, if set)
+    # the OpenAI API (and vLLM's tokenizer routes) is the public API: no admin token (the API key, if set, for /v1)
+    public_path_prefixes = ("/v1/", "/tokenize", "/detokenize")
     private_read_paths = ("/workers",)  # pids and internal addresses: the admin token, even to read
     cancel_on_disconnect = True  # a client that leaves a non-streamed completion frees the workers at once
     config: GatewayConfig

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas import Sampling, TokenLogprobs
+from shared.compute.grammar import TokenGrammar
+
+MAX_REDRAWS = 16  # structured output: draws of tokens the grammar's mask allowed but its parser refuses
 
 
 @dataclass
@@ -32,7 +35,8 @@ def first_token(runner, token_ids: Sequence[int], sampling: Sampling, on_layer=N
         logits, _, prompt = runner.prefill_scored(token_ids, on_layer, sampling.logprobs)
     else:
         (logits, _), prompt = runner.prefill(token_ids, on_layer, past), []
-    token = sample(logits, sampling, 0, token_ids)
+    grammar = TokenGrammar(runner.path, runner.vocab_size, sampling.end_ids, sampling.grammar) if sampling.grammar else None
+    token = sample(logits, sampling, 0, token_ids, grammar=grammar)
     return FirstToken(token, scored(logits, token, sampling), prompt)
 
 
@@ -42,9 +46,12 @@ def scored(logits: torch.Tensor, token: int, sampling: Sampling) -> TokenLogprob
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequence[int] = (),
-           completion: Sequence[int] = ()) -> int:
+           completion: Sequence[int] = (), grammar: TokenGrammar | None = None) -> int:
     """logits: (vocab,) for the last position; index: the completion token's index (0 = first token); `prompt`
-    and `completion` (its tokens 0…index-1): what the penalties look at."""
+    and `completion` (its tokens 0…index-1): what the penalties look at; `grammar` (the request's, when
+    `sampling.grammar` is set): only the tokens it allows after completion[:index] can come out."""
+    if grammar is not None:
+        logits = grammar.masked(logits, completion[:index])
     if sampling.penalizes:
         logits = penalized(logits, sampling, prompt, completion[:index])
     if sampling.logit_bias:
@@ -52,6 +59,22 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequenc
     if index < sampling.min_tokens and sampling.end_ids:  # too early to end: the end tokens are not candidates
         logits = logits.clone()
         logits[torch.tensor(sampling.end_ids, device=logits.device)] = float("-inf")
+    token = drawn(logits, sampling, index)
+    for _ in range(MAX_REDRAWS):
+        if grammar is None or grammar.accepts(token):
+            return token
+        # NOTE: llguidance's mask can let through a token its parser then refuses (seen with control characters in a
+        # regex): that token is taken out and the draw repeated; with nothing left the answer ends
+        logits = logits.clone()
+        logits[token] = float("-inf")
+        if not torch.isfinite(logits).any():
+            break
+        token = drawn(logits, sampling, index)
+    return grammar.dead_end()
+
+
+def drawn(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
+    """The token drawn from (processed) logits (vocab,): greedy at temperature 0, else seeded by (seed, index)."""
     if sampling.temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float().cpu() / sampling.temperature

@@ -28,6 +28,7 @@ EXAMPLES = [
     schemas.Sampling(0.0, 1, logprobs=2, echo=True),
     schemas.Sampling(0.9, 5, top_p=0.9, top_k=40, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                      logit_bias={"17": -100.0, "3": 2.5}),
+    schemas.Sampling(0.0, 1, min_p=0.1, min_tokens=2, end_ids=[2], grammar='{"grammars": [{"json_schema": {}}]}'),
     schemas.TokenLogprobs(-0.25, [5, 9], [-0.25, -2.5]),
     schemas.TokenEvent("r1", 0, 5, logprobs=schemas.TokenLogprobs(-0.25, [5], [-0.25]),
                        prompt_logprobs=[schemas.TokenLogprobs(-1.5), schemas.TokenLogprobs(-0.5)]),

@@ -32,7 +32,11 @@ def worker_request_counts(stack) -> dict[str, str]:
     ({**GOOD, "stop": [1, 2]}, "stop"),
     ({**GOOD, "stream": "yes"}, "stream"),
     ({**GOOD, "n": 0}, "n"),
-    ({**GOOD, "n": 2, "stream": True}, "n"),
+    ({**GOOD, "n": 2, "stream": True, "echo": True}, "echo"),
+    ({**GOOD, "frobnicate": 1}, "frobnicate"),  # an unknown field is refused, never ignored
+    ({**GOOD, "suffix": "after"}, "suffix"),
+    ({**GOOD, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+    ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
     ({**GOOD, "transfer_mode": "teleport"}, "transfer_mode"),
     ({**GOOD, "transfer_mode": "quantized", "kv_bits": 3}, "kv_bits"),
     ({**GOOD, "transfer_mode": "full", "kv_bits": 2}, "kv_bits"),  # bits are for quantized only

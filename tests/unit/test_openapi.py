@@ -27,8 +27,13 @@ EXAMPLES = 100  # bodies per route and mode (schemathesis generates a few hundre
 CROSS_FIELD_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "kv_budget", "kv_bits", "selector",
                       "ablate", "stream_options",  # stream_options goes with stream: true
                       "top_logprobs", "echo",  # top_logprobs needs logprobs: true; echo is not for stream: true
-                      "n",  # n > 1 is not for stream: true, and prompts × n has a cap
-                      "min_tokens", "stop_token_ids"}  # at most max_tokens; ids below the vocabulary's size
+                      "n",  # prompts × n has a cap
+                      "min_tokens", "stop_token_ids",  # at most max_tokens; ids below the vocabulary's size
+                      # structured output: a schema, regex or grammar llguidance can enforce, one constraint at a
+                      # time; tool_choice with tools, and not 'auto'
+                      "response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                      "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+                      "continue_final_message"}  # with add_generation_prompt: false and an assistant message last
 
 
 class FakeTokenizer:
@@ -41,7 +46,7 @@ class FakeTokenizer:
     def __len__(self) -> int:
         return VOCAB
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool, **_) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
@@ -203,14 +208,14 @@ def test_logit_bias_is_checked():
 
 def test_a_list_of_prompts_is_one_job_each():
     """completions: a list of texts, or of token-id lists, is one job per prompt (ids <id>-<i>); a list of one is
-    that prompt; a list of token ids is one prompt; several prompts cannot stream."""
+    that prompt; a list of token ids is one prompt; several prompts stream as interleaved choices."""
     jobs = parse_jobs({"prompt": ["ab", "cde"]}, "completion", FakeTokenizer(), MAX_POSITIONS, MODEL, "full", 16,
                       request_id="batch")
     assert [(j.request_id, len(j.prompt_ids)) for j in jobs] == [("batch-0", 2), ("batch-1", 3)]
     assert [j.prompt_ids for j in parse({"prompt": [[1, 2], [3]]}, "completion")] == [[1, 2], [3]]
     assert parse({"prompt": [[1, 2]]}, "completion").prompt_ids == [1, 2]
     assert parse({"prompt": [1, 2, 3]}, "completion").prompt_ids == [1, 2, 3]
-    for body in ({"prompt": ["a", "b"], "stream": True}, {"prompt": ["a", [1]]}, {"prompt": ["a"] * 33}):
+    for body in ({"prompt": ["a", [1]]}, {"prompt": ["a"] * 33}):
         with pytest.raises(ApiError) as refused:
             parse(body, "completion")
         assert refused.value.param == "prompt", body

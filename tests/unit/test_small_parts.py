@@ -193,15 +193,15 @@ async def test_a_stream_write_the_client_never_takes_ends_the_stream(monkeypatch
     the write timeout, as a client that left (ConnectionResetError: the run aborts its workers and frees its slot)."""
     import asyncio
 
-    from services.gateway import api
+    from services.gateway import sse
 
     class StuckResponse:
         async def write(self, data: bytes) -> None:
             await asyncio.Event().wait()  # the transport never drains
 
-    monkeypatch.setattr(api, "WRITE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(sse, "WRITE_TIMEOUT_S", 0.05)
     with pytest.raises(ConnectionResetError, match="took no data"):
-        await api._send(StuckResponse(), {"choices": []})  # type: ignore[arg-type]
+        await sse._send(StuckResponse(), {"choices": []})  # type: ignore[arg-type]
 
 
 def test_min_p_and_min_tokens_follow_vllm():
