@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from schemas import DEFAULT_FLOOR, BudgetFloor, Sampling
-from shared.compute import selective
+from shared.compute import queries, selective
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.entry_codes import EntryCodes, every_entry, pushed_mask
 from shared.compute.kvstore import KvStore, Slab
@@ -147,7 +147,7 @@ class PrefillEngine:
             def keep(_module, args, kwargs, i=i, decoder_layer=decoder_layer):
                 hidden = args[0] if args else kwargs["hidden_states"]
                 cos, sin = kwargs["position_embeddings"]
-                self.last_query[i] = selective.query_of(decoder_layer, hidden[:, -1:], cos[:, -1:], sin[:, -1:])
+                self.last_query[i] = queries.query_of(decoder_layer, hidden[:, -1:], cos[:, -1:], sin[:, -1:])
             hooks.append(decoder_layer.register_forward_pre_hook(keep, with_kwargs=True))
         try:
             yield

@@ -21,3 +21,14 @@ def query_of(decoder_layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def speculated_query(step, decoder_layer, from_layer: int, b: int) -> torch.Tensor:
+    """InfiniGen's speculation: the query `decoder_layer` would compute for row b from the input of the layer
+    `from_layer` before it, in this decode step (`step`: selective.Step, which keeps each layer's input and the
+    step's RoPE), (H, d)."""
+    hidden = step.layer_inputs.get(from_layer) if step is not None else None
+    if hidden is None or step.position_embeddings is None:
+        raise RuntimeError("speculation needs the previous layer's input: install() was not called")
+    cos, sin = step.position_embeddings
+    return query_of(decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])

@@ -50,7 +50,7 @@ from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 # `selective.select_with_floor` for a run, and the step below calls it through this namespace
 from shared.compute.floor import select_with_floor
 from shared.compute.gather import gather_pair
-from shared.compute.queries import query_of
+from shared.compute.queries import speculated_query
 
 ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
@@ -301,7 +301,7 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             state = sel.states[layer] = sel.restore(layer) if sel.restore else sel.selector.new_state(layer)
         sel.selector.extend(layer, state, row.keys)
         speculates = getattr(sel.selector, "speculates", False)
-        probe = _speculated_query(module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
+        probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
         row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
         if sel.picks is not None:
             sel.picks[layer] = row.idx
@@ -327,7 +327,7 @@ def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n:
         state = sel.states[layer + 1] = sel.restore(layer + 1)
     if nxt is None or state is None:
         return
-    probe = _speculated_query(nxt, layer, b)  # (H, d): layer + 1's query, speculated
+    probe = speculated_query(STEP, nxt, layer, b)  # (H, d): layer + 1's query, speculated
     assert sel.remote is not None
     sel.remote.speculate(layer + 1, select_with_floor(sel.selector, layer + 1, state, probe, k, n, sel.budget.floor))
 
@@ -373,17 +373,6 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`x` in `like`'s dtype (no copy when it already is)."""
     return x if x.dtype == like.dtype else x.to(like.dtype)
-
-
-def _speculated_query(decoder_layer, from_layer: int, b: int) -> torch.Tensor:
-    """InfiniGen's speculation: the query `decoder_layer` would compute for row b, from the input of the layer
-    `from_layer` before it (this step's), (H, d)."""
-    assert STEP is not None
-    hidden = STEP.layer_inputs.get(from_layer)
-    if hidden is None or STEP.position_embeddings is None:
-        raise RuntimeError("speculation needs the previous layer's input: install() was not called")
-    cos, sin = STEP.position_embeddings
-    return query_of(decoder_layer, hidden[b: b + 1], cos[b: b + 1], sin[b: b + 1])
 
 
 def install(model) -> None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
+from shared.dataplane.base import Lane
+
 MAGIC = 0x53474B56  # "SGKV"
 HEADER = struct.Struct("!IBBHQQIQI")
 SEGMENT = struct.Struct("!QQ")
@@ -43,6 +45,13 @@ FLAG_CHECKSUM = 1
 FLAG_BACKGROUND = 2  # on a READ or GATHER: answer it on the server's BACKGROUND lane
 FLAG_PUSH_LANE = 4  # on a READ or GATHER: answer it on the server's PUSH lane (a guess: below on-demand reads)
 KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_BACKGROUND | FLAG_PUSH_LANE
+# the lane a READ or GATHER asks its reply to travel on, as its flags say it (both ends read this one table)
+LANE_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: FLAG_PUSH_LANE, Lane.BACKGROUND: FLAG_BACKGROUND}
+
+
+def reply_lane(flags: int) -> Lane:
+    """The lane a READ or GATHER with these flags asks its reply to travel on."""
+    return Lane.BACKGROUND if flags & FLAG_BACKGROUND else Lane.PUSH if flags & FLAG_PUSH_LANE else Lane.ON_DEMAND
 
 
 class FrameError(ValueError):
@@ -59,6 +68,11 @@ class Header:
     payload_len: int = 0
     flags: int = 0
     crc: int = 0
+
+    def with_crc(self, crc: int) -> "Header":
+        """This header saying its payload's crc32c."""
+        return Header(self.op, self.status, self.seq, self.ticket, self.num_segments, self.payload_len,
+                      self.flags | FLAG_CHECKSUM, crc)
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, self.op, self.status, self.flags, self.seq, self.ticket, self.num_segments,

@@ -23,7 +23,6 @@ from shared.dataplane.pacing import chunk_bytes
 from shared.dataplane.tcp_link import CONTROL, LaneStats, Link
 
 # a READ asks the server to answer on the reader's lane
-READ_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: frames.FLAG_PUSH_LANE, Lane.BACKGROUND: frames.FLAG_BACKGROUND}
 log = structlog.get_logger()
 HANDSHAKE_TIMEOUT_S = 10.0  # connect (dialer); the whole handshake, TLS included, from accept (listener)
 # accepted connections still in their handshake: beyond this many, a new one is closed at once (counted in
@@ -146,7 +145,7 @@ class TcpDataPlane(DataPlane):
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
-        flags = READ_FLAGS[lane]
+        flags = frames.LANE_FLAGS[lane]
         waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
                  for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
@@ -163,7 +162,7 @@ class TcpDataPlane(DataPlane):
             return
         link = await self._link(peer)
         per_frame = max(1, chunk_bytes(self.link_gbps, CHUNK_BYTES) // gather.unit)
-        header = Header(frames.OP_GATHER, ticket=ticket, flags=READ_FLAGS[lane])
+        header = Header(frames.OP_GATHER, ticket=ticket, flags=frames.LANE_FLAGS[lane])
         waits = [link.request(lane, header, [], [memoryview(frames.pack_gather(gather.src_base, gather.unit,
                                                                                gather.src_index[at: at + per_frame]))],
                               [], (gather.dst_base, gather.unit, gather.dst_index[at: at + per_frame]))

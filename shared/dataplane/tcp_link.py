@@ -137,7 +137,7 @@ class Link:
                         frame.fill(stage)
                         payload = [stage]
                     if payload and self.plane.use_checksums:
-                        header = _with_crc(header, frames.crc32c(payload))
+                        header = header.with_crc(frames.crc32c(payload))
                     if lane != CONTROL:
                         await self.pacer.wait(header.payload_len)
                         if delay := self.plane.faults.delay_for(Lane(lane)):
@@ -265,7 +265,7 @@ class Link:
         payload = [self.plane.region[off: off + n] for off, n in table]
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket,
                        payload_len=sum(n for _, n in table))
-        self.send(_reply_lane(header), _Frame(reply, [], payload, on_done=release))
+        self.send(frames.reply_lane(header.flags), _Frame(reply, [], payload, on_done=release))
         self.plane.num_bytes_sent += reply.payload_len
 
     async def _on_gather(self, header: Header) -> None:
@@ -291,7 +291,7 @@ class Link:
                 np.take(rows, index, out=entries(stage, 0, unit, index.size), mode="clip")  # bounds checked above
 
         reply = Header(frames.OP_READ_DATA, frames.STATUS_OK, header.seq, header.ticket, payload_len=unit * index.size)
-        self.send(_reply_lane(header), _Frame(reply, fill=fill, on_done=release))
+        self.send(frames.reply_lane(header.flags), _Frame(reply, fill=fill, on_done=release))
         self.plane.num_bytes_sent += reply.payload_len
 
     def _hold(self, grant: Grant) -> Callable[[], None]:
@@ -395,16 +395,4 @@ class Link:
     async def close(self) -> None:
         self.fail(DataPlaneError("data plane closed"))
         await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-def _reply_lane(request: Header) -> Lane:
-    """The lane a READ or GATHER asks its reply to travel on."""
-    return Lane.BACKGROUND if request.flags & frames.FLAG_BACKGROUND else \
-        Lane.PUSH if request.flags & frames.FLAG_PUSH_LANE else Lane.ON_DEMAND
-
-
-def _with_crc(header: Header, crc: int) -> Header:
-    return Header(header.op, header.status, header.seq, header.ticket, header.num_segments, header.payload_len,
-                  header.flags | frames.FLAG_CHECKSUM, crc)
-
 

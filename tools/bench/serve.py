@@ -51,9 +51,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, SMARTGEN_PATHS
+from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
 from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
+from tools.bench.modes import ALL_MODES, ONLINE_MODE, UNPACED_MODES, mode_body, quality_config  # noqa: F401
 from tools.bench.summary import REFERENCE_MODES, add_honest_bounds, summarize
 from tools.client import Gateway
 
@@ -61,40 +62,8 @@ if TYPE_CHECKING:
     from tools.stack import Stack
 
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
-UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
 REGIMES = ("prefill", "step")
 STEP_MATCH = 10.0  # step-matched links are this much faster than prefill-matched ones (module docstring)
-ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
-
-
-def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
-    """The request extras of a benchmark mode name."""
-    sel = {"selector": selector, "kv_budget": kv_budget}
-    base, _, path = name.partition("-no-")  # an ablation: a smartgen mode without one path (smartgen-4bit-no-ahead)
-    if path:
-        if not base.startswith("smartgen") or path not in SMARTGEN_PATHS:
-            raise ValueError(f"unknown mode {name!r}: an ablation is a smartgen mode, -no-, one of "
-                             f"{', '.join(SMARTGEN_PATHS)}")
-        return {**mode_body(base, selector, kv_budget), "ablate": [path]}
-    if name == ONLINE_MODE:
-        return {"transfer_mode": "smartgen", **sel}
-    bodies = {"colocated": {"transfer_mode": "colocated"}, "colocated-selective": {"transfer_mode": "colocated", **sel},
-              "full": {"transfer_mode": "full"}, "quantized-2bit": {"transfer_mode": "quantized", "kv_bits": 2},
-              "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
-              "quantized-8bit": {"transfer_mode": "quantized", "kv_bits": 8},
-              "partial": {"transfer_mode": "partial", **sel},
-              "smartgen": {"transfer_mode": "smartgen", **sel},  # the default: every path in K8V8 codes
-              "smartgen-exact": {"transfer_mode": "smartgen", "kv_bits": 0, **sel},  # exact 16-bit KV on every path
-              "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
-              "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
-              "auto": {"transfer_mode": "auto", **sel}, "auto-4bit": {"transfer_mode": "auto", "kv_bits": 4, **sel}}
-    if name not in bodies:
-        raise ValueError(f"unknown mode {name!r}: use {', '.join(bodies)}, or an ablation such as smartgen-no-query")
-    return bodies[name]
-
-
-ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized-4bit", "quantized-8bit", "smartgen", "smartgen-4bit",
-             "smartgen-no-proactive", "smartgen-no-parallel", "smartgen-no-background", "smartgen-no-query")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -327,19 +296,6 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
     bar.close()
     add_honest_bounds(records)
     return records, calibration, profiles, prompts
-
-
-def quality_config(mode: str, selector: str) -> str | None:
-    """The configuration of `eval accuracy --paired` whose answers a benchmark mode decodes (tools/eval/paired.py):
-    dense for colocated and full; quantized-Nbit for the quantized rows; the selector for the selective ones (a
-    smartgen-Nbit row's low-bit push adds its own error on top: docs/results push-codes). None for auto."""
-    body = mode_body(mode, selector, DEFAULT_KV_BUDGET)
-    transfer = body.get("transfer_mode")
-    if transfer == "quantized":
-        return f"quantized-{body['kv_bits']}bit"
-    if transfer == "auto":
-        return None
-    return body["selector"] if body.get("selector") else "dense"
 
 
 def measure_quality(cfg: BenchConfig, model: str, tokenizer, prompts: dict[int, list[str]],
