@@ -48,10 +48,11 @@ def services() -> dict:
 
 
 def required_env(tmp_path: Path) -> dict[str, str]:
-    """The settings compose refuses to start without: the NATS token and the cluster secret's file."""
-    secret = tmp_path / "cluster_secret"
+    """The settings compose refuses to start without: the NATS token's and the cluster secret's files."""
+    secret, token = tmp_path / "cluster_secret", tmp_path / "nats_token"
     secret.write_text("compose-test-cluster-secret\n")
-    return {"SMARTGEN_NATS_TOKEN": TEST_TOKEN, "SMARTGEN_CLUSTER_SECRET_FILE": str(secret)}
+    token.write_text(TEST_TOKEN + "\n")
+    return {"SMARTGEN_NATS_TOKEN_FILE": str(token), "SMARTGEN_CLUSTER_SECRET_FILE": str(secret)}
 
 
 def test_compose_file_is_valid(tmp_path):
@@ -64,7 +65,8 @@ def test_compose_file_is_valid(tmp_path):
 
 def test_compose_refuses_to_start_without_the_cluster_secret(tmp_path):
     """The data plane's key is required: without SMARTGEN_CLUSTER_SECRET_FILE Compose stops, naming it."""
-    result = run_compose(tmp_path, "config", "-q", SMARTGEN_NATS_TOKEN=TEST_TOKEN)
+    env = {k: v for k, v in required_env(tmp_path).items() if k != "SMARTGEN_CLUSTER_SECRET_FILE"}
+    result = run_compose(tmp_path, "config", "-q", **env)
     assert result.returncode != 0 and "SMARTGEN_CLUSTER_SECRET_FILE" in result.stderr
 
 
@@ -81,7 +83,7 @@ def test_workers_scale(tmp_path):
         assert "container_name" not in service and not service.get("ports"), role
         env = service["environment"]
         assert "SMARTGEN_ADVERTISE_HOST" not in env, role
-        assert [s["source"] for s in service["secrets"]] == ["cluster_secret"], role
+        assert [s["source"] for s in service["secrets"]] == ["nats_token", "cluster_secret"], role
         assert env["SMARTGEN_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
         assert float(service["cpus"]) == float(env["SMARTGEN_TORCH_THREADS"]), role
     assert resolved["secrets"]["cluster_secret"]["file"].endswith("cluster_secret")
@@ -105,22 +107,29 @@ def test_a_worker_bound_to_every_interface_advertises_its_own_address():
 
 
 def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
-    """Default deny: with SMARTGEN_NATS_TOKEN unset Compose stops, naming the variable to set."""
-    env = {k: v for k, v in required_env(tmp_path).items() if k != "SMARTGEN_NATS_TOKEN"}
+    """Default deny: with SMARTGEN_NATS_TOKEN_FILE unset Compose stops, naming the variable to set."""
+    env = {k: v for k, v in required_env(tmp_path).items() if k != "SMARTGEN_NATS_TOKEN_FILE"}
     result = run_compose(tmp_path, "config", "-q", **env)
-    assert result.returncode != 0 and "SMARTGEN_NATS_TOKEN" in result.stderr
+    assert result.returncode != 0 and "SMARTGEN_NATS_TOKEN_FILE" in result.stderr
 
 
 def test_every_service_gets_the_nats_token(tmp_path):
-    """In the file as Compose resolves it, NATS and all five services carry the token; each service also has
+    """In the file as Compose resolves it, NATS and all five services mount the token as the `nats_token` secret
+    (the services read it from SMARTGEN_NATS_TOKEN_FILE) and no environment holds it; each service also has
     SMARTGEN_ADMIN_TOKEN (empty unless set: admin routes that change state stay off)."""
     result = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path))
     assert result.returncode == 0, result.stderr
-    resolved = json.loads(result.stdout)["services"]
-    assert resolved["nats"]["environment"]["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN
+    resolved = json.loads(result.stdout)
+    assert resolved["secrets"]["nats_token"]["file"].endswith("nats_token")
+    assert TEST_TOKEN not in result.stdout  # the token itself is in no environment, command or label
+    services = resolved["services"]
+    assert "nats_token" in [s["source"] for s in services["nats"]["secrets"]]
+    assert "/run/secrets/nats_token" in " ".join(services["nats"]["entrypoint"])
+    resolved = services
     for role in CONFIG_CLASSES:
         env = resolved[role]["environment"]
-        assert env["SMARTGEN_NATS_TOKEN"] == TEST_TOKEN, role
+        assert "nats_token" in [s["source"] for s in resolved[role]["secrets"]], role
+        assert env["SMARTGEN_NATS_TOKEN_FILE"] == "/run/secrets/nats_token" and "SMARTGEN_NATS_TOKEN" not in env, role
         assert env.get("SMARTGEN_ADMIN_TOKEN", None) in ("", None), role
     admin = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path),
                         SMARTGEN_ADMIN_TOKEN="admin-test")
@@ -168,6 +177,11 @@ def test_service_matches_its_config(services, role, tmp_path):
         secret = tmp_path / "cluster_secret"
         secret.write_text("s3cret")
         env["SMARTGEN_CLUSTER_SECRET_FILE"] = str(secret)
+    assert env["SMARTGEN_NATS_TOKEN_FILE"] == "/run/secrets/nats_token", "the NATS token: a secret's file"
+    assert "nats_token" in service["secrets"]
+    token = tmp_path / "nats_token"
+    token.write_text("t0ken")
+    env["SMARTGEN_NATS_TOKEN_FILE"] = str(token)
     config = load_config(cls, [], env)
     port = config.gateway_port if role == "gateway" else config.admin_port
     assert str(port) in " ".join(service["healthcheck"]["test"])
@@ -179,7 +193,6 @@ def test_service_matches_its_config(services, role, tmp_path):
     assert port in published, f"{role}: config port {port} is not published ({published})"
     assert all(p.startswith("127.0.0.1:") for p in service["ports"]), "publish on loopback only"
     assert config.advertise_host == role
-    assert env["SMARTGEN_NATS_TOKEN"].startswith("${SMARTGEN_NATS_TOKEN:?"), "the NATS token must be required"
     assert "SMARTGEN_ADMIN_TOKEN" in env
 
 
@@ -208,15 +221,19 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
     assert names == {"nats-1", "nats-2", "nats-3"}
     assert all(any(v["target"] == "/etc/nats/nats.conf" and v["source"].endswith("nats-cluster.conf")
                    for v in resolved[m]["volumes"]) for m in members)
+    assert all("nats_token" in [s["source"] for s in resolved[m]["secrets"]] for m in members)  # the token: a file
+    assert TEST_TOKEN not in result.stdout
     for role in CONFIG_CLASSES:
         env = {k: str(v) for k, v in resolved[role]["environment"].items()}
         assert set(resolved[role]["depends_on"]) == set(members), role
         if "SMARTGEN_CLUSTER_SECRET_FILE" in env:
             env["SMARTGEN_CLUSTER_SECRET_FILE"] = required_env(tmp_path)["SMARTGEN_CLUSTER_SECRET_FILE"]
+        env["SMARTGEN_NATS_TOKEN_FILE"] = required_env(tmp_path)["SMARTGEN_NATS_TOKEN_FILE"]  # the secret's file here
         config = load_config(config_class(role), [], env)
         assert config.nats_url.split(",") == [f"nats://{m}:4222" for m in members], role
     assert load_config(config_class("kvprofile"), [], {
-        k: str(v) for k, v in resolved["kvprofile"]["environment"].items()}).bucket_replicas == 3
+        **{k: str(v) for k, v in resolved["kvprofile"]["environment"].items()},
+        "SMARTGEN_NATS_TOKEN_FILE": required_env(tmp_path)["SMARTGEN_NATS_TOKEN_FILE"]}).bucket_replicas == 3
 
     conf = ROOT / "compose" / "nats-cluster.conf"
     routes = {k: str(v) for k, v in resolved["nats"]["environment"].items() if k.startswith("NATS_ROUTE_")}
