@@ -150,12 +150,26 @@ async def attack(cfg: HostileConfig) -> dict:
         finally:
             for sock in silent:
                 sock.close()
+        drained_s = await _drained(session, cfg.url)
     return {"config": asdict(cfg) | {"api_key": bool(cfg.api_key)}, "baseline": summary(baseline),
+            "never_read_drained_s": drained_s,
             "normal": summary(streams) | {"wall_s": normal_s, "running_before": running},
             "slowloris": {"num": len(closes), "num_closed": sum(c is not None for c in closes),
                           "closed_after_max_s": max((c for c in closes if c is not None), default=None)},
             "never_read": {"num": len(silent)},
             "long_stop": {"statuses": statuses}}
+
+
+async def _drained(session, url: str, timeout_s: float = 60.0) -> float | None:
+    """Seconds until the gateway runs no request once the never-reading clients have hung up (their streams end
+    when the gateway's next write fails; the workers are told then); None if not within `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        async with session.get(url + "/stats") as reply:
+            if (await reply.json())["running"] == 0:
+                return time.monotonic() - started
+        await asyncio.sleep(0.2)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
