@@ -67,6 +67,7 @@ class CompletionRun:
     prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     num_cached_tokens: int = 0  # PrefillDone.num_cached_tokens: prompt tokens the prefill took from its prefix cache
+    decode_cached_tokens: int = 0  # KvHandle.cached_tokens: prompt tokens the decode worker had cached (not pushed)
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
     broker: WorkerInfo | None = None
@@ -234,10 +235,13 @@ class CompletionRun:
             assert self.decode
             return call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
                         OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
-                               self.selector if wants_metadata else "", job.kv_bits), KvHandle, CONTROL_TIMEOUT_S)
+                               self.selector if wants_metadata else "", job.kv_bits,
+                               list(job.prompt_ids) if job.transfer_mode == ModeName.FULL else []),
+                        KvHandle, CONTROL_TIMEOUT_S)
 
         handle = await self._on_some_decode(open_kv)
         assert self.decode
+        self.decode_cached_tokens = handle.cached_tokens
         self._plan_asked = True
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
