@@ -118,7 +118,11 @@ class DecodeService(ModelWorkerService):
         state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
         if req.transfer_mode == ModeName.FULL and req.token_ids and self.engine.prefix_cache is not None:
             # NOTE: registered first, so an abort meanwhile frees the slab (after the copy: the torch thread is FIFO)
-            state.cached_tokens = await self.in_torch(self.engine.reuse_prefix, slab, req.token_ids)
+            try:
+                state.cached_tokens = await self.in_torch(self.engine.reuse_prefix, slab, req.token_ids)
+            except BaseException:
+                await asyncio.shield(self._release(state))
+                raise
             if self.active.get(req.request_id) is not state:
                 raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
         rows = [r for layer in range(self.store.layout.num_layers)

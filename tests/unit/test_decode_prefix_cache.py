@@ -63,3 +63,16 @@ def test_a_finished_request_leaves_its_pages_and_the_next_copies_them(runner):
     slab = store.allocate("c", 48)
     assert engine.reuse_prefix(slab, ids[:48]) == 47
     assert engine.reuse_prefix(slab, [9] + ids[1:48]) == 0  # another first token: another chain
+
+
+@pytest.mark.parametrize("token_ids, expected", [(list(range(N - 1)), "token ids, not"), ([-1] * N, "token_ids:")])
+def test_decode_refuses_token_ids_that_are_not_the_prompt(token_ids, expected):
+    """OpenKv.token_ids of another length than num_tokens, or outside the vocabulary, is a 400 before anything is
+    reserved; none at all is fine (no lookup)."""
+    from schemas import OpenKv
+    from services.decode.checks import open_problem
+
+    runner = SimpleNamespace(max_positions=4096, token_problem=lambda ids: "ids outside the vocabulary"
+                             if min(ids) < 0 else "")
+    assert expected in open_problem(OpenKv("r", N, 8, "full", token_ids=token_ids), runner)
+    assert open_problem(OpenKv("r", N, 8, "full"), runner) == ""
