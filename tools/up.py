@@ -35,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="host memory for each prefill worker's prefix cache (KV of earlier prompts' pages, reused by "
                          "prompts that start the same way); 0 turns it off (default: SMARTGEN_PREFIX_CACHE_MB, else 1024)")
     up.add_argument("--decode-prefix-cache-mb", type=int, default=None, metavar="MB",
-                    help="host memory for each decode worker's prefix cache (KV of finished full-mode requests, so a "
-                         "conversation's next turn moves only its new tokens); 0 turns it off (default: "
+                    help="host memory for each decode worker's prefix cache (KV of finished full-mode requests' prompts, so "
+                         "a conversation's next turn moves only its latest answer and question); 0 turns it off (default: "
                          "SMARTGEN_DECODE_PREFIX_CACHE_MB, else 1024)")
     up.add_argument("--port", type=int, default=int(os.environ.get("SMARTGEN_GATEWAY_PORT", "8000")), help="gateway port")
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "

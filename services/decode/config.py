@@ -26,8 +26,8 @@ class DecodeConfig(ModelWorkerConfig):
     sink_tokens: int = DEFAULT_FLOOR.sinks
     recent_tokens: int = DEFAULT_FLOOR.recent
     # host memory for the decode side's prefix cache (shared/compute/prefix_cache.py): KV pages of finished full-mode
-    # requests (prompt and completion), copied into a new request's slab where its prompt starts the same way, so the
-    # prefill pushes only the rest (a conversation's next turn moves its new tokens); 0 = off
+    # requests' prompts, copied into a new request's slab where its prompt starts the same way, so the
+    # prefill pushes only the rest (a conversation's next turn moves its latest answer and question); 0 = off
     decode_prefix_cache_mb: int = 1024  # fp32 SmolLM2 (46 KB a token): 22K tokens
 
     def validate(self) -> None:

@@ -23,7 +23,7 @@ Life of a request here:
      `recompute` runs the prefill here from the prompt (replaying the tokens so far) and carries on.
   4. At the end, on `abort`, or on failure: stop reading, release the prefill's lease, tell the broker,
      revoke the ticket, wait out any frame still landing, free the slab and drop the cache (a full-mode request
-     that finished copies its full pages into the prefix cache first). The last
+     that finished copies its prompt's full pages into the prefix cache first). The last
      stream event says how it ended and what moved on which path.
 """
 from __future__ import annotations
@@ -278,8 +278,10 @@ class DecodeService(ModelWorkerService):
                     finals.append(final)  # NOTE: before it is sent, so a `resend` racing it finds it
                 if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
                     await self._emit(req, final)
-                # a full-mode request that finished leaves its prompt's and completion's full pages to the prefix cache
-                keep = [*req.token_ids, *tokens] if reason in ("length", "stop") and req.transfer_mode == ModeName.FULL else []
+                # a full-mode request that finished leaves its prompt's full pages to the prefix cache. NOTE: not its
+                # completion's: a decode step computes a token's KV with other arithmetic than a prefill (one position,
+                # not many), and the greedy tokens of a conversation's later turn then differed (SmolLM2, turn 4 of 4)
+                keep = req.token_ids if reason in ("length", "stop") and req.transfer_mode == ModeName.FULL else []
                 await asyncio.shield(self._release(state, PlanState.FAILED if reason in ("error", "abort") else PlanState.RELEASED,
                                                    error or reason, keep))
                 if reason in ("length", "stop"):
@@ -374,7 +376,7 @@ class DecodeService(ModelWorkerService):
 
     async def _release(self, state: DecodeRequest, plan_state: PlanState = PlanState.FAILED, reason: str = "",
                        keep: list[int] | None = None) -> None:
-        """Free everything a request holds. Idempotent. `keep`: its token ids, whose KV goes to the prefix cache."""
+        """Free everything a request holds. Idempotent. `keep`: its prompt's ids, whose KV goes to the prefix cache."""
         if self.active.get(state.request_id) is state:
             del self.active[state.request_id]
         if state.expiry:

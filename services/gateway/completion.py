@@ -172,10 +172,10 @@ class CompletionRun:
                 await self._migrate(str(exc), sampling)
 
     def _remember_kv(self) -> None:
-        """A full-mode request finished: its decode worker's prefix cache now holds its prompt and its completion
-        but the last token (never fed), as the decode worker keeps them (services/decode/service.py)."""
+        """A full-mode request finished: its decode worker's prefix cache now holds its prompt's full pages (what
+        the decode worker keeps: services/decode/service.py)."""
         if self.routes is not None and self.mode == ModeName.FULL and self.page_tokens and self.decode is not None:
-            self.routes.record(self.decode.worker_id, [*self.job.prompt_ids, *self.token_ids[:-1]], self.page_tokens)
+            self.routes.record(self.decode.worker_id, self.job.prompt_ids, self.page_tokens)
 
     async def _migrate(self, why: str, sampling: Sampling) -> None:
         """failure_policy `recompute`, the decode worker died mid-request: move the request to another decode

@@ -1,8 +1,7 @@
 """KV-aware routing: which decode worker holds the longest cached prefix of a prompt, as this gateway remembers it.
 
 After a full-mode request finishes, the gateway records the hash-chain keys (schemas.page_keys) of the tokens whose
-KV that request left in its decode worker's prefix cache: its prompt and its completion but the last token (never
-fed). A new full-mode request goes to the worker holding the most of its pages, unless that worker runs more than
+KV that request left in its decode worker's prefix cache: its prompt's full pages. A new full-mode request goes to the worker holding the most of its pages, unless that worker runs more than
 `slack` requests beyond the least loaded one (then, and on no hit or a tie, the least loaded wins:
 shared/runtime/registry.py `pick`).
 

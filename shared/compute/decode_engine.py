@@ -5,9 +5,9 @@ what the prefill node pushed or built from local keys). Synchronous torch; no as
 Every mode decodes in place on a slab of the KV store, colocated too: a local prefill writes its KV into a
 slab exactly as a prefill worker does (rounded to the store's kv dtype), so tokens agree across modes.
 
-With a prefix cache (shared/compute/prefix_cache.py), a finished request's full pages (its prompt and the
-completion tokens fed so far) are copied there at its end (`end(..., keep=...)`), and a new request that starts
-the same way copies them into its slab at `open` (`reuse_prefix`) instead of having them pushed."""
+With a prefix cache (shared/compute/prefix_cache.py), a finished request's prompt's full pages (the KV the prefill
+pushed) are copied there at its end (`end(..., keep=...)`), and a new request that starts the same way copies them
+into its slab at `open` (`reuse_prefix`) instead of having them pushed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -244,13 +244,10 @@ class DecodeEngine:
 
     def end(self, request_id: str, keep: Sequence[int] = ()) -> selective.Selection | None:
         """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any. `keep`:
-        the request's token ids (prompt, then completion): first copy the full pages of those its cache holds KV
-        for into the prefix cache (NOTE: the cache, not the slab: on an accelerator the slab lacks the completion)."""
+        the ids of the first tokens in its cache (its prompt): first copy their full pages into the prefix cache."""
         cache = self.caches.pop(request_id, None)
-        if keep and cache is not None and self.prefix_cache is not None:
-            num_tokens = cache.get_seq_length()
-            if num_tokens <= len(keep):
-                self.prefix_cache.insert(keep[:num_tokens], [(layer.keys[0], layer.values[0]) for layer in cache.layers])
+        if keep and cache is not None and self.prefix_cache is not None and len(keep) <= cache.get_seq_length():
+            self.prefix_cache.insert(keep, [(layer.keys[0], layer.values[0]) for layer in cache.layers])
         if request_id in self._own_slabs:
             self._own_slabs.discard(request_id)
             self.store.free(request_id)

@@ -55,9 +55,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_rest(tiny_model_path, tmp_path):
     """Turn 1 goes to the less loaded decode worker (the other one is busy); turns 2–4 follow it there though the
     other is as idle and first by id (the least-loaded rule alone would move them). Each turn after the first finds
-    the conversation so far in that worker's pool but for the boundary (the partial last page, and the chat template
-    re-tokenizing the previous answer), and moves ≤ 1.1 × the KV of its new tokens plus that boundary. The answers
-    equal those of a stack with the decode side's prefix cache off."""
+    the conversation's previous prompt in that worker's pool but its partial last page, and moves ≤ 1.1 × the KV of
+    its new tokens (the previous answer and the new question) plus a page. The answers equal those of a stack with
+    the decode side's prefix cache off."""
     with start(tiny_model_path, tmp_path, 2, {}) as stack:
         busy = {"prompt": "a long story", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "transfer_mode": "full"}
         with open_stream(stack.gateway_url + "/v1/completions", busy) as events:
@@ -75,13 +75,12 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     for k in range(1, len(turns)):
         before, now = turns[k - 1], turns[k]
-        # the KV the worker kept: the previous prompt and its answer but the last token (never fed)
-        held = _chat_prompt(before["asked"], tokenizer) + before["smartgen"]["token_ids"][:-1]
+        held = _chat_prompt(before["asked"], tokenizer)  # the KV the worker kept: the previous prompt's
         ids = _chat_prompt(now["asked"], tokenizer)
         n, cached = len(ids), now["smartgen"]["decode_cached_tokens"]
         assert n == now["usage"]["prompt_tokens"]
-        same = common_prefix(held, ids)  # where the chat template's re-tokenized answer parts from the tokens held
-        new = n - len(held)  # the tokens new in this turn: the answer's end of turn, the question, the reply's start
+        same = common_prefix(held, ids)  # where this prompt parts from the one before (the template re-rendering it)
+        new = n - len(held)  # the tokens new in this turn: the previous answer, the new question, the template's
         print(f"turn {k + 1}: prompt {n}, held {len(held)}, same as held {same}, cached {cached}, new {new}, "
               f"moved {now['smartgen']['kv_bytes']['full']} B ({n - cached} tokens)")
         assert cached == same // PAGE_TOKENS * PAGE_TOKENS  # every full page the worker holds of this prompt

@@ -1,5 +1,5 @@
 """The decode side's prefix cache: the shortened push both ends compute, the prefill refusing a hit it cannot honour,
-and the decode engine keeping a finished request's pages (prompt and completion) and copying them into a new slab."""
+and the decode engine keeping a finished request's prompt's pages and copying them into a new slab."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -41,28 +41,29 @@ def runner(tiny_model_path):
     return ModelRunner(tiny_model_path)
 
 
-def test_a_finished_request_leaves_its_pages_and_the_next_copies_them(runner):
-    """A request of 40 prompt tokens and 10 completion tokens leaves 48 tokens' KV (three full pages of the 49 fed) in
-    the pool; a prompt that starts with those 49 tokens gets 48 copied into its slab, equal to the first request's
-    rows, none held afterwards; a prompt of exactly those 48 tokens gets 47 (its last token is always pushed)."""
+def test_a_finished_request_leaves_its_prompts_pages_and_the_next_copies_them(runner):
+    """A request of 40 prompt tokens and 10 completion tokens leaves its prompt's two full pages (32 tokens) in the
+    pool, not its completion's; a prompt that starts with those 40 tokens and the completion gets 32 copied into its
+    slab, equal to the first request's rows, none held afterwards; a prompt of exactly 32 of them gets 31 (its last
+    token is always pushed); another first token finds nothing."""
     store = KvStore(runner.kv_layout(16, "float32"), 64)
     engine = DecodeEngine(runner, store, prefix_cache=PrefixCache(16 * 2**20, 16))
     prompt = [(7 * i) % runner.vocab_size for i in range(40)]
     tokens = [engine.prefill_local("a", prompt, Sampling(), max_new_tokens=16)]
     for index in range(1, 10):
         tokens.append(engine.step("a", tokens[-1], Sampling(), index))
-    rows = store.view(store.slab("a"))[:, :, :, :48].clone()
-    engine.end("a", keep=prompt + tokens)
-    assert engine.prefix_cache.num_pages == 3 and not store.request_ids
-    ids = prompt + tokens[:9] + [1, 2, 3]
+    rows = store.view(store.slab("a"))[:, :, :, :32].clone()
+    engine.end("a", keep=prompt)
+    assert engine.prefix_cache.num_pages == 2 and not store.request_ids
+    ids = prompt + tokens
     slab = store.allocate("b", len(ids))
-    assert engine.reuse_prefix(slab, ids) == 48
-    assert torch.equal(store.view(slab)[:, :, :, :48], rows)
+    assert engine.reuse_prefix(slab, ids) == 32
+    assert torch.equal(store.view(slab)[:, :, :, :32], rows)
     assert engine.prefix_cache.num_pages_in_use == 0
     store.free("b")
-    slab = store.allocate("c", 48)
-    assert engine.reuse_prefix(slab, ids[:48]) == 47
-    assert engine.reuse_prefix(slab, [9] + ids[1:48]) == 0  # another first token: another chain
+    slab = store.allocate("c", 32)
+    assert engine.reuse_prefix(slab, ids[:32]) == 31
+    assert engine.reuse_prefix(slab, [9] + ids[1:32]) == 0
 
 
 @pytest.mark.parametrize("token_ids, expected", [(list(range(N - 1)), "token ids, not"), ([-1] * N, "token_ids:")])
