@@ -86,3 +86,15 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
         assert cached == same // PAGE_TOKENS * PAGE_TOKENS  # every full page the worker holds of this prompt
         assert now["smartgen"]["kv_bytes"] == {"full": (n - cached) * TOKEN_BYTES}
         assert now["smartgen"]["kv_bytes"]["full"] <= 1.1 * new * TOKEN_BYTES + PAGE_TOKENS * TOKEN_BYTES
+
+
+def test_bench_conversation_smoke(tiny_model_path):
+    """`smartgen bench conversation` on the tiny model, 2 turns: turn 2 finds turn 1's prompt cached on the decode
+    worker with the cache on, moves less than with it off, and both stacks give the same tokens."""
+    from tools.bench.conversation import run
+
+    rows = run(str(tiny_model_path), 2, 4, 8, 0.0)
+    assert [row["tokens_equal"] for row in rows] == [True, True]
+    second = rows[1]
+    assert second["on"]["decode_cached_tokens"] > 0 and second["off"]["decode_cached_tokens"] == 0
+    assert 0 < second["on"]["kv_mb"] < second["off"]["kv_mb"]
