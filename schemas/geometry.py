@@ -7,7 +7,9 @@ i // 8, LSB first).
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,6 +21,18 @@ from schemas.modes import Aux, Push, TransferMode
 def num_pages(num_tokens: int, page_tokens: int) -> int:
     """Pages a prompt of `num_tokens` covers (the last one may be partly filled)."""
     return -(-num_tokens // page_tokens)
+
+
+def page_keys(token_ids: Sequence[int], page_tokens: int) -> list[bytes]:
+    """The hash-chain key of each full page of `token_ids` (a trailing partial page has none): key(page i) =
+    sha256(key(page i-1) ‖ token ids of page i), so equal keys mean equal token ids from the start through that
+    page. The prefix caches (prefill and decode) and the gateway's routing all key pages this way."""
+    keys, previous = [], b""
+    for start in range(0, len(token_ids) - page_tokens + 1, page_tokens):
+        page = ",".join(map(str, token_ids[start:start + page_tokens])).encode()
+        previous = hashlib.sha256(previous + b"|" + page).digest()
+        keys.append(previous)
+    return keys
 
 
 def bitmap_bytes(num_blocks: int) -> int:
@@ -68,10 +82,13 @@ def page_runs(pages: np.ndarray, page_tokens: int, num_tokens: int) -> list[tupl
 
 
 def pushed_runs(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout,
-                num_tokens: int) -> list[list[tuple[int, int]]]:
-    """Per layer, the token ranges [start, stop) of KV rows the prefill pushes in `mode` (resolved)."""
+                num_tokens: int, cached_tokens: int = 0) -> list[list[tuple[int, int]]]:
+    """Per layer, the token ranges [start, stop) of KV rows the prefill pushes in `mode` (resolved). In `full`,
+    the rows past `cached_tokens` (KvHandle.cached_tokens: the decode worker has the rest from its prefix cache;
+    no other mode takes a hit)."""
     if mode.pushes is Push.EVERY_ROW:
-        return [[(0, num_tokens)] for _ in range(layout.num_layers)]
+        return [[(cached_tokens, num_tokens)] for _ in range(layout.num_layers)]
+    assert not cached_tokens, f"{mode.name} takes no decode-side prefix cache hit"
     if mode.pushes is Push.PLAN_BLOCKS:
         assert plan is not None, f"{mode.name} pushes the plan's blocks: it needs a plan"
         pages = pushed_pages(plan, layout.num_layers)
@@ -113,17 +130,18 @@ def entry_region_bytes(layout: KvLayout, num_tokens: int, bits: int) -> int:
 
 
 def pushed_bytes(mode: TransferMode, plan: TransferPlan | None, layout: KvLayout, num_tokens: int,
-                 aux_bytes: int, query_entries: int = 0, push_bits: int = 0) -> int:
+                 aux_bytes: int, query_entries: int = 0, push_bits: int = 0, cached_tokens: int = 0) -> int:
     """Every byte the prefill pushes in `mode` (resolved): its aux area, if the mode fills one, its rows, and
     the `query_entries` (layer, KV head, token) entries its query-aware push picked (K and V each). With
     `push_bits` (smartgen's low-bit push) the rows and entries travel as codes instead, and only the metadata
-    part of the aux area moves whole. The decode worker starts decoding once exactly this many bytes have landed."""
-    rows = sum(stop - start for runs in pushed_runs(mode, plan, layout, num_tokens) for start, stop in runs)
+    part of the aux area moves whole. `cached_tokens`: as `pushed_runs`. The decode worker starts decoding once
+    exactly this many bytes have landed."""
+    rows = sum(stop - start for runs in pushed_runs(mode, plan, layout, num_tokens, cached_tokens) for start, stop in runs)
     aux = pushed_aux_bytes(layout, num_tokens, aux_bytes, push_bits) if mode.aux is not Aux.NONE else 0
     entries = rows * layout.num_kv_heads + query_entries
     return aux + entries * wire_entry_bytes(layout, push_bits)
 
 
-__all__ = ["num_pages", "bitmap_bytes", "pack_bits", "unpack_bits", "plan_problem", "pushed_pages", "token_runs",
+__all__ = ["num_pages", "page_keys", "bitmap_bytes", "pack_bits", "unpack_bits", "plan_problem", "pushed_pages", "token_runs",
            "page_runs", "pushed_runs", "entry_record_bytes", "wire_entry_bytes", "quantized_bytes",
            "pushed_aux_bytes", "entry_region_bytes", "pushed_bytes"]

@@ -90,6 +90,9 @@ class KvHandle:
     aux_offset: int = 0  # bytes: where selector metadata or quantized codes land (see shared/compute/kvstore.py)
     aux_bytes: int = 0
     floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's budget floor: what its steps will attend to
+    # full mode: the prompt's first tokens whose KV the decode worker already holds (its prefix cache) and has copied
+    # into the slab: the prefill pushes only the rows from here on (schemas/geometry.py pushed_runs); 0 in other modes
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,8 @@ class OpenKv:
     transfer_mode: str
     selector: str = ""  # partial, smartgen, auto: the selector whose metadata must land (sizes the aux area)
     kv_bits: int = 0  # quantized: 2, 4 or 8; smartgen: 0, or the proactive push's code width (4 or 8)
+    # the prompt (num_tokens ids), for the decode worker's prefix cache to look up (full mode); [] = no lookup
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

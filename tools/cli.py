@@ -20,7 +20,7 @@ import signal
 import sys
 
 from tools import loadtest, model, prepare_selectors, profiles, settings, up
-from tools.bench import decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
+from tools.bench import conversation, decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
 from tools.eval import accuracy, drift, fidelity
 
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.register(commands)
     bench = commands.add_parser("bench", help="measurements (not tests); each accepts --json PATH")
     measurements = bench.add_subparsers(dest="what", required=True)
-    for tool in (transport, interference, decode_step, decode_batch, prefix_prefill, serve):
+    for tool in (transport, interference, decode_step, decode_batch, prefix_prefill, conversation, serve):
         tool.register(measurements)
     loadtest.register(commands)
     prepare_selectors.register(commands)

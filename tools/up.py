@@ -3,7 +3,7 @@
 while the rest keep serving (tools/supervisor.py); one that keeps dying at start-up stops the stack.
 
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
-                [--prefix-cache-mb MB] [--port P]
+                [--prefix-cache-mb MB] [--decode-prefix-cache-mb MB] [--port P]
 """
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                     help="host memory for each prefill worker's prefix cache (KV of earlier prompts' pages, reused by "
                          "prompts that start the same way); 0 turns it off (SMARTGEN_PREFIX_CACHE_MB; default 1024)")
+    up.add_argument("--decode-prefix-cache-mb", type=int, default=None, metavar="MB",
+                    help="host memory for each decode worker's prefix cache (KV of finished full-mode requests' prompts, so "
+                         "a conversation's next turn moves only its latest answer and question); 0 turns it off "
+                         "(SMARTGEN_DECODE_PREFIX_CACHE_MB; default 1024)")
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
                                                   "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "
                                                   "SMARTGEN_API_KEY_FILE work too (default: open)")
@@ -88,6 +92,8 @@ def command(args: argparse.Namespace) -> int:
         env["SMARTGEN_VLLM_METRICS"] = "true"
     if args.prefix_cache_mb is not None:
         env["SMARTGEN_PREFIX_CACHE_MB"] = str(args.prefix_cache_mb)
+    if args.decode_prefix_cache_mb is not None:
+        env["SMARTGEN_DECODE_PREFIX_CACHE_MB"] = str(args.decode_prefix_cache_mb)
     if args.api_key:  # NOTE: to the gateway as a file (mode 0600), never in an environment or a command line
         key_file = Path(tempfile.mkdtemp(prefix="smartgen-api-")) / "api-key"
         write_secret_file(key_file, args.api_key)

@@ -55,6 +55,19 @@ def generate_problem(req: Generate, state: DecodeRequest, runner: ModelRunner, l
     return mode.kv_bits_problem(req.kv_bits)
 
 
+def open_problem(req: OpenKv, runner: ModelRunner) -> str:
+    """Why `open` cannot reserve for `req` ("" if it can): a 400."""
+    if req.transfer_mode not in modes_where(is_disaggregated=True):
+        return f"open is for disaggregated transfer modes, not {req.transfer_mode!r}"
+    if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > runner.max_positions:
+        return f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not fit 1..{runner.max_positions}"
+    if req.token_ids and len(req.token_ids) != req.num_tokens:
+        return f"token_ids must be the prompt's {req.num_tokens} token ids, not {len(req.token_ids)}"
+    if req.token_ids and (problem := runner.token_problem(req.token_ids)):
+        return f"token_ids: {problem}"
+    return ""
+
+
 def aux_to_fill(engine: DecodeEngine, req: Generate, state: DecodeRequest) -> int:
     """The part of the slab's aux area the prefill fills for the mode that runs: all of it, but for `auto`,
     which reserved room for each of its choices (metadata and a low-bit push's codes, or quantized codes).

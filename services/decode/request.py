@@ -109,6 +109,7 @@ class DecodeRequest:
     mode: TransferMode  # as opened; `generate` may run auto as one of its choices (mode.resolves_to)
     num_tokens: int = 0  # prompt tokens
     slab: Slab | None = None
+    cached_tokens: int = 0  # of those, copied into the slab from the prefix cache at `open` (KvHandle.cached_tokens)
     grant: Grant | None = None
     phase: Phase = Phase.RESERVED
     req: Generate | None = None  # the `generate` it runs, set once generate has checked it
@@ -144,7 +145,7 @@ class DecodeRequest:
         """What the plan has the prefill push, in bytes: decoding starts once it has all landed."""
         req, mode = self.generate, self.running_mode
         return pushed_bytes(mode, req.plan, layout, self.num_tokens, self.push.aux_filled, req.query_entries,
-                            mode.push_width(req.kv_bits))
+                            mode.push_width(req.kv_bits), self.cached_tokens)
 
     @property
     def is_released(self) -> bool:

@@ -5,8 +5,9 @@ shared/compute/decode_engine.py.
 
 Life of a request here:
   1. `open`: reserve a slab for the prompt's KV and the completion, plus an aux area for what travels ahead
-     of or instead of the KV (selector metadata, quantized codes); grant a fresh ticket over exactly those
-     bytes; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
+     of or instead of the KV (selector metadata, quantized codes); in full mode, copy the prompt's longest
+     prefix-cached run of pages into it (`cached_tokens`); grant a fresh ticket over exactly the bytes still
+     to come; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
   2. The prefill node pushes into the slab during its prefill (the plan says what); landed bytes are counted.
   3. `generate`: the request is admitted and a task starts. It waits until everything its plan pushes has
      landed (or a `transfer_failed` arrives, or the data-plane link to the prefill drops), then:
@@ -21,9 +22,10 @@ Life of a request here:
      on-demand read fails, failure_policy `fail` ends the request with an error that names the cause, and
      `recompute` runs the prefill here from the prompt (replaying the tokens so far) and carries on.
   4. At the end, on `abort`, or on failure: stop reading, release the prefill's lease, tell the broker,
-     revoke the ticket, wait out any frame still landing, free the slab and drop the cache. The last
-     stream event says how it ended and what moved on which path. A request whose gateway stops heartbeating
-     is aborted (gateway_watch.py).
+    revoke the ticket, wait out any frame still landing, free the slab and drop the cache (a full-mode request
+    that finished copies its prompt's full pages into the prefix cache first). The last
+    stream event says how it ended and what moved on which path. A request whose gateway stops heartbeating
+    is aborted (gateway_watch.py).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+from schemas import (ErrorCode, ModeName, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, subjects)
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.grammar import TokenGrammar
@@ -48,7 +50,7 @@ from shared.runtime.profiles import NUM_BLOCKS
 from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
-from services.decode.checks import aux_to_fill, aux_to_reserve, fits_problem, generate_problem
+from services.decode.checks import aux_to_fill, aux_to_reserve, fits_problem, generate_problem, open_problem
 from services.decode.config import DecodeConfig
 from services.decode.gateway_watch import GatewayWatch
 from services.decode.kv_loader import KvLoader, TransferError
@@ -89,8 +91,10 @@ class DecodeService(ModelWorkerService):
         await super().start(nc, micro)
         assert self.runner and self.store
         self.runner.batch_invariant = self.config.batch_invariant
+        prefix_cache = self.prefix_cache(self.config.decode_prefix_cache_mb, "smartgen_decode_prefix_cache",
+                                         "of full-mode requests looked up in the decode side's prefix cache")
         self.engine = await self.in_torch(DecodeEngine, self.runner, self.store, default_prep_dir(self.runner.path),
-                                          self.config.floor)
+                                          self.config.floor, prefix_cache)
         self.batcher = StepBatcher(self.engine, self.in_torch, self.config.max_batch)
         assert self.dataplane
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout, self.dataplane,
@@ -106,11 +110,8 @@ class DecodeService(ModelWorkerService):
     # --- handlers ------------------------------------------------------------------------
     async def open(self, req: OpenKv) -> KvHandle:
         assert self.store and self.dataplane and self.runner
-        if req.transfer_mode not in modes_where(is_disaggregated=True):
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"open is for disaggregated transfer modes, not {req.transfer_mode!r}")
-        if not 0 < req.num_tokens or req.max_tokens < 1 or req.num_tokens + req.max_tokens > self.runner.max_positions:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"{req.num_tokens} prompt + {req.max_tokens} completion tokens do not "
-                                                f"fit 1..{self.runner.max_positions}")
+        if problem := open_problem(req, self.runner):
+            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
         try:
             aux_bytes = await aux_to_reserve(self.engine, self.in_torch, req)
         except ValueError as exc:
@@ -120,17 +121,27 @@ class DecodeService(ModelWorkerService):
         self._check_fits(req.num_tokens, req.max_tokens, aux_bytes)
         self._admit(req.request_id)
         slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
-        rows = [r for layer in range(self.store.layout.num_layers) for r in self.store.rows(slab, layer, 0, req.num_tokens)]
+        state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
+        if req.transfer_mode == ModeName.FULL and req.token_ids and self.engine.prefix_cache is not None:
+            # NOTE: registered first, so an abort meanwhile frees the slab (after the copy: the torch thread is FIFO)
+            try:
+                state.cached_tokens = await self.in_torch(self.engine.reuse_prefix, slab, req.token_ids)
+            except BaseException:
+                await asyncio.shield(self._release(state))
+                raise
+            if self.active.get(req.request_id) is not state:
+                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
+        rows = [r for layer in range(self.store.layout.num_layers)
+                for r in self.store.rows(slab, layer, state.cached_tokens, req.num_tokens)]
         aux_at = self.store.aux_offset(slab)
         ranges = [(off, off + n) for off, n in rows] + ([(aux_at, aux_at + aux_bytes)] if aux_bytes else [])
-        state = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
         state.grant = Grant(secrets.randbits(63), ranges, state.on_landed)
         self.dataplane.grant(state.grant)
         state.expiry = asyncio.get_running_loop().call_later(
             self.config.open_timeout_s, lambda: asyncio.ensure_future(self._expire(req.request_id)))
-        self.active[req.request_id] = state
         return KvHandle(req.request_id, self.worker_id, self.dataplane.address, state.grant.ticket, self.store.layout,
-                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes, self.config.floor)
+                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes, self.config.floor,
+                        state.cached_tokens)
 
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode in LOCAL_MODES:
@@ -276,8 +287,12 @@ class DecodeService(ModelWorkerService):
                     finals.append(final)  # NOTE: before it is sent, so a `resend` racing it finds it
                 if reason == "error":  # the client learns at once; freeing may wait on a peer that is gone
                     await self._emit(req, final)
+                # a full-mode request that finished leaves its prompt's full pages to the prefix cache. NOTE: not its
+                # completion's: a decode step computes a token's KV with other arithmetic than a prefill (one position,
+                # not many), and the greedy tokens of a conversation's later turn then differed (SmolLM2, turn 4 of 4)
+                keep = req.token_ids if reason in ("length", "stop") and req.transfer_mode == ModeName.FULL else []
                 await asyncio.shield(self._release(state, PlanState.FAILED if reason in ("error", "abort") else PlanState.RELEASED,
-                                                   error or reason))
+                                                   error or reason, keep))
                 if reason in ("length", "stop"):
                     await self._emit(req, final)
             finally:
@@ -371,8 +386,9 @@ class DecodeService(ModelWorkerService):
             log.warning("reservation_expired", request_id=request_id)
             await self._release(state)
 
-    async def _release(self, state: DecodeRequest, plan_state: PlanState = PlanState.FAILED, reason: str = "") -> None:
-        """Free everything a request holds. Idempotent."""
+    async def _release(self, state: DecodeRequest, plan_state: PlanState = PlanState.FAILED, reason: str = "",
+                       keep: list[int] | None = None) -> None:
+        """Free everything a request holds. Idempotent. `keep`: its prompt's ids, whose KV goes to the prefix cache."""
         if self.active.get(state.request_id) is state:
             del self.active[state.request_id]
         if state.expiry:
@@ -386,7 +402,7 @@ class DecodeService(ModelWorkerService):
         if self.engine:
             # NOTE: queued behind any step still running for this request on the torch thread, so the slab is
             # never freed (and reused) under a computation that still writes into it.
-            await asyncio.shield(self.in_torch(self.engine.end, state.request_id))
+            await asyncio.shield(self.in_torch(self.engine.end, state.request_id, keep or ()))
         self.store.free(state.request_id)
 
     def stats(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
 from services.gateway.utility import utility_routes
 from shared.runtime.registry import WorkerRegistry
+from services.gateway.routing import PrefixRoutes
 
 
 class Gateway(Protocol):
@@ -38,6 +39,7 @@ class Gateway(Protocol):
     config: GatewayConfig
     nc: Client | None
     registry: WorkerRegistry
+    routes: PrefixRoutes  # which decode worker holds a prompt's longest cached prefix
     tokenizer: Any  # a transformers tokenizer
     model_id: str
     max_positions: int
@@ -149,7 +151,7 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
 def _new_run(gw: Gateway, job: CompletionJob, queue_s: float) -> CompletionRun:
     """An admitted job's run (after `queue_s` seconds in the admission queue)."""
     end_ids = sorted({*([] if job.ignore_eos else gw.stop_token_ids), *job.stop_token_ids})  # EOS unless ignored
-    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s, gw.worker_id)
+    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s, gw.worker_id, gw.routes)
     run.queue_s = queue_s
     return run
 

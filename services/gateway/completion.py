@@ -1,6 +1,7 @@
 """One request's trip through the system, seen from the gateway.
 
-  1. Pick a decode worker (and, unless colocated, a prefill worker and the broker): least loaded first.
+  1. Pick a decode worker (and, unless colocated, a prefill worker and the broker): least loaded first; in full
+     mode, the decode worker holding the prompt's longest cached prefix, unless it is much busier (routing.py).
      A decode worker without room for the request's pages refuses (`overloaded`); the next one is asked,
      and only when every live one has refused is the answer a 429.
   2. Subscribe to the request's stream subject before anything can be published on it.
@@ -37,6 +38,7 @@ from shared.runtime.rpc import RemoteError, call
 from shared.runtime.registry import WorkerRegistry
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
+from services.gateway.routing import PrefixRoutes
 
 __all__ = ["CompletionRun", "RequestFailed"]
 log = structlog.get_logger()
@@ -57,6 +59,7 @@ class CompletionRun:
     stop_token_ids: list[int]
     timeout_s: float
     gateway_id: str = ""  # this gateway's worker id, in every Generate: decode aborts the request if it dies
+    routes: PrefixRoutes | None = None  # KV-aware routing of full-mode requests (routing.py); None: by load only
     token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
     finish_reason: str = ""
@@ -68,6 +71,8 @@ class CompletionRun:
     prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     num_cached_tokens: int = 0  # PrefillDone.num_cached_tokens: prompt tokens the prefill took from its prefix cache
+    decode_cached_tokens: int = 0  # KvHandle.cached_tokens: prompt tokens the decode worker had cached (not pushed)
+    page_tokens: int = 0  # KvHandle.layout.page_tokens: the decode worker's page size (0: no handle)
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
     broker: WorkerInfo | None = None
@@ -92,8 +97,10 @@ class CompletionRun:
     _sub: Any = None
     _closed: bool = False
 
-    def _pick(self, role: str) -> WorkerInfo:
-        worker = self.registry.pick(role)
+    def _pick(self, role: str, cached: dict[str, int] | None = None) -> WorkerInfo:
+        """The least loaded worker of `role`; with `cached` (worker → prompt tokens it holds), the one holding the most
+        unless it runs more than the routes' slack beyond the least loaded (routing.py)."""
+        worker = self.registry.pick(role, cached=cached, slack=self.routes.slack if self.routes else 0)
         if worker is None:
             raise ApiError(503, f"no {role} worker is registered; try again when /health says ok", code="no_worker")
         return worker
@@ -103,7 +110,8 @@ class CompletionRun:
         job = self.job
         self.mode, self.selector, self.kv_bits = job.transfer_mode, job.selector or "", job.kv_bits
         self._liveness = Liveness(self.nc, self.registry, job.request_id)
-        self.decode = self._pick("decode")
+        by_kv = self.routes is not None and job.transfer_mode == ModeName.FULL  # KV-aware routing (routing.py)
+        self.decode = self._pick("decode", self.routes.cached_tokens(job.prompt_ids) if by_kv else None)
         disaggregated = mode_of(job.transfer_mode).is_disaggregated
         if disaggregated:
             self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
@@ -157,6 +165,7 @@ class CompletionRun:
                         if event.finish_reason == "error":
                             raise RequestFailed(f"decode worker {self.decode.worker_id}: {event.error}")
                         self.finish_reason = event.finish_reason
+                        self._remember_kv()
                         return
             except DecodeLost as exc:
                 if reason := self._answer_complete():  # it died after the last token: nothing is left to resume
@@ -185,6 +194,12 @@ class CompletionRun:
         if self._plan_asked and self.plan is not None:
             await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
                                   encode(PlanEvent(self.job.request_id, PlanState.FAILED, why)))
+
+    def _remember_kv(self) -> None:
+        """A full-mode request finished: its decode worker's prefix cache now holds its prompt's full pages (what
+        the decode worker keeps: services/decode/service.py)."""
+        if self.routes is not None and self.mode == ModeName.FULL and self.page_tokens and self.decode is not None:
+            self.routes.record(self.decode.worker_id, self.job.prompt_ids, self.page_tokens)
 
     async def _migrate(self, why: str, sampling: Sampling) -> None:
         """failure_policy `recompute`, the decode worker died mid-request: move the request to another decode
@@ -252,10 +267,13 @@ class CompletionRun:
             assert self.decode
             return call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
                         OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
-                               self.selector if wants_metadata else "", job.kv_bits), KvHandle, CONTROL_TIMEOUT_S)
+                               self.selector if wants_metadata else "", job.kv_bits,
+                               list(job.prompt_ids) if job.transfer_mode == ModeName.FULL else []),
+                        KvHandle, CONTROL_TIMEOUT_S)
 
         handle = await self._on_some_decode(open_kv)
         assert self.decode
+        self.decode_cached_tokens, self.page_tokens = handle.cached_tokens, handle.layout.page_tokens
         self._plan_asked = True
         self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,

@@ -27,6 +27,9 @@ class GatewayConfig(ServiceConfig):
     # also export vLLM's metric names (vllm:time_to_first_token_seconds, …, labelled model_name) beside SmartGen's,
     # for dashboards and alerts built for vLLM (shared/runtime/vllm_metrics.py)
     vllm_metrics: bool = False
+    # KV-aware routing (routing.py): a full-mode request goes to the decode worker holding its longest cached prefix
+    # while that worker runs at most this many requests more than the least loaded one (beyond: the least loaded)
+    cache_route_slack: int = 4
     max_body_mb: float = 4.0  # the largest request body read (a larger one is a 413): 8K-token prompts are ~50 KB
 
     def validate(self) -> None:
@@ -37,6 +40,8 @@ class GatewayConfig(ServiceConfig):
             raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
         if self.max_running < 0 or self.max_waiting < 0 or self.queue_timeout_s <= 0:
             raise ConfigError("max_running and max_waiting must be ≥ 0 and queue_timeout_s positive")
+        if self.cache_route_slack < 0:
+            raise ConfigError(f"cache_route_slack {self.cache_route_slack} must be ≥ 0")
         if self.max_body_mb <= 0:
             raise ConfigError("max_body_mb must be positive")
         if not 0 <= self.gateway_port < 65536:

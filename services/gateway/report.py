@@ -70,5 +70,6 @@ def summary(run: CompletionRun) -> dict[str, Any]:
         "decode_worker_id": run.decode.worker_id if run.decode else None,
         "prompt_tokens": len(run.job.prompt_ids),
         "cached_tokens": run.num_cached_tokens,  # of those, taken from the prefill's prefix cache
+        "decode_cached_tokens": run.decode_cached_tokens,  # of those, the decode worker had (their KV not pushed)
         "token_ids": run.token_ids,
     }

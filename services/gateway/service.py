@@ -25,6 +25,7 @@ from services.gateway.admission import Admission
 from services.gateway.completion import CompletionRun
 from services.gateway.config import GatewayConfig
 from shared.runtime.registry import WorkerRegistry
+from services.gateway.routing import PrefixRoutes
 
 def _generation_end_ids(path) -> list[int]:
     """The end-of-sequence ids of the model's generation_config.json (one id or a list), [] without one."""
@@ -46,6 +47,7 @@ class GatewayService(Service):
     def __init__(self, config: GatewayConfig):
         super().__init__(config)
         self.registry = WorkerRegistry(config.worker_ttl_s)
+        self.routes = PrefixRoutes(config.cache_route_slack)
         self.latency = LatencyMetrics(self.metrics)
         self.prompt_tokens = self.metrics.counter("smartgen_prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = self.metrics.counter("smartgen_generation_tokens_total", "Tokens generated")

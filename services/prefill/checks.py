@@ -21,6 +21,9 @@ def prefill_problem(req: Prefill, runner: ModelRunner, layout: KvLayout) -> str:
         return f"KV layout mismatch: decode has {req.handle.layout}, prefill has {layout}"
     if req.handle.capacity < len(req.token_ids) or req.handle.offset < 0 or req.handle.aux_bytes < 0:
         return "the KV handle's slab does not fit the prompt"
+    if req.handle.cached_tokens and (mode.pushes is not Push.EVERY_ROW or not 0 < req.handle.cached_tokens < len(req.token_ids)):
+        return (f"the KV handle's cached_tokens {req.handle.cached_tokens} must be 0, or in full mode fewer than the "
+                f"prompt's {len(req.token_ids)} tokens")
     if mode.pushes is Push.PLAN_BLOCKS:
         if req.plan is None or req.plan.transfer_mode != req.transfer_mode or (mode.aux is Aux.METADATA and not req.selector):
             return f"transfer_mode {req.transfer_mode!r} needs its plan and a selector"

@@ -47,7 +47,6 @@ from services.prefill.checks import prefill_problem, reads_codes
 from services.prefill.config import PrefillConfig
 from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
-from shared.compute.prefix_cache import PrefixCache
 from shared.compute.sampling import FirstToken
 
 log = structlog.get_logger()
@@ -73,16 +72,9 @@ class PrefillService(ModelWorkerService):
     async def start(self, nc: Client, micro: MicroService) -> None:
         await super().start(nc, micro)
         assert self.runner and self.store
-        prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20, self.store.layout.page_tokens) \
-            if self.config.prefix_cache_mb else None
+        prefix_cache = self.prefix_cache(self.config.prefix_cache_mb, "smartgen_prefix_cache",
+                                         "looked up in the prefix cache")
         self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path), prefix_cache)
-        if prefix_cache is not None:
-            self.metrics.counter_read("smartgen_prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
-                                      "cache", lambda: prefix_cache.num_queried_tokens)
-            self.metrics.counter_read("smartgen_prefix_cache_hits_total", "Prompt tokens found in the prefix cache "
-                                      "(their KV reused, not computed)", lambda: prefix_cache.num_hit_tokens)
-            self.metrics.gauge("smartgen_prefix_cache_bytes", "Host memory held by the prefix cache's pages",
-                               lambda: prefix_cache.num_bytes)
         await self._warm_up()
         await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True),
                                  abort=endpoint(Abort, self.abort),
@@ -135,7 +127,8 @@ class PrefillService(ModelWorkerService):
         except OutOfPages as exc:
             raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
         transfer = self.active[req.request_id] = Transfer(req.handle, slab, mode, req.plan,
-                                                          row_runs=pushed_runs(mode, req.plan, self.store.layout, n),
+                                                          row_runs=pushed_runs(mode, req.plan, self.store.layout, n,
+                                                                              req.handle.cached_tokens),
                                                           layer_push_bytes=[0] * self.store.layout.num_layers,
                                                           exact=exact)
         try:
@@ -403,8 +396,6 @@ class PrefillService(ModelWorkerService):
         stats["prefill_tokens_per_s"] = round(tokens_per_s(rates, self.last_prompt_tokens), 2)
         stats["prefill_rates"] = [[r.tokens, r.tokens_per_s] for r in rates]
         stats["leases_expired"] = self.leases_expired.value()
-        if self.engine is not None and (cache := self.engine.prefix_cache) is not None:
-            stats["prefix_cache"] = cache.stats()
         return stats
 
     async def stop(self) -> None:

@@ -3,7 +3,11 @@ it, densely or with selective attention (a selector and a budget per request, it
 what the prefill node pushed or built from local keys). Synchronous torch; no asyncio.
 
 Every mode decodes in place on a slab of the KV store, colocated too: a local prefill writes its KV into a
-slab exactly as a prefill worker does (rounded to the store's kv dtype), so tokens agree across modes."""
+slab exactly as a prefill worker does (rounded to the store's kv dtype), so tokens agree across modes.
+
+With a prefix cache (shared/compute/prefix_cache.py), a finished request's prompt's full pages (the KV the prefill
+pushed) are copied there at its end (`end(..., keep=...)`), and a new request that starts the same way copies them
+into its slab at `open` (`reuse_prefix`) instead of having them pushed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -19,6 +23,7 @@ from shared.compute.entry_codes import EntryCodes, pushed_mask
 from shared.compute.slab_cache import SlabCache
 from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
+from shared.compute.prefix_cache import PrefixCache
 from shared.compute.quantization import QuantLayout
 from shared.compute.sampling import FirstToken, first_token, sample
 from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
@@ -27,8 +32,9 @@ from shared.compute.selectors.metadata import MetadataLayout
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None,
-                 floor: BudgetFloor = DEFAULT_FLOOR):
+                 floor: BudgetFloor = DEFAULT_FLOOR, prefix_cache: PrefixCache | None = None):
         self.runner, self.store, self.prep_dir, self.floor = runner, store, prep_dir, floor
+        self.prefix_cache = prefix_cache  # KV pages of finished requests (None: off)
         self.caches: dict[str, SlabCache] = {}
         self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
         self.selections: dict[str, selective.Selection] = {}
@@ -227,9 +233,28 @@ class DecodeEngine:
                     sel.num_steps += 1
         return [step.errors.get(b, logits[b]) for b in range(len(steps))]
 
-    def end(self, request_id: str) -> selective.Selection | None:
-        """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any."""
-        self.caches.pop(request_id, None)
+    def reuse_prefix(self, slab: Slab, token_ids: Sequence[int]) -> int:
+        """Copy the longest run of prefix-cached pages at the start of `token_ids` (a prompt) into `slab`'s rows;
+        returns how many tokens that covers, never the prompt's last (the prefill pushes at least one row). The
+        pages are held while they are copied, so eviction cannot free them under the copy."""
+        if self.prefix_cache is None:
+            return 0
+        hit = self.prefix_cache.acquire(token_ids)
+        try:
+            num_tokens = min(hit.num_tokens, len(token_ids) - 1)
+            if num_tokens > 0:
+                for layer, (keys, values) in enumerate(hit.layer_kv(num_tokens)):
+                    self.store.write_layer(slab, layer, keys, values)
+            return max(0, num_tokens)
+        finally:
+            self.prefix_cache.release(hit)
+
+    def end(self, request_id: str, keep: Sequence[int] = ()) -> selective.Selection | None:
+        """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any. `keep`:
+        the ids of the first tokens in its cache (its prompt): first copy their full pages into the prefix cache."""
+        cache = self.caches.pop(request_id, None)
+        if keep and cache is not None and self.prefix_cache is not None and len(keep) <= cache.get_seq_length():
+            self.prefix_cache.insert(keep, [(layer.keys[0], layer.values[0]) for layer in cache.layers])
         if request_id in self._own_slabs:
             self._own_slabs.discard(request_id)
             self.store.free(request_id)

@@ -14,7 +14,6 @@ Thread-safe (the torch thread looks up and inserts; the admin server reads the g
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,18 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from schemas import page_keys
+
 # (keys, values) per layer, each (num_kv_heads, num_tokens, head_dim): what the prefill computed
 LayerKv = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-def page_keys(token_ids: Sequence[int], page_tokens: int) -> list[bytes]:
-    """The hash-chain key of each full page of `token_ids` (a trailing partial page has none)."""
-    keys, previous = [], b""
-    for start in range(0, len(token_ids) - page_tokens + 1, page_tokens):
-        page = ",".join(map(str, token_ids[start:start + page_tokens])).encode()
-        previous = hashlib.sha256(previous + b"|" + page).digest()
-        keys.append(previous)
-    return keys
 
 
 @dataclass(slots=True)

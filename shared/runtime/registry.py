@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -62,12 +62,17 @@ class WorkerRegistry:
         entry = self._workers.get(worker_id)
         return entry is not None and time.monotonic() - entry.seen <= self.ttl_s
 
-    def pick(self, role: str, exclude: Collection[str] = ()) -> WorkerInfo | None:
+    def pick(self, role: str, exclude: Collection[str] = (), cached: Mapping[str, int] | None = None,
+             slack: int = 0) -> WorkerInfo | None:
         """The least loaded live worker of `role` (active requests + what we sent since its heartbeat), leaving
-        out the worker ids in `exclude` (those that just refused)."""
+        out the worker ids in `exclude` (those that just refused). With `cached` (worker id → prompt tokens it
+        holds cached), the one holding the most, among those running at most `slack` more than the least loaded."""
         candidates = [w for w in self.alive(role) if w.worker_id not in exclude and not w.draining]
         if not candidates:
             return None
-        best = min(candidates, key=lambda w: (w.active_requests + self._workers[w.worker_id].num_assigned, w.worker_id))
+        load = {w.worker_id: w.active_requests + self._workers[w.worker_id].num_assigned for w in candidates}
+        cached, least = cached or {}, min(load.values())
+        best = min(candidates, key=lambda w: (load[w.worker_id] > least + slack, -cached.get(w.worker_id, 0),
+                                              load[w.worker_id], w.worker_id))
         self._workers[best.worker_id].num_assigned += 1
         return best

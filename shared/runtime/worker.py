@@ -20,6 +20,7 @@ from shared.dataplane import DataPlane, DataPlaneError, Lane, make_dataplane
 from shared.dataplane.agent import AgentDataPlane
 from shared.dataplane.rdma import rdma_devices
 from shared.compute.kvstore import KvStore
+from shared.compute.prefix_cache import PrefixCache
 from shared.runtime.metrics import LatencyMetrics
 from shared.compute.modeling import ModelRunner, set_torch_threads
 from shared.runtime.torch_thread import TorchThread
@@ -45,6 +46,7 @@ class ModelWorkerService(Service):
         self.runner: ModelRunner | None = None
         self.store: KvStore | None = None
         self.dataplane: DataPlane | None = None
+        self.pool: PrefixCache | None = None  # this worker's prefix cache, if on (`prefix_cache`)
         self.latency = LatencyMetrics(self.metrics)
         self.active: dict[str, Any] = {}  # request_id → per-request state (each service defines it)
         self.metrics.gauge("smartgen_kv_pages_in_use", "KV pages held by requests",
@@ -63,6 +65,22 @@ class ModelWorkerService(Service):
 
     def _dataplane_count(self, name: str) -> float:
         return float(self.dataplane.stats().get(name, 0) or 0) if self.dataplane is not None else 0.0
+
+    def prefix_cache(self, capacity_mb: int, metric_prefix: str, looked_up: str) -> PrefixCache | None:
+        """This worker's prefix cache (`pool`) of `capacity_mb` (None when 0: off), its counts exported as
+        `<metric_prefix>_queries_total` (prompt tokens `looked_up`), `_hits_total` (of those, found) and `_bytes`,
+        its state in /stats as `prefix_cache`."""
+        if not capacity_mb:
+            return None
+        assert self.store
+        cache = PrefixCache(capacity_mb * 2**20, self.store.layout.page_tokens)
+        self.metrics.counter_read(f"{metric_prefix}_queries_total", f"Prompt tokens {looked_up}",
+                                  lambda: cache.num_queried_tokens)
+        self.metrics.counter_read(f"{metric_prefix}_hits_total", "Of those, the ones found cached (their KV reused)",
+                                  lambda: cache.num_hit_tokens)
+        self.metrics.gauge(f"{metric_prefix}_bytes", "Host memory held by the prefix cache's pages",
+                           lambda: cache.num_bytes)
+        return cache
 
     async def in_torch(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the torch thread (never on the event loop)."""
@@ -228,6 +246,7 @@ class ModelWorkerService(Service):
             "dataplane": {"address": self.dataplane.address, **self.dataplane.stats(),
                           "faults": self.dataplane.faults.summary()} if self.dataplane else None,
             "kv_bytes": self.latency.kv_bytes.by_first_label(),
+            **({"prefix_cache": self.pool.stats()} if self.pool is not None else {}),
         }
 
 

@@ -35,12 +35,13 @@ def test_greedy_matches_model_generate(clean_stack, tiny_model_path, mode):
 
 
 def test_full_mode_moves_every_layer(clean_stack, tiny_model_path):
-    """The bytes that land on decode are exactly the prompt's whole KV: tokens × layers × K,V × heads × dim."""
+    """The bytes that land on decode are exactly the prompt's KV that the decode worker lacks (all of it, less the
+    pages its prefix cache had from an earlier request): tokens × layers × K,V × heads × dim."""
     n = len(prompt_ids(tiny_model_path, PROMPT))
     _, body = post_json(clean_stack.gateway_url + "/v1/completions",
                         {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "transfer_mode": "full"})
     # tiny model: 4 layers, 2 KV heads, head dim 16, fp32
-    assert body["smartgen"]["kv_bytes"]["full"] == n * 4 * 2 * 2 * 16 * 4
+    assert body["smartgen"]["kv_bytes"]["full"] == (n - body["smartgen"]["decode_cached_tokens"]) * 4 * 2 * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

@@ -38,7 +38,8 @@ def prefill_metric(stack, name: str) -> float:
 @pytest.mark.parametrize("mode", ["full", "quantized", "partial", "smartgen"])
 def test_a_repeated_prompt_hits_and_gives_the_same_tokens(clean_stack, tiny_model_path, mode):
     """The same prompt twice: the first computes all of it (cached_tokens 0), the second takes all but its last
-    token from the cache; both give the same greedy tokens and move the same KV bytes by path to decode."""
+    token from the cache; both give the same greedy tokens and move the same KV bytes by path to decode (but in
+    full mode, where the decode worker's own prefix cache has the same pages: tests/integration/test_decode_prefix_cache.py)."""
     prompt = f"[{mode}] {DOC} Question: what did the clerks count?"
     n = len(prompt_ids(tiny_model_path, prompt))
     miss = complete(clean_stack, prompt, mode)
@@ -46,7 +47,11 @@ def test_a_repeated_prompt_hits_and_gives_the_same_tokens(clean_stack, tiny_mode
     assert cached(miss) == 0
     assert cached(hit) == min(n - 1, (n // PAGE_TOKENS) * PAGE_TOKENS)  # full pages only; the last token runs
     assert hit["smartgen"]["token_ids"] == miss["smartgen"]["token_ids"]
-    if mode in ("full", "quantized"):  # the selective modes' reads depend on timing; their pushes and metadata do not
+    if mode == "full":  # the decode worker's own prefix cache had the prompt's pages too: the rest is pushed
+        decode_cached = hit["smartgen"]["decode_cached_tokens"]
+        assert miss["smartgen"]["decode_cached_tokens"] == 0 and decode_cached == cached(hit)
+        assert hit["smartgen"]["kv_bytes"]["full"] * n == miss["smartgen"]["kv_bytes"]["full"] * (n - decode_cached)
+    elif mode == "quantized":  # the selective modes' reads depend on timing; their pushes and metadata do not
         assert hit["smartgen"]["kv_bytes"] == miss["smartgen"]["kv_bytes"]
     else:
         assert hit["smartgen"]["kv_bytes"]["metadata"] == miss["smartgen"]["kv_bytes"]["metadata"]

@@ -289,6 +289,10 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
                     if not questions and any(res.get("cached_tokens") for res in results):
                         print("bench serve: the prefix cache found prompts served before; for comparable rows start "
                               "the stack with SMARTGEN_PREFIX_CACHE_MB=0 (or use --prefix-hit)", file=sys.stderr)
+                    if any(res.get("decode_cached_tokens") for res in results):
+                        print("bench serve: the decode worker's prefix cache had prompts served before (full mode moved "
+                              "only the rest); for comparable rows start the stack with "
+                              "SMARTGEN_DECODE_PREFIX_CACHE_MB=0", file=sys.stderr)
                     for k, (sample, res) in enumerate(zip(batch, results)):
                         records.append({"mode": mode, "regime": regime, "prompt_tokens_asked": length, "pressure": r,
                                         "link_gbps": gbps, "task": sample.task, "sample": first + k,
@@ -345,10 +349,11 @@ def gateway_for(url: str, model: str, out: Path,
 
     # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
     # NOTE: the prefix cache off unless asked (--prefix-hit): every mode serves the same prompts, and each would
-    # find the prompt cached by the one before
+    # find the prompt cached by the one before. The decode side's is always off: full mode would move only what the
+    # decode worker lacks, where the paper's setting has the decode node receive the whole prompt's KV
     env = {"SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
            "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", "SMARTGEN_PREFIX_CACHE_MB": "0",
-           **(extra_env or {})}
+           "SMARTGEN_DECODE_PREFIX_CACHE_MB": "0", **(extra_env or {})}
     spec = StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)
     with started_stack(spec, 300) as stack:
         yield Gateway(stack.gateway_url, stack.admin_token), stack
