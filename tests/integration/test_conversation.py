@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from services.gateway.requests import _chat_prompt
+from services.gateway.chat import chat_prompt
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, open_stream, post_json
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
@@ -75,8 +75,8 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     for k in range(1, len(turns)):
         before, now = turns[k - 1], turns[k]
-        held = _chat_prompt(before["asked"], tokenizer)  # the KV the worker kept: the previous prompt's
-        ids = _chat_prompt(now["asked"], tokenizer)
+        held = chat_prompt(before["asked"], tokenizer)  # the KV the worker kept: the previous prompt's
+        ids = chat_prompt(now["asked"], tokenizer)
         n, cached = len(ids), now["smartgen"]["decode_cached_tokens"]
         assert n == now["usage"]["prompt_tokens"]
         same = common_prefix(held, ids)  # where this prompt parts from the one before (the template re-rendering it)
