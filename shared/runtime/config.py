@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from schemas.subjects import is_token
-from shared.runtime.tracing import otlp_endpoint
+from shared.runtime.tracing import has_otlp_exporter, otlp_endpoint
 from shared.runtime.settings_file import ROLES, SettingsFileError, field_help, file_values, read_settings_file
 
 C = TypeVar("C", bound="ServiceConfig")
@@ -109,7 +109,7 @@ class ServiceConfig:
             raise ConfigError("restarts must be ≥ 0")
         if self.worker_id and not is_token(self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must be letters, digits, '-' or '_' (it is part of NATS subjects)")
-        if self.tracing and not (self.tracing_file or otlp_endpoint()):
+        if self.tracing and not (self.tracing_file or (otlp_endpoint() and has_otlp_exporter())):
             raise ConfigError("tracing needs somewhere to send spans: set SMARTGEN_TRACING_FILE, or "
                               "OTEL_EXPORTER_OTLP_ENDPOINT (with opentelemetry-exporter-otlp-proto-http installed)")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -72,6 +72,16 @@ def otlp_endpoint() -> str:
     return next((os.environ[name] for name in OTLP_ENDPOINT_ENVS if os.environ.get(name)), "")
 
 
+def has_otlp_exporter() -> bool:
+    """Whether opentelemetry-exporter-otlp-proto-http is installed (optional: not a SmartGen dependency)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
+    except ModuleNotFoundError:  # a parent package missing
+        return False
+
+
 def headers() -> dict[str, str] | None:
     """The NATS headers that carry the current span's context to the handler of a message sent now (None when
     tracing is off or no span is current)."""

@@ -125,16 +125,22 @@ async def test_with_tracing_off_nothing_is_traced_or_written(tmp_path):
 
 
 def test_span_names_are_the_subjects_role_and_verb():
+    """A worker subject's span is <role>.<verb>, whatever the worker id; other subjects lose only the prefix."""
     assert tracing.span_name(subjects.worker("prefill", "prefill-ab12", "prefill")) == "prefill.prefill"
     assert tracing.span_name(subjects.dataplane_connect("decode-1")) == "dataplane.connect"
     assert tracing.span_name(subjects.PROFILE_STATS) == "profile.stats"
 
 
 def test_tracing_on_needs_somewhere_to_send_spans(monkeypatch, tmp_path):
+    """A file, or an OTLP endpoint with its exporter installed; neither is a config error that says what to set."""
     for name in tracing.OTLP_ENDPOINT_ENVS:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="SMARTGEN_TRACING_FILE"):
         ServiceConfig(tracing=True).validate()
     ServiceConfig(tracing=True, tracing_file=str(tmp_path / "spans.jsonl")).validate()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setattr("shared.runtime.config.has_otlp_exporter", lambda: False)
+    with pytest.raises(ConfigError, match="opentelemetry-exporter-otlp-proto-http"):
+        ServiceConfig(tracing=True).validate()  # an endpoint, but nothing installed to send to it
+    monkeypatch.setattr("shared.runtime.config.has_otlp_exporter", lambda: True)
     ServiceConfig(tracing=True).validate()
