@@ -19,10 +19,10 @@ import numpy as np
 import structlog
 from nats.aio.client import Client
 
-from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanEvent, PlanRegistration, PlanState, Progress, Release, encode,
+from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanEvent, PlanRegistration, PlanState, Progress, Release,
                      pack_bits, subjects)
 from shared.dataplane import DataPlane, DataPlaneError
-from shared.runtime.rpc import Backoff, RemoteError, call
+from shared.runtime.rpc import Backoff, RemoteError, call, publish
 from services.decode.background import read_blocks, read_ranked
 from services.decode.request import DecodeRequest
 
@@ -164,8 +164,8 @@ class RemoteKvLifecycle:
         assert state.req and state.req.source
         source = state.req.source
         while not state.is_released:
-            await self.nc.publish(subjects.worker("prefill", source.prefill_worker_id, "keep"),
-                                  encode(KeepLease(state.request_id)))
+            await publish(self.nc, subjects.worker("prefill", source.prefill_worker_id, "keep"),
+                          KeepLease(state.request_id))
             await asyncio.sleep(source.lease_s / 3)
 
     async def all_local(self, state: DecodeRequest, step: int) -> None:
@@ -226,7 +226,7 @@ class RemoteKvLifecycle:
         plan = state.req.plan if state.req else None
         if plan is not None:
             event = PlanEvent(state.request_id, plan_state, reason)
-            asyncio.ensure_future(self.nc.publish(subjects.worker("broker", plan.broker_worker_id, "event"), encode(event)))
+            asyncio.ensure_future(publish(self.nc, subjects.worker("broker", plan.broker_worker_id, "event"), event))
 
     def registration(self, state: DecodeRequest) -> PlanRegistration | None:
         """A live plan as the broker should know it (repeated in every heartbeat)."""

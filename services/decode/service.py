@@ -47,6 +47,7 @@ from shared.compute.kvstore import OutOfPages, Slab
 from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
 from shared.dataplane import DataPlaneError, Grant
 from shared.runtime.profiles import NUM_BLOCKS
+from shared.runtime import tracing
 from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
@@ -187,7 +188,7 @@ class DecodeService(ModelWorkerService):
             state.check_landed()
         self.streaming.add(req.request_id)
         state.advance(Phase.RUNNING)
-        state.task = asyncio.create_task(self._run(state))
+        state.task = asyncio.create_task(tracing.in_span("decode.generation", self._run(state)))
         return Accepted(req.request_id, self.worker_id)
 
     async def _refuse(self, state: DecodeRequest, code: ErrorCode, message: str) -> NoReturn:

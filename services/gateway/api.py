@@ -29,6 +29,7 @@ from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
 from services.gateway.utility import utility_routes
+from shared.runtime import tracing
 from shared.runtime.registry import WorkerRegistry
 from services.gateway.routing import PrefixRoutes
 
@@ -107,9 +108,9 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
     if len(jobs) > 1 and jobs[0].stream:
         return await _stream_several(gw, request, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     if len(jobs) > 1:
-        return await _serve_several(gw, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
+        return await _serve_several(gw, request, jobs, request.headers.get(REQUEST_ID_HEADER), body.get("n") or 1)
     job = jobs[0]
-    with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+    with structlog.contextvars.bound_contextvars(request_id=job.request_id), _traced(request, job):
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream, **job.noted)
         try:
@@ -179,13 +180,14 @@ async def _complete(gw: Gateway, run: CompletionRun) -> dict[str, Any]:
     return _final_body(gw, run, text.emitted)
 
 
-async def _serve_several(gw: Gateway, jobs: list[CompletionJob], client_id: str | None, n: int) -> web.Response:
+async def _serve_several(gw: Gateway, request: web.Request, jobs: list[CompletionJob], client_id: str | None,
+                         n: int) -> web.Response:
     """A body that asks for several choices (several prompts, `n` answers each): each runs as a request of its own
     (admitted, queued and counted alone), all at once; the answer has the choices in order, each with its own
     `smartgen` figures (the top-level `smartgen` is the first's), and the usage: every prompt's tokens once, every
     choice's completion tokens. The first failure answers for all."""
     async def one(job: CompletionJob) -> dict[str, Any]:
-        with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+        with structlog.contextvars.bound_contextvars(request_id=job.request_id), _traced(request, job):
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                      transfer_mode=job.transfer_mode, stream=False, batch=len(jobs))
             async with gw.admission.slot() as queue_s:
@@ -222,7 +224,7 @@ async def _stream_several(gw: Gateway, request: web.Request, jobs: list[Completi
 
     @contextlib.asynccontextmanager
     async def admitted(run: CompletionRun):
-        with structlog.contextvars.bound_contextvars(request_id=run.job.request_id):
+        with structlog.contextvars.bound_contextvars(request_id=run.job.request_id), _traced(request, run.job):
             log.info("request_received", kind=run.job.kind, prompt_tokens=len(run.job.prompt_ids),
                      max_tokens=run.job.max_tokens, transfer_mode=run.job.transfer_mode, stream=True, batch=len(jobs),
                      **run.job.noted)
@@ -240,6 +242,12 @@ async def _stream_several(gw: Gateway, request: web.Request, jobs: list[Completi
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = batch_id
     return response
+
+
+def _traced(request: web.Request, job: CompletionJob) -> contextlib.AbstractContextManager:
+    """The request's span, the root of its trace (shared/runtime/tracing.py; nothing when tracing is off)."""
+    return tracing.request_span(f"{request.method} {request.path}", request.headers, request_id=job.request_id,
+                                transfer_mode=job.transfer_mode, prompt_tokens=len(job.prompt_ids), stream=job.stream)
 
 
 def _final_body(gw: Gateway, run: CompletionRun, text: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from shared.runtime.metrics import LatencyMetrics
 from shared.runtime.vllm_metrics import VllmMetrics
 from shared.runtime.models import resolve_model
 from shared.runtime.service import Service
+from shared.runtime import tracing
 from services.gateway import api
 from services.gateway.api_key import require_api_key
 from services.gateway.admission import Admission
@@ -150,6 +151,7 @@ class GatewayService(Service):
         self.generation_tokens.inc(len(run.token_ids))
         for path, n in run.kv_bytes.items():
             self.latency.kv_bytes.inc(n, path=path)
+        tracing.annotate(mode=mode, status=status, completion_tokens=len(run.token_ids))
 
     def stats(self) -> dict[str, Any]:
         return {"model": self.model_id, "workers": {r: len(self.registry.alive(r)) for r in ("prefill", "decode", "broker", "kvprofile")},

@@ -40,6 +40,7 @@ from schemas.modes import Aux
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages
 from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
+from shared.runtime import tracing
 from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.runtime.worker import ModelWorkerService
@@ -172,7 +173,7 @@ class PrefillService(ModelWorkerService):
         log.info("prefill_done", tokens=n, cached_tokens=first.num_cached_tokens, prefill_s=round(prefill_s, 3),
                  tokens_per_s=round(rate, 1), mode=req.transfer_mode, **link)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
-        asyncio.create_task(self._await_pushes(req.request_id))
+        asyncio.create_task(tracing.in_span("prefill.pushes", self._await_pushes(req.request_id)))
         query_entries = transfer.query_push.num_entries if transfer.query_push else 0
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,

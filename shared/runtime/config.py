@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from schemas.subjects import is_token
+from shared.runtime.tracing import has_otlp_exporter, otlp_endpoint
 from shared.runtime.settings_file import ROLES, SettingsFileError, field_help, file_values, read_settings_file
 
 C = TypeVar("C", bound="ServiceConfig")
@@ -64,6 +65,10 @@ class ServiceConfig:
     # this long of connecting or of its last response: a client trickling its headers (slowloris) holds a socket
     # for this long at most. The same limit closes an idle keep-alive connection.
     header_timeout_s: float = 10.0
+    # OpenTelemetry tracing (shared/runtime/tracing.py): one trace per request across the services, its context
+    # carried in NATS headers; spans go to tracing_file and/or the OTLP collector at OTEL_EXPORTER_OTLP_ENDPOINT
+    tracing: bool = False
+    tracing_file: str = ""  # JSON lines, one span a line, appended; every process of a stack may share one file
 
     @property
     def nats_urls(self) -> list[str]:
@@ -104,6 +109,9 @@ class ServiceConfig:
             raise ConfigError("restarts must be ≥ 0")
         if self.worker_id and not is_token(self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must be letters, digits, '-' or '_' (it is part of NATS subjects)")
+        if self.tracing and not (self.tracing_file or (otlp_endpoint() and has_otlp_exporter())):
+            raise ConfigError("tracing needs somewhere to send spans: set SMARTGEN_TRACING_FILE, or "
+                              "OTEL_EXPORTER_OTLP_ENDPOINT (with opentelemetry-exporter-otlp-proto-http installed)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         if self.nats_token and (self.nats_user or self.nats_password):

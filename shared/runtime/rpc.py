@@ -1,6 +1,9 @@
 """Request/reply over NATS with schema messages, the handler wrapper every endpoint uses, and the backoff for
 asking again what nobody answered yet.
 
+While a request is traced (shared/runtime/tracing.py), `call` and `publish` carry its trace context in the
+message's headers and `endpoint` and `subscriber` run the handler in a span that continues it.
+
 An error reply is an `ErrorReply` body plus nats.micro's error headers, so `nats micro` tools
 see it as an error too. `call` turns it back into a `RemoteError` on the calling side.
 """
@@ -17,6 +20,7 @@ from nats.aio.client import Client
 from nats.micro.request import Request
 
 from schemas import ErrorCode, ErrorReply, SchemaError, decode, encode
+from shared.runtime import tracing
 
 T = TypeVar("T")
 ERROR_HEADER = "Nats-Service-Error"
@@ -44,7 +48,7 @@ class RequestRefused(Exception):
 
 async def call(nc: Client, subject: str, message: Any, reply_type: type[T], timeout: float) -> T:
     try:
-        msg = await nc.request(subject, encode(message), timeout=timeout)
+        msg = await nc.request(subject, encode(message), timeout=timeout, headers=tracing.headers())
     except nats.errors.NoRespondersError:
         raise RemoteError(ErrorCode.UNAVAILABLE, f"no worker answers on {subject}") from None
     except nats.errors.TimeoutError:
@@ -53,6 +57,11 @@ async def call(nc: Client, subject: str, message: Any, reply_type: type[T], time
         err = decode(ErrorReply, msg.data) if msg.data else ErrorReply(ErrorCode.INTERNAL, msg.headers[ERROR_HEADER])
         raise RemoteError(err.code, err.message)
     return decode(reply_type, msg.data)
+
+
+async def publish(nc: Client, subject: str, message: Any) -> None:
+    """Publish a schema message (with the trace context, when a traced request is being handled)."""
+    await nc.publish(subject, encode(message), headers=tracing.headers())
 
 
 async def respond_error(req: Request, code: ErrorCode, message: str) -> None:
@@ -86,7 +95,8 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
         request_id = getattr(message, "request_id", None)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                reply = await handler(message)
+                with tracing.handling(req, request_id):
+                    reply = await handler(message)
             except RequestRefused as exc:
                 log.info("request_refused", code=exc.code, reason=exc.message)
                 await respond_error(req, exc.code, exc.message)
@@ -117,7 +127,8 @@ def subscriber(message_type: type[T], handler: Callable[[T], Awaitable[None]]) -
         except SchemaError as exc:
             log.warning("bad_message", subject=msg.subject, type=message_type.__name__, error=str(exc))
             return
-        await handler(message)
+        with tracing.handling(msg, getattr(message, "request_id", None)):
+            await handler(message)
 
     return on_msg
 

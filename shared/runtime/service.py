@@ -3,7 +3,8 @@
 A service subclasses `Service` (endpoints in `start`, numbers in `stats`) and its `__main__` calls `config_main`
 (settings, then JSON logging) and `run_main`. The runner, in order: admin HTTP server (routes that change state
 behind the admin token, shared/runtime/admin_auth.py) → NATS (credentials and TLS from shared/runtime/natsconn.py) → nats.micro
-registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats.
+registration (`smartgen-<role>`, so `$SRV.PING/INFO/STATS` answer) → the service's endpoints → heartbeats
+(tracing, when on, before all of them: shared/runtime/tracing.py).
 SIGINT/SIGTERM set an event; on the way out everything is undone in reverse, NATS drained last.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from shared.runtime.access_log import JsonAccessLogger
 from shared.runtime.logging import LOGGER_NAME, setup_logging
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Registry
 from shared.runtime.natsconn import connect_options, redacted_url
+from shared.runtime import tracing
 from shared.runtime.rpc import subscriber
 
 log = structlog.get_logger()
@@ -198,6 +200,8 @@ async def run_service(service: Service) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     async with AsyncExitStack() as stack:
+        tracing.setup(service.role, service.worker_id, config.tracing, config.tracing_file)
+        stack.callback(tracing.shutdown)  # last: after NATS drained, so every span is out
         runner = http_runner(service)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
