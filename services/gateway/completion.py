@@ -32,9 +32,9 @@ from nats.aio.client import Client
 
 from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
                      PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
-                     TransferPlan, WorkerInfo, decode, encode, mode_of, subjects)
+                     TransferPlan, WorkerInfo, decode, mode_of, subjects)
 from schemas.modes import Aux, ModeName
-from shared.runtime.rpc import RemoteError, call
+from shared.runtime.rpc import RemoteError, call, publish
 from shared.runtime.registry import WorkerRegistry
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.requests import ApiError, CompletionJob
@@ -192,8 +192,8 @@ class CompletionRun:
             await self._abort(self.prefill, "its decode worker died", wait=False)
         self._watch_prefill = ""
         if self._plan_asked and self.plan is not None:
-            await self.nc.publish(subjects.worker("broker", self.plan.broker_worker_id, "event"),
-                                  encode(PlanEvent(self.job.request_id, PlanState.FAILED, why)))
+            await publish(self.nc, subjects.worker("broker", self.plan.broker_worker_id, "event"),
+                          PlanEvent(self.job.request_id, PlanState.FAILED, why))
 
     def _remember_kv(self) -> None:
         """A full-mode request finished: its decode worker's prefix cache now holds its prompt's full pages (what
@@ -421,7 +421,7 @@ class CompletionRun:
         log.warning("prefill_lost", prefill_worker_id=prefill.worker_id, failure_policy=self.job.failure_policy,
                     phase=phase)
         failed = TransferFailed(self.job.request_id, f"prefill worker {prefill.worker_id} stopped sending heartbeats")
-        await self.nc.publish(subjects.worker("decode", self.decode.worker_id, "transfer_failed"), encode(failed))
+        await publish(self.nc, subjects.worker("decode", self.decode.worker_id, "transfer_failed"), failed)
 
     def _stamp(self, token_id: int, logprobs: TokenLogprobs | None) -> int:
         self.token_ids.append(token_id)
@@ -452,8 +452,8 @@ class CompletionRun:
             broker_id = self.plan.broker_worker_id if self.plan else self.broker.worker_id if self.broker else ""
             if self._plan_asked and broker_id:
                 try:
-                    await self.nc.publish(subjects.worker("broker", broker_id, "event"),
-                                          encode(PlanEvent(self.job.request_id, PlanState.FAILED, f"aborted: {reason}")))
+                    await publish(self.nc, subjects.worker("broker", broker_id, "event"),
+                                  PlanEvent(self.job.request_id, PlanState.FAILED, f"aborted: {reason}"))
                 except Exception as exc:  # NATS closing: the broker expires the plan instead
                     log.warning("plan_event_failed", error=str(exc))
         if self.finish_reason == "stop_string":

@@ -35,13 +35,13 @@ from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
 from schemas import (Abort, Ack, ErrorCode, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling,
-                     TransferFailed, TransferMode, encode, entry_region_bytes, mode_of, pushed_pages, pushed_runs, subjects)
+                     TransferFailed, TransferMode, entry_region_bytes, mode_of, pushed_pages, pushed_runs, subjects)
 from schemas.modes import Aux
 from shared.dataplane import DataPlaneError, Grant, Lane, Segment
 from shared.compute.kvstore import OutOfPages
 from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
 from shared.runtime import tracing
-from shared.runtime.rpc import RequestRefused, endpoint, subscriber
+from shared.runtime.rpc import RequestRefused, endpoint, publish, subscriber
 from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_prep_dir
 from shared.runtime.worker import ModelWorkerService
 from services.prefill.checks import prefill_problem, reads_codes
@@ -366,7 +366,7 @@ class PrefillService(ModelWorkerService):
     async def _report_failure(self, handle: KvHandle, error: str) -> None:
         if self.nc is not None:
             subject = subjects.worker("decode", handle.decode_worker_id, "transfer_failed")
-            await self.nc.publish(subject, encode(TransferFailed(handle.request_id, error)))
+            await publish(self.nc, subject, TransferFailed(handle.request_id, error))
 
     async def _finish(self, request_id: str, cancel: bool) -> None:
         transfer = self.active.pop(request_id, None)
