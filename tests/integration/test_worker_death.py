@@ -141,6 +141,9 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
         admin_post(stack, prefill, "/fault", {"kind": "slow_prefill", "delay_s": 20})
         body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 0, "transfer_mode": "full"}
         asking, answer = ask_in_background(url, body)
+        # NOTE: once the prefill holds the request, the decode worker's `open` has been answered: a kill before that
+        # reply is another case (the gateway's open call then waits out its timeout, CONTROL_TIMEOUT_S)
+        wait_until(lambda: get_json(prefill["admin_url"] + "/stats")["active_requests"] > 0, 10, "the prefill began")
         reserved = decode_holding_a_reservation(decodes)
         os.kill(reserved["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -159,6 +162,14 @@ def ask_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
         zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
     asking.start()
     return asking, answer
+
+
+def wait_until(ready, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.05)
 
 
 def decode_holding_a_reservation(decodes: list[dict], timeout_s: float = 10) -> dict:
