@@ -343,8 +343,9 @@ def test_a_restarted_broker_rebuilds_live_plans_from_heartbeats(paced):
     before = broker_info(paced)["admin_url"]
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, paced, transfer_mode="smartgen", max_tokens=600)
-        for _ in range(200):
-            if get_json(before + "/transfers")["live"]:
+        for _ in range(400):  # until it decodes (not while the plan is still opening: the prefill pushing)
+            live = get_json(before + "/transfers")["live"]
+            if live and live[0]["state"] in ("transferring", "all_local"):
                 break
             time.sleep(0.05)
         paced.restart("broker")
