@@ -106,11 +106,13 @@ def test_under_recompute_a_decode_worker_lost_between_open_and_generate_is_repla
         _, reference = post_json(url + "/v1/completions", body | {"transfer_mode": "colocated"})
         workers = list_workers(url, stack.admin_token)
         prefill = next(w for w in workers if w["role"] == "prefill")
+        broker = next(w for w in workers if w["role"] == "broker")
         decodes = [w for w in workers if w["role"] == "decode"]
         os.kill(prefill["pid"], signal.SIGSTOP)
         try:
             asking, answer = ask_in_background(url, body)
             reserved = decode_holding_a_reservation(decodes)
+            wait_until(lambda: plan_opened(broker), 10, "the broker opened the plan (decode's open was answered)")
             os.kill(reserved["pid"], signal.SIGKILL)
         finally:
             os.kill(prefill["pid"], signal.SIGCONT)
@@ -162,6 +164,12 @@ def ask_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
         zip(("status", "body"), post_json(url + "/v1/completions", body, timeout=60))))
     asking.start()
     return asking, answer
+
+
+def plan_opened(broker: dict) -> bool:
+    """The broker holds a live plan: the gateway asked it after the decode worker answered `open` (a decode
+    killed before that answer is a different case: the gateway's open call then waits out its timeout)."""
+    return bool(get_json(broker["admin_url"] + "/transfers")["live"])
 
 
 def wait_until(ready, timeout_s: float, what: str) -> None:
