@@ -122,21 +122,22 @@ def command(args: argparse.Namespace) -> int:
             time.sleep(0.25)
     finally:
         log.info("stack_stopping")
-        codes = stack.stop(timeout_s=_drain_s() + SHUTDOWN_GRACE_S + 5)  # services drain first, then stop
+        codes = stack.stop(timeout_s=_drain_s(config_path) + SHUTDOWN_GRACE_S + 5)  # services drain first, then stop
         if args.api_key:
             shutil.rmtree(key_file.parent, ignore_errors=True)
         log.info("stack_stopped", exit_codes=codes)
     return code
 
 
-def _drain_s() -> float:
-    """How long the services may drain (ServiceConfig.drain_s: SMARTGEN_DRAIN_S, else its default)."""
-    from shared.runtime.config import ServiceConfig, env_name
+def _drain_s(config_path: str) -> float:
+    """How long the services may drain (ServiceConfig.drain_s: SMARTGEN_DRAIN_S, else the settings file, else its
+    default)."""
+    from shared.runtime.config import ServiceConfig
 
     default = next(f.default for f in dataclasses.fields(ServiceConfig) if f.name == "drain_s")
     try:
-        return float(os.environ.get(env_name("drain_s"), default))
-    except ValueError:  # the services refuse it themselves, with the reason
+        return float(_setting(config_path, "drain_s", default))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # the services refuse it themselves, with the reason
         return float(default)
 
 

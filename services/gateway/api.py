@@ -186,12 +186,15 @@ async def _serve_several(gw: Gateway, request: web.Request, jobs: list[Completio
     (admitted, queued and counted alone), all at once; the answer has the choices in order, each with its own
     `smartgen` figures (the top-level `smartgen` is the first's), and the usage: every prompt's tokens once, every
     choice's completion tokens. The first failure answers for all."""
+    runs: list[CompletionRun] = []
+
     async def one(job: CompletionJob) -> dict[str, Any]:
         with structlog.contextvars.bound_contextvars(request_id=job.request_id), _traced(request, job):
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
-                     transfer_mode=job.transfer_mode, stream=False, batch=len(jobs))
+                     transfer_mode=job.transfer_mode, stream=False, batch=len(jobs), **job.noted)
             async with gw.admission.slot() as queue_s:
                 run = _new_run(gw, job, queue_s)
+                runs.append(run)
                 try:
                     return await _complete(gw, run)
                 finally:
@@ -205,13 +208,9 @@ async def _serve_several(gw: Gateway, request: web.Request, jobs: list[Completio
         if isinstance(outcome, BaseException):
             raise outcome
     choices = [{**body["choices"][0], "index": i, "smartgen": body["smartgen"]} for i, body in enumerate(bodies)]
-    usage = {"prompt_tokens": sum(body["usage"]["prompt_tokens"] for body in bodies[::n]),
-             "completion_tokens": sum(body["usage"]["completion_tokens"] for body in bodies)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    usage["prompt_tokens_details"] = {"cached_tokens": sum(body["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                                           for body in bodies[::n])}
+    runs.sort(key=lambda run: jobs.index(run.job))  # (admitted in any order) choice p·n + j answers prompt p
     batch_id = client_id or jobs[0].request_id.rsplit("-", 1)[0]  # the jobs' ids are <batch_id>-<i>
-    response = web.json_response({**bodies[0], "id": batch_id, "choices": choices, "usage": usage})
+    response = web.json_response({**bodies[0], "id": batch_id, "choices": choices, "usage": usage(runs, n)})
     response.headers[REQUEST_ID_HEADER] = batch_id
     return response
 

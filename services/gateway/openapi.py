@@ -14,9 +14,8 @@ from typing import Any
 from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_PUSH_KV_BITS, DEFAULT_SELECTOR, FAILURE_POLICIES,
                      KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES)
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
-                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
-                                       OFF_VALUES)
-from services.gateway.fields import NOTED, OFF_BY_ROUTE, REFUSED
+                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K)
+from services.gateway.fields import NOTED, OFF_BY_ROUTE, OFF_VALUES, REFUSED
 from services.gateway.structured import GUIDED, MAX_TOOLS
 from shared import __version__
 

@@ -13,7 +13,7 @@ from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_S
 from schemas.subjects import is_token
 from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
 from services.gateway.chat import chat_options, chat_prompt, check_text
-from services.gateway.fields import OFF_VALUES, check_fields
+from services.gateway.fields import check_fields
 from services.gateway.structured import Structure, structure_of
 
 MAX_STOP_STRINGS = 4

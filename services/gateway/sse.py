@@ -23,10 +23,10 @@ from services.gateway.report import summary
 from services.gateway.requests import CompletionJob
 from services.gateway.structured import ToolCallStream
 from services.gateway.textstream import TextStream
+from shared.runtime.access_log import REQUEST_ID_HEADER
 
 log = structlog.get_logger()
 WRITE_TIMEOUT_S = 30.0  # a streaming client that takes no bytes for this long is dropped (_write)
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def usage(runs: list[CompletionRun], n: int = 1) -> dict[str, Any]:

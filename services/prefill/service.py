@@ -165,7 +165,7 @@ class PrefillService(ModelWorkerService):
         link = transfer.link_during_prefill(prefill_s)
         if transfer.held:
             await self._push_step_one_selection(req, transfer, first.token)
-        rate = n / prefill_s
+        rate = (n - first.num_cached_tokens) / prefill_s  # the tokens it computed (a prefix cache hit skips the rest)
         # NOTE: a prefix cache hit computed only part of the prompt: its time says nothing of the rate at n tokens
         if not first.num_cached_tokens and self.prefill_times.observe(n, prefill_s):  # a length not measured before
             await self.publish_heartbeat()  # tell the broker now

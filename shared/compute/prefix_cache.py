@@ -107,9 +107,11 @@ class PrefixCache:
 
     def insert(self, token_ids: Sequence[int], layers: LayerKv) -> int:
         """Keep the full pages of `token_ids` not cached yet, copied from `layers` (the prompt's KV, per layer,
-        (num_kv_heads, ≥ len(token_ids), head_dim), any device). Evicts unheld pages, least recently used first,
-        to make room; stops at the first page that finds none. Returns the pages added."""
+        (num_kv_heads, ≥ len(token_ids), head_dim), any device). Evicts unheld pages of other chains, least recently
+        used first, to make room (never this chain's own, which would leave its later pages unreachable); stops at
+        the first page that finds none. Returns the pages added."""
         keys = page_keys(token_ids, self.page_tokens)
+        chain = set(keys)
         added = 0
         for index, key in enumerate(keys):
             with self._lock:
@@ -119,7 +121,7 @@ class PrefixCache:
             kv = torch.stack([torch.stack([k[:, start:start + self.page_tokens], v[:, start:start + self.page_tokens]])
                               for k, v in layers]).to("cpu", copy=True)  # (L, 2, H, page_tokens, D)
             with self._lock:
-                if not self._make_room(kv.nbytes):
+                if not self._make_room(kv.nbytes, chain):
                     break
                 self._pages[key] = _Page(kv)
                 self.num_bytes += kv.nbytes
@@ -138,12 +140,12 @@ class PrefixCache:
         for key in reversed(keys):  # NOTE: the chain's first page ends up the most recently used (module docstring)
             self._pages.move_to_end(key)
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict unheld pages, least recently used first, until `nbytes` more fit. False (having evicted what it
-        could) if they cannot."""
+    def _make_room(self, nbytes: int, keep: set[bytes]) -> bool:
+        """Evict unheld pages not in `keep`, least recently used first, until `nbytes` more fit. False (having
+        evicted what it could) if they cannot."""
         if nbytes > self.capacity_bytes:
             return False
-        for key in [key for key, page in self._pages.items() if not page.num_refs]:
+        for key in [key for key, page in self._pages.items() if not page.num_refs and key not in keep]:
             if self.num_bytes + nbytes <= self.capacity_bytes:
                 break
             self.num_bytes -= self._pages.pop(key).kv.nbytes

@@ -17,6 +17,7 @@ these VMs) covers its payload when FLAG_CHECKSUM is set.
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,8 +51,8 @@ LANE_FLAGS = {Lane.ON_DEMAND: 0, Lane.PUSH: FLAG_PUSH_LANE, Lane.BACKGROUND: FLA
 
 
 def reply_lane(flags: int) -> Lane:
-    """The lane a READ or GATHER with these flags asks its reply to travel on."""
-    return Lane.BACKGROUND if flags & FLAG_BACKGROUND else Lane.PUSH if flags & FLAG_PUSH_LANE else Lane.ON_DEMAND
+    """The lane a READ or GATHER with these flags asks its reply to travel on (LANE_FLAGS read backwards)."""
+    return next((lane for lane, flag in LANE_FLAGS.items() if flag and flags & flag), Lane.ON_DEMAND)
 
 
 class FrameError(ValueError):
@@ -71,8 +72,7 @@ class Header:
 
     def with_crc(self, crc: int) -> "Header":
         """This header saying its payload's crc32c."""
-        return Header(self.op, self.status, self.seq, self.ticket, self.num_segments, self.payload_len,
-                      self.flags | FLAG_CHECKSUM, crc)
+        return dataclasses.replace(self, flags=self.flags | FLAG_CHECKSUM, crc=crc)
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, self.op, self.status, self.flags, self.seq, self.ticket, self.num_segments,

@@ -80,6 +80,7 @@ class ModelWorkerService(Service):
                                   lambda: cache.num_hit_tokens)
         self.metrics.gauge(f"{metric_prefix}_bytes", "Host memory held by the prefix cache's pages",
                            lambda: cache.num_bytes)
+        self.pool = cache
         return cache
 
     async def in_torch(self, fn: Callable[..., T], *args: Any) -> T:

@@ -220,3 +220,15 @@ def test_bench_prefix_prefill_smoke(tiny_model_path):
 
     row = run(str(tiny_model_path), prompt_tokens=128, hit=0.75, repeats=1)
     assert row["hit_tokens"] == [96] and row["first_tokens_equal"] and row["kv_max_abs_diff"] < 1e-2
+
+
+def test_a_prompt_larger_than_the_pool_keeps_a_usable_prefix():
+    """Room for 2 pages, a prompt of 4: its first 2 pages stay (a later prompt hits them), not pages whose earlier
+    pages were evicted to make room for them (unreachable: a hit walks the chain from the start)."""
+    cache = PrefixCache(2 * PAGE_BYTES, PAGE)
+    ids = list(range(4 * PAGE))
+    assert cache.insert(ids, fake_kv(len(ids))) == 2
+    hit = cache.acquire(ids + [99])
+    assert hit.num_tokens == 2 * PAGE
+    cache.release(hit)
+    assert_none_held(cache)

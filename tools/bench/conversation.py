@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from tools.args import add_json
+from tools.args import add_json, add_model
 from tools.client import post_json
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--document-lines", type=int, default=60, help="lines of the document in turn 1 (~43 tokens each)")
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens of each answer")
     bench.add_argument("--link-gbps", type=float, default=0.5, help="every data-plane link paced to this (0 = unpaced)")
-    bench.add_argument("--model", default="", help="a model folder (default: the prepared SmolLM2)")
+    add_model(bench)
     bench.set_defaults(run=command)
 
 

@@ -13,9 +13,10 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.args import add_json
+from shared.runtime.config import ModelWorkerConfig
+from tools.args import add_json, add_model
 
-PAGE_TOKENS = 16  # the services' default page_tokens
+PAGE_TOKENS = ModelWorkerConfig().page_tokens  # the services' default page_tokens
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--hit", type=float, default=0.75, help="share of each prompt that is the shared document")
     bench.add_argument("--repeats", type=int, default=3, help="timed prompts per case (median reported)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
-    bench.add_argument("--model", default="", help="a model folder (default: the prepared SmolLM2)")
+    add_model(bench)
     bench.set_defaults(run=command)
 
 

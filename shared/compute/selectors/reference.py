@@ -1,6 +1,6 @@
 """The reference selection: the selectors' `select` and the decode step's sinks-and-recent floor as they were
 before the fast path (issue #33), kept verbatim as the test oracle. The fast path (the selectors' `select`,
-selective.py's `_with_sinks_and_recent`) must pick exactly these indices; tests/unit/test_fast_selection.py
+floor.py's `_with_sinks_and_recent`) must pick exactly these indices; tests/unit/test_fast_selection.py
 checks it. Nothing at runtime calls this module.
 """
 from __future__ import annotations
