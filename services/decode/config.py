@@ -28,6 +28,9 @@ class DecodeConfig(ModelWorkerConfig):
     min_budget_tokens: int = DEFAULT_FLOOR.min_tokens
     sink_tokens: int = DEFAULT_FLOOR.sinks
     recent_tokens: int = DEFAULT_FLOOR.recent
+    # the selection's memory (BudgetFloor.stick): entries a request's earlier steps selected score this many standard
+    # deviations of the step's scores higher (HATA, InfiniGen); 0 = none
+    selection_stick: float = DEFAULT_FLOOR.stick
     # host memory for the decode side's prefix cache (shared/compute/prefix_cache.py): KV pages of finished full-mode
     # requests' prompts, copied into a new request's slab where its prompt starts the same way, so the
     # prefill pushes only the rest (a conversation's next turn moves its latest answer and question); 0 = off
@@ -41,10 +44,13 @@ class DecodeConfig(ModelWorkerConfig):
             raise ConfigError("max_batch must be ≥ 1")
         if min(self.selective_min_tokens, self.sink_tokens, self.recent_tokens) < 0 or self.min_budget_tokens < 1:
             raise ConfigError("selective_min_tokens, sink_tokens and recent_tokens must be ≥ 0, min_budget_tokens ≥ 1")
+        if not 0 <= self.selection_stick <= 10:
+            raise ConfigError(f"selection_stick {self.selection_stick} must be within [0, 10] (standard deviations; 0 = none)")
         if self.decode_prefix_cache_mb < 0:
             raise ConfigError(f"decode_prefix_cache_mb {self.decode_prefix_cache_mb} must be ≥ 0 (0 turns the decode "
                               "side's prefix cache off)")
 
     @property
     def floor(self) -> BudgetFloor:
-        return BudgetFloor(self.min_budget_tokens, self.selective_min_tokens, self.sink_tokens, self.recent_tokens)
+        return BudgetFloor(self.min_budget_tokens, self.selective_min_tokens, self.sink_tokens, self.recent_tokens,
+                           self.selection_stick)

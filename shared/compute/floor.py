@@ -1,12 +1,15 @@
 """The budget floor's token indices: a step's selection is the selector's top picks plus the first `sinks` and the
 last `recent` tokens (schemas BudgetFloor), read off one bool mask per KV head by one nonzero, with no top-k and no
-sort; `select_with_floor` is the rule the decode step and the prefill's query-aware push share."""
+sort; `select_with_floor` is the rule the decode step and the prefill's query-aware push share. With the floor's
+`stick`, entries the request's earlier steps picked at the layer (`remember_picks`) score higher (the selection's
+memory: the union of a request's selections, what a slow link must carry, grows slower)."""
 from __future__ import annotations
 
 import torch
 
 from schemas import BudgetFloor
 from shared.compute.selectors import LayerState, Selector
+from shared.compute.selectors.base import top_k_unsorted
 
 
 def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
@@ -57,8 +60,32 @@ def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: 
     window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
     mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it."""
     kept = min(n, floor.sinks + floor.recent)
-    if not kept:
-        return selector.select(layer, state, probe, max(1, k))
+    picks = max(1, k - kept)
+    scored = selector.token_scores(layer, state, probe, picks) if floor.stick and state.picked is not None else None
+    if not kept and scored is None:
+        return selector.select(layer, state, probe, picks)
     mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
-    selector.mark(layer, state, probe, max(1, k - kept), mask)
+    if scored is None:
+        selector.mark(layer, state, probe, picks, mask)
+    else:
+        scores, picks = scored
+        prefer_picked(scores, state.picked, floor.stick)
+        mask.scatter_(1, top_k_unsorted(scores, picks), True)
     return _mask_indices(mask, n)
+
+
+def prefer_picked(scores: torch.Tensor, picked: torch.Tensor, stick: float) -> None:
+    """scores (H_kv, n) += stick × each row's standard deviation at the entries `picked` (H_kv, N + 1) marks."""
+    m = min(picked.shape[1] - 1, scores.shape[1])
+    bonus = scores.std(dim=1, keepdim=True).mul_(stick)  # (H_kv, 1), in the selector's own units
+    scores[:, :m].addcmul_(picked[:, :m], bonus)
+
+
+def remember_picks(state: LayerState, idx: torch.Tensor, n: int, floor: BudgetFloor) -> None:
+    """A step selected `idx` (H_kv, k) of `n` cached tokens at this layer: the selection's memory marks them (the
+    first step fixes N = n; later tokens, never remote, are not remembered)."""
+    if not floor.stick:
+        return
+    if state.picked is None:
+        state.picked = torch.zeros(idx.shape[0], n + 1, dtype=torch.float32, device=idx.device)
+    state.picked.scatter_(1, idx.clamp(max=state.picked.shape[1] - 1), 1.0)

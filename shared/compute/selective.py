@@ -48,7 +48,7 @@ from shared.runtime.profiles import token_blocks
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 # NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
 # `selective.select_with_floor` for a run, and the step below calls it through this namespace
-from shared.compute.floor import select_with_floor
+from shared.compute.floor import remember_picks, select_with_floor
 from shared.compute.gather import gather_pair
 from shared.compute.queries import speculated_query
 
@@ -303,6 +303,7 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         speculates = getattr(sel.selector, "speculates", False)
         probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
         row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
+        remember_picks(state, row.idx, n, sel.budget.floor)
         if sel.picks is not None:
             sel.picks[layer] = row.idx
         row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None

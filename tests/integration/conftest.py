@@ -15,7 +15,7 @@ from tools.stack import Stack, StackSpec, started_stack
 # The bare budget, no floor (schemas/constants.py BudgetFloor): these stacks test the sparse mechanics (remote
 # reads, selections, transfer) on prompts far shorter than the floor's dense threshold of 1,024 tokens
 NO_FLOOR_ENV = {"SMARTGEN_SELECTIVE_MIN_TOKENS": "0", "SMARTGEN_MIN_BUDGET_TOKENS": "1", "SMARTGEN_SINK_TOKENS": "0",
-                "SMARTGEN_RECENT_TOKENS": "0"}
+                "SMARTGEN_RECENT_TOKENS": "0", "SMARTGEN_SELECTION_STICK": "0"}
 
 
 def post_sse(url: str, body: dict, timeout: float = 120.0) -> list[dict]:

@@ -85,6 +85,9 @@ class LayerState:
     """A selector's metadata for one layer of one request; grows as tokens are cached."""
 
     num_tokens: int = 0
+    # the selection's memory (schemas BudgetFloor.stick, shared/compute/floor.py): (num_kv_heads, N + 1) float32,
+    # 1.0 at the first N cached tokens an earlier step selected at this layer (column N gathers later tokens: unused)
+    picked: torch.Tensor | None = None
 
 
 class Selector(abc.ABC):
@@ -121,6 +124,12 @@ class Selector(abc.ABC):
     @abc.abstractmethod
     def select(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (num_kv_heads, ≤ k) of the tokens to attend to for this query; rows sorted ascending."""
+
+    def token_scores(self, layer: int, state: LayerState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int] | None:
+        """For selectors that rank single tokens: (scores (num_kv_heads, n) float, a fresh tensor the caller may
+        change; k' ≤ k) such that the top k' scores of each row are `mark`'s picks. None for the others (they have
+        no selection memory, BudgetFloor.stick)."""
+        return None
 
     def mark(self, layer: int, state: LayerState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
         """Set `mask` (num_kv_heads, ≥ n) bool at the tokens `select` picks, the same set (the decode step's floor

@@ -113,6 +113,9 @@ class HataSelector(Selector):
     def select(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> torch.Tensor:
         return top_k(self._scores(layer, state, query), k)
 
+    def token_scores(self, layer: int, state: HataState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        return self._scores(layer, state, query), k
+
     def mark(self, layer: int, state: HataState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
         mask.scatter_(1, top_k_unsorted(self._scores(layer, state, query), k), True)
 

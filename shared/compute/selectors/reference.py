@@ -24,15 +24,23 @@ def with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) ->
 
 
 def hata_select(sel: HataSelector, layer: int, state, query: torch.Tensor, k: int) -> torch.Tensor:
+    return top_k(*hata_scores(sel, layer, state, query, k))
+
+
+def hata_scores(sel: HataSelector, layer: int, state, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     g = sel.geometry
     w = sel.weights[layer].repeat_interleave(g.group, dim=0)  # (num_heads, bits, d)
     q_codes = pack_codes(query[:, None, :], w).view(g.num_kv_heads, g.group, 1, -1)  # (kv, G, 1, bytes)
     diff = q_codes ^ state.codes.data[:, None]  # (kv, G, n, bytes)
     hamming = torch.take(_POPCOUNT.to(diff.device), diff.long()).sum((1, 3), dtype=torch.int32)  # (kv, n)
-    return top_k(-hamming.float(), k)
+    return -hamming.float(), k
 
 
 def infinigen_select(sel: InfiniGenSelector, layer: int, state, query: torch.Tensor, k: int) -> torch.Tensor:
+    return top_k(*infinigen_scores(sel, layer, state, query, k))
+
+
+def infinigen_scores(sel: InfiniGenSelector, layer: int, state, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     g = sel.geometry
     skew, cols = sel.skew[layer].to(query.device), sel.channels[layer].to(query.device)
     skew, cols = (t.repeat_interleave(g.group, dim=0) for t in (skew, cols))
@@ -41,7 +49,7 @@ def infinigen_select(sel: InfiniGenSelector, layer: int, state, query: torch.Ten
     logits = q @ state.partial_keys.data.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
     rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
     count = int((rel >= -sel.alpha).sum(-1).max())
-    return top_k(rel, max(1, min(k, count)))
+    return rel, max(1, min(k, count))
 
 
 def quest_select(sel: QuestSelector, layer: int, state, query: torch.Tensor, k: int) -> torch.Tensor:
@@ -74,5 +82,12 @@ def select(selector, layer: int, state, query: torch.Tensor, k: int) -> torch.Te
 
 def select_with_floor(selector, layer: int, state, probe: torch.Tensor, k: int, n: int, floor) -> torch.Tensor:
     kept = min(n, floor.sinks + floor.recent)
-    idx = select(selector, layer, state, probe, max(1, k - kept))
+    scores = {HataSelector: hata_scores, InfiniGenSelector: infinigen_scores}.get(type(selector))
+    if floor.stick and state.picked is not None and scores is not None:  # the selection's memory (floor.py)
+        s, picks = scores(selector, layer, state, probe, max(1, k - kept))
+        m = min(state.picked.shape[1] - 1, n)
+        s[:, :m] += state.picked[:, :m] * (s.std(dim=1, keepdim=True) * floor.stick)
+        idx = top_k(s, picks)
+    else:
+        idx = select(selector, layer, state, probe, max(1, k - kept))
     return with_sinks_and_recent(idx, n, floor.sinks, floor.recent) if kept else idx
