@@ -123,6 +123,8 @@ class DecodeService(ModelWorkerService):
         self._admit(req.request_id)
         slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
         state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
+        if self.dataplane.faults.open_delay_s:  # fault injection (tests): reserved, not answered yet
+            await asyncio.sleep(self.dataplane.faults.open_delay_s)
         if req.transfer_mode == ModeName.FULL and req.token_ids and self.engine.prefix_cache is not None:
             # NOTE: registered first, so an abort meanwhile frees the slab (after the copy: the torch thread is FIFO)
             try:
@@ -130,8 +132,8 @@ class DecodeService(ModelWorkerService):
             except BaseException:
                 await asyncio.shield(self._release(state))
                 raise
-            if self.active.get(req.request_id) is not state:
-                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
+        if self.active.get(req.request_id) is not state:
+            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
         rows = [r for layer in range(self.store.layout.num_layers)
                 for r in self.store.rows(slab, layer, state.cached_tokens, req.num_tokens)]
         aux_at = self.store.aux_offset(slab)

@@ -253,7 +253,10 @@ class CompletionRun:
                 following = self.registry.pick("decode")
             if following is None:
                 why = "; ".join(f"{worker_id}: {exc.message}" for worker_id, exc in refused.items())
-                raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
+                if all(e.code.is_busy for e in refused.values()):
+                    raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
+                raise ApiError(503, f"no live decode worker could take the request ({why}); try again shortly",
+                               code=ErrorCode.UNAVAILABLE)
             self.decode = following
 
     async def _open(self) -> KvHandle:
@@ -263,13 +266,20 @@ class CompletionRun:
         assert self.prefill and self.broker
         wants_metadata = mode_of(job.transfer_mode).aux is Aux.METADATA
 
-        def open_kv() -> Awaitable[KvHandle]:
+        async def open_kv() -> KvHandle:
             assert self.decode
-            return call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
-                        OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
-                               self.selector if wants_metadata else "", job.kv_bits,
-                               list(job.prompt_ids) if job.transfer_mode == ModeName.FULL else []),
-                        KvHandle, CONTROL_TIMEOUT_S)
+            ask = call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
+                       OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
+                              self.selector if wants_metadata else "", job.kv_bits,
+                              list(job.prompt_ids) if job.transfer_mode == ModeName.FULL else []),
+                       KvHandle, CONTROL_TIMEOUT_S)
+            # NOTE: watched by heartbeats only (the request is not in them before `open` returns): a decode worker that
+            # dies between reserving and answering is `unavailable` within the TTL, not after CONTROL_TIMEOUT_S
+            try:
+                return await self._wait(ask, self.decode, "open", is_listed=False)
+            except DecodeLost as exc:
+                await self._abort(self.decode, "it stopped sending heartbeats during open", wait=False)  # if only frozen
+                raise RemoteError(ErrorCode.UNAVAILABLE, str(exc)) from None
 
         handle = await self._on_some_decode(open_kv)
         assert self.decode
@@ -386,10 +396,10 @@ class CompletionRun:
             yield backlog.final
 
     async def _wait(self, awaitable: Awaitable[T], awaited: WorkerInfo, what: str,
-                    also: list[WorkerInfo] | None = None) -> T:
+                    also: list[WorkerInfo] | None = None, is_listed: bool = True) -> T:
         """Await `awaitable` (a reply or the next token from `awaited`), but fail at once, within the heartbeat
-        TTL, if `awaited` or a worker in `also` dies meanwhile or what we wait for was lost in a NATS reconnect,
-        instead of waiting out a long timeout. Under failure_policy `recompute` a dead prefill in `also` is
+        TTL, if `awaited` or a worker in `also` dies meanwhile or (`is_listed`: `awaited` lists the request in its
+        heartbeats) what we wait for was lost in a NATS reconnect, instead of waiting out a long timeout. Under failure_policy `recompute` a dead prefill in `also` is
         reported to the decode worker instead, which carries on without it."""
         assert self._liveness
         task = asyncio.ensure_future(awaitable)
@@ -408,7 +418,8 @@ class CompletionRun:
                         raise lost(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats during {what}")
                     also.remove(worker)
                     await self._report_prefill_lost(worker)
-                self._liveness.check_not_lost(awaited, what)
+                if is_listed:
+                    self._liveness.check_not_lost(awaited, what)
         finally:
             if not task.done():
                 task.cancel()
