@@ -130,7 +130,7 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
     prefilled (held 20 s by fault injection, the prefill alive and heartbeating): the client's error names it
     within the heartbeat TTL, not after the prefill, and the prefill's KV is freed."""
     from tests.integration.conftest import assert_no_leaks
-    from tests.integration.test_faults import admin_post
+    from tests.integration.fault_helpers import admin_post
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
@@ -162,7 +162,7 @@ def test_a_decode_worker_lost_before_answering_open_is_passed_over_at_once(tiny_
     injection): the gateway notices within the heartbeat TTL, not its 10 s open timeout, and the request completes
     on the other decode worker."""
     from tests.integration.conftest import assert_no_leaks
-    from tests.integration.test_faults import admin_post
+    from tests.integration.fault_helpers import admin_post
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
