@@ -1,8 +1,8 @@
 """Steps 1 and 3 of a request's trip (completion.py), the calls that start it: pick the workers, then
-`decode.open` → `broker.open` → `prefill.prefill` → `decode.generate` (colocated: `decode.generate` only). A decode
-worker that refuses for room (`overloaded`, `at_capacity`) or is gone (`unavailable`; at `open`, also one that stops
-heartbeating before it answers) is passed over for the next least loaded (`_on_some_decode`): every one full, a 429;
-none left alive, a 503. Mixed into CompletionRun, whose fields these methods read and set.
+`decode.open` → `broker.open` → `prefill.prefill` → `decode.generate` (colocated: `decode.generate` only).
+A decode worker that refuses for room (`overloaded`, `at_capacity`) or is gone (`unavailable`; at `open`, also one
+that stops heartbeating before it answers) is passed over for the next least loaded (`_on_some_decode`): every one
+full, a 429; none left alive, a 503. Mixed into CompletionRun, whose fields these methods read and set.
 """
 from __future__ import annotations
 
