@@ -1,11 +1,11 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens. The handlers and the request's
-task are here; the request's state is in request.py, its checks in checks.py, the cache on what landed in
-kv_loader.py, the remote KV in remote.py and remote_lifecycle.py, what it reports in report.py, the torch work in
-shared/compute/decode_engine.py.
+task are here, `open` and admission in admission.py; the request's state is in request.py, its checks in
+checks.py, the cache on what landed in kv_loader.py, the remote KV in remote.py and remote_lifecycle.py, what it
+reports in report.py, the torch work in shared/compute/decode_engine.py.
 
 Life of a request here:
-  1. `open`: reserve a slab for the prompt's KV and the completion, plus an aux area for what travels ahead
-     of or instead of the KV (selector metadata, quantized codes); in full mode, copy the prompt's longest
+  1. `open` (admission.py): reserve a slab for the prompt's KV and the completion, plus an aux area for what
+     travels ahead of or instead of the KV (selector metadata, quantized codes); in full mode, copy the prompt's longest
      prefix-cached run of pages into it (`cached_tokens`); grant a fresh ticket over exactly the bytes still
      to come; reply with the KvHandle the prefill node pushes to. Unclaimed reservations expire.
   2. The prefill node pushes into the slab during its prefill (the plan says what); landed bytes are counted.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
 from collections import OrderedDict, deque
 from typing import Any, NoReturn
 
@@ -39,19 +38,19 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (ErrorCode, ModeName, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, ResendTokens, TokenBacklog,
+from schemas import (ErrorCode, ModeName, PlanState, Abort, Accepted, Ack, Generate, OpenKv, ResendTokens, TokenBacklog,
                      TokenEvent, TokenLogprobs, TransferFailed, encode, mode_of, modes_where, subjects)
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.grammar import TokenGrammar
-from shared.compute.kvstore import OutOfPages, Slab
 from shared.compute.selectors import Budget, PreparationMissing, default_prep_dir
-from shared.dataplane import DataPlaneError, Grant
+from shared.dataplane import DataPlaneError
 from shared.runtime.profiles import NUM_BLOCKS
 from shared.runtime import tracing
 from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
-from services.decode.checks import aux_to_fill, aux_to_reserve, fits_problem, generate_problem, open_problem
+from services.decode.admission import Admission
+from services.decode.checks import aux_to_fill, generate_problem
 from services.decode.config import DecodeConfig
 from services.decode.gateway_watch import GatewayWatch
 from services.decode.kv_loader import KvLoader, TransferError
@@ -68,7 +67,9 @@ NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request's open or gener
 NUM_STREAMS_REMEMBERED = 256  # finished streams whose tokens `resend` can still give (the gateway may have lost some)
 
 
-class DecodeService(ModelWorkerService):
+class DecodeService(Admission, ModelWorkerService):
+    """The handlers and each request's task; `open` and the admission every request passes are in admission.py."""
+
     role = "decode"
     config: DecodeConfig
 
@@ -109,41 +110,6 @@ class DecodeService(ModelWorkerService):
         await self.gateway_watch.start(self.active, lambda rid, why: self.abort(Abort(rid, why)))
 
     # --- handlers ------------------------------------------------------------------------
-    async def open(self, req: OpenKv) -> KvHandle:
-        assert self.store and self.dataplane and self.runner
-        if problem := open_problem(req, self.runner):
-            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
-        try:
-            aux_bytes = await aux_to_reserve(self.engine, self.in_torch, req)
-        except ValueError as exc:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
-        if req.request_id in self.aborted:  # NOTE: the abort overtook this open while it sized the aux area
-            raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
-        self._check_fits(req.num_tokens, req.max_tokens, aux_bytes)
-        self._admit(req.request_id)
-        slab = self._allocate(req.request_id, req.num_tokens + req.max_tokens, aux_bytes)
-        state = self.active[req.request_id] = DecodeRequest(req.request_id, mode_of(req.transfer_mode), req.num_tokens, slab)
-        if req.transfer_mode == ModeName.FULL and req.token_ids and self.engine.prefix_cache is not None:
-            # NOTE: registered first, so an abort meanwhile frees the slab (after the copy: the torch thread is FIFO)
-            try:
-                state.cached_tokens = await self.in_torch(self.engine.reuse_prefix, slab, req.token_ids)
-            except BaseException:
-                await asyncio.shield(self._release(state))
-                raise
-            if self.active.get(req.request_id) is not state:
-                raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
-        rows = [r for layer in range(self.store.layout.num_layers)
-                for r in self.store.rows(slab, layer, state.cached_tokens, req.num_tokens)]
-        aux_at = self.store.aux_offset(slab)
-        ranges = [(off, off + n) for off, n in rows] + ([(aux_at, aux_at + aux_bytes)] if aux_bytes else [])
-        state.grant = Grant(secrets.randbits(63), ranges, state.on_landed)
-        self.dataplane.grant(state.grant)
-        state.expiry = asyncio.get_running_loop().call_later(
-            self.config.open_timeout_s, lambda: asyncio.ensure_future(self._expire(req.request_id)))
-        return KvHandle(req.request_id, self.worker_id, self.dataplane.address, state.grant.ticket, self.store.layout,
-                        req.num_tokens, self.store.offset(slab), slab.capacity, aux_at, aux_bytes, self.config.floor,
-                        state.cached_tokens)
-
     async def generate(self, req: Generate) -> Accepted:
         if req.transfer_mode in LOCAL_MODES:
             if req.request_id in self.aborted:  # the client left before this generate was handled
@@ -358,34 +324,9 @@ class DecodeService(ModelWorkerService):
         assert self.nc
         await self.nc.publish(req.stream_subject, encode(event))
 
-    # --- admission, sizes and cleanup -------------------------------------------------------
-    def _check_fits(self, num_tokens: int, max_tokens: int, aux_bytes: int) -> None:
-        if problem := fits_problem(self.store, num_tokens, max_tokens, aux_bytes):
-            raise RequestRefused(ErrorCode.BAD_REQUEST, problem)
-
-    def _allocate(self, request_id: str, capacity: int, aux_bytes: int) -> Slab:
-        """A slab for the request, or `overloaded` while the store is full."""
-        assert self.store
-        try:
-            return self.store.allocate(request_id, capacity, aux_bytes)
-        except OutOfPages as exc:
-            raise RequestRefused(ErrorCode.OVERLOADED, str(exc)) from None
-
+    # --- cleanup and reports -------------------------------------------------------------------
     def is_idle(self) -> bool:  # a drain waits for the streams' last events too
         return not self.active and not self.streaming
-
-    def _admit(self, request_id: str) -> None:
-        if self.draining:
-            raise RequestRefused(ErrorCode.OVERLOADED, "draining: this decode worker is stopping; ask another")
-        if request_id in self.active:
-            raise RequestRefused(ErrorCode.BAD_REQUEST, f"request {request_id} is already here")
-        if len(self.active) >= self.config.max_active_requests:
-            raise RequestRefused(ErrorCode.AT_CAPACITY, f"at capacity: {len(self.active)} requests in progress")
-
-    async def _expire(self, request_id: str) -> None:
-        if (state := self.active.get(request_id)) is not None and state.phase is Phase.RESERVED:
-            log.warning("reservation_expired", request_id=request_id)
-            await self._release(state)
 
     async def _release(self, state: DecodeRequest, plan_state: PlanState = PlanState.FAILED, reason: str = "",
                        keep: list[int] | None = None) -> None:

@@ -1,9 +1,11 @@
-"""One request's trip through the system, seen from the gateway.
+"""One request's trip through the system, seen from the gateway. The calls that start it (steps 1 and 3) are in
+dispatch.py, what it does when a worker is lost mid-request (step 5) in migration.py; both are mixed into
+CompletionRun.
 
   1. Pick a decode worker (and, unless colocated, a prefill worker and the broker): least loaded first; in full
      mode, the decode worker holding the prompt's longest cached prefix, unless it is much busier (routing.py).
      A decode worker without room for the request's pages refuses (`overloaded`); the next one is asked,
-     and only when every live one has refused is the answer a 429.
+     and only when every live one has refused is the answer a 429 (a 503 if some were gone rather than full).
   2. Subscribe to the request's stream subject before anything can be published on it.
   3. Disaggregated modes: `decode.open` reserves the slab (and its aux area) and returns the KvHandle →
      `broker.open` returns the TransferPlan (resolving `auto`) → `prefill.prefill` runs the prompt, pushing
@@ -15,7 +17,8 @@
      (liveness.py) instead of after a long timeout; so does a gap in the stream's token indices.
   5. failure_policy `recompute`: a prefill that fails before token 1 is left behind and the decode worker
      runs the prefill itself (Generate with `first_token` -1); a prefill that dies later is reported to the
-     decode worker (`transfer_failed`), which recomputes if the KV stops coming. The response says so.
+     decode worker (`transfer_failed`), which recomputes if the KV stops coming; a decode worker that dies
+     mid-request is replaced: the request resumes on another one, colocated. The response says so.
   6. `close()` always runs: if the request did not finish (client gone, stop string, error), both workers
      get `abort` and the broker hears the plan failed, so nothing stays allocated.
 """
@@ -23,36 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
 
-from schemas import (ErrorCode, PlanState, Abort, Accepted, Ack, Generate, KvHandle, OpenKv, OpenPlan, PlanEvent, Prefill,
-                     PrefillDone, ResendTokens, Sampling, SchemaError, TokenBacklog, TokenEvent, TokenLogprobs, TransferFailed,
-                     TransferPlan, WorkerInfo, decode, mode_of, subjects)
-from schemas.modes import Aux, ModeName
+from schemas import (ErrorCode, PlanState, Abort, Ack, PlanEvent, ResendTokens, Sampling, SchemaError, TokenBacklog,
+                     TokenEvent, TokenLogprobs, TransferPlan, WorkerInfo, decode, mode_of, subjects)
+from schemas.modes import ModeName
 from shared.runtime.rpc import RemoteError, call, publish
 from shared.runtime.registry import WorkerRegistry
+from services.gateway.dispatch import CONTROL_TIMEOUT_S, Dispatch
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
+from services.gateway.migration import Migration
 from services.gateway.requests import ApiError, CompletionJob
 from services.gateway.routing import PrefixRoutes
 
 __all__ = ["CompletionRun", "RequestFailed"]
 log = structlog.get_logger()
 T = TypeVar("T")
-CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
 LIVENESS_POLL_S = 0.5  # while waiting on a worker, how often to check that its heartbeats still come
-MAX_MIGRATIONS = 2  # failure_policy recompute: decode workers a request may outlive before it fails
-DECODE_FULL_WAIT_S = 10.0  # every decode worker full after admission: keep trying this long before a 429
-DECODE_FULL_RETRY_S = 0.25
 _background: set[asyncio.Task[None]] = set()  # aborts sent to workers that stopped heartbeating (see _abort)
 
 
 @dataclass
-class CompletionRun:
+class CompletionRun(Dispatch, Migration):
+    """One request's trip; the calls that start it are in dispatch.py, what it does when a worker fails in
+    migration.py."""
     nc: Client
     registry: WorkerRegistry
     job: CompletionJob
@@ -96,14 +98,6 @@ class CompletionRun:
     _plan_asked: bool = False  # broker.open was sent: the broker may hold a plan even if its reply never came
     _sub: Any = None
     _closed: bool = False
-
-    def _pick(self, role: str, cached: dict[str, int] | None = None) -> WorkerInfo:
-        """The least loaded worker of `role`; with `cached` (worker → prompt tokens it holds), the one holding the most
-        unless it runs more than the routes' slack beyond the least loaded (routing.py)."""
-        worker = self.registry.pick(role, cached=cached, slack=self.routes.slack if self.routes else 0)
-        if worker is None:
-            raise ApiError(503, f"no {role} worker is registered; try again when /health says ok", code="no_worker")
-        return worker
 
     async def tokens(self) -> AsyncIterator[int]:
         """Yield completion token ids as they arrive. Raises ApiError before the first token, RequestFailed after."""
@@ -168,167 +162,14 @@ class CompletionRun:
                         self._remember_kv()
                         return
             except DecodeLost as exc:
-                if reason := self._answer_complete():  # it died after the last token: nothing is left to resume
-                    log.warning("decode_lost_after_last_token", decode_worker_id=self.decode.worker_id)
-                    await self._let_go_of_lost_decode(f"{exc} after the answer's last token")
-                    self.finish_reason = reason
+                if await self._outlive_lost_decode(exc, sampling):  # it died after the last token: the answer stands
                     return
-                if job.failure_policy != "recompute" or len(self.migrated_from) >= MAX_MIGRATIONS:
-                    raise
-                await self._migrate(str(exc), sampling)
-
-    def _answer_complete(self) -> str:
-        """"length" or "stop" when the tokens here already end the answer (max_tokens, or an end id last), else ""."""
-        if len(self.token_ids) >= self.job.max_tokens:
-            return "length"
-        return "stop" if self.token_ids and self.token_ids[-1] in self.stop_token_ids else ""
-
-    async def _let_go_of_lost_decode(self, why: str) -> None:
-        """The decode worker died (or froze): abort it in case it was only frozen, free the prefill's KV held for its
-        reads, and end the transfer plan it was fed by."""
-        assert self.decode is not None
-        await self._abort(self.decode, why, wait=False)
-        if self.prefill is not None:
-            await self._abort(self.prefill, "its decode worker died", wait=False)
-        self._watch_prefill = ""
-        if self._plan_asked and self.plan is not None:
-            await publish(self.nc, subjects.worker("broker", self.plan.broker_worker_id, "event"),
-                          PlanEvent(self.job.request_id, PlanState.FAILED, why))
 
     def _remember_kv(self) -> None:
         """A full-mode request finished: its decode worker's prefix cache now holds its prompt's full pages (what
         the decode worker keeps: services/decode/service.py)."""
         if self.routes is not None and self.mode == ModeName.FULL and self.page_tokens and self.decode is not None:
             self.routes.record(self.decode.worker_id, self.job.prompt_ids, self.page_tokens)
-
-    async def _migrate(self, why: str, sampling: Sampling) -> None:
-        """failure_policy `recompute`, the decode worker died mid-request: move the request to another decode
-        worker, which recomputes the prompt, replays the tokens already streamed and goes on from there, in
-        colocated mode (its greedy tokens are colocated's), on a stream subject of its own (a worker that was
-        only frozen must not interleave late tokens). The client sees one stream. RequestFailed if none is left."""
-        job, lost = self.job, self.decode
-        assert lost is not None
-        self.migrated_from.append(lost.worker_id)
-        log.warning("decode_lost_resuming", decode_worker_id=lost.worker_id, tokens_so_far=len(self.token_ids))
-        await self._let_go_of_lost_decode(f"{why}; resumed colocated")
-        self.decode = self.registry.pick("decode", exclude=set(self.migrated_from))
-        if self.decode is None:
-            raise RequestFailed(f"{why}, and no other decode worker is registered to resume on")
-        await self._sub.unsubscribe()
-        subject = f"{subjects.stream(job.request_id)}.resume{len(self.migrated_from)}"
-        self._sub = await self.nc.subscribe(subject)
-        self.recompute_reason = f"{why}; resumed on decode worker {self.decode.worker_id} after {len(self.token_ids)} tokens"
-        self.mode, self.kv_bits = ModeName.COLOCATED, 0
-        resume = Generate(job.request_id, ModeName.COLOCATED, job.prompt_ids, -1, job.max_tokens, self.stop_token_ids,
-                          sampling, subject, self.selector, job.kv_budget if self.selector else None,
-                          failure_policy=job.failure_policy, resume_tokens=list(self.token_ids), gateway_id=self.gateway_id)
-        try:
-            await self._on_some_decode(lambda: call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
-                                                    resume, Accepted, CONTROL_TIMEOUT_S))
-        except RemoteError as exc:
-            raise RequestFailed(f"{why}; resuming on decode worker {self.decode.worker_id} failed: {exc}") from None
-
-    async def _on_some_decode(self, ask: Callable[[], Awaitable[T]]) -> T:
-        """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages) or
-        does not answer at all (`unavailable`: it died), move on to the next least loaded. When every live one refused with all its request slots taken
-        (ErrorCode.AT_CAPACITY), try them all again every DECODE_FULL_RETRY_S for up to DECODE_FULL_WAIT_S: admission
-        counted a slot that is not there (yet), e.g. on a worker that died and still counts until its heartbeats
-        expire. Otherwise (no room for the request's KV pages), a 429 at once."""
-        assert self.decode
-        refused: dict[str, RemoteError] = {}
-        deadline = asyncio.get_running_loop().time() + DECODE_FULL_WAIT_S
-        while True:
-            try:
-                return await ask()
-            except RemoteError as exc:
-                # NOTE: `unavailable`: nobody answers on its subjects, it died (its heartbeats have not expired yet)
-                if not (exc.code.is_busy or exc.code is ErrorCode.UNAVAILABLE):
-                    raise
-                refused[self.decode.worker_id] = exc
-            following = self.registry.pick("decode", exclude=refused)
-            if following is None and all(e.code is ErrorCode.AT_CAPACITY for e in refused.values()) \
-                    and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(DECODE_FULL_RETRY_S)
-                refused.clear()
-                following = self.registry.pick("decode")
-            if following is None:
-                why = "; ".join(f"{worker_id}: {exc.message}" for worker_id, exc in refused.items())
-                raise ApiError(429, f"every decode worker is full ({why}); try again shortly", code="overloaded")
-            self.decode = following
-
-    async def _open(self) -> KvHandle:
-        """decode.open → broker.open: the slab (on a decode worker with room), then the plan, which carries the
-        mode and selector the request runs with (the broker resolves `auto`; nothing here decides it again)."""
-        job = self.job
-        assert self.prefill and self.broker
-        wants_metadata = mode_of(job.transfer_mode).aux is Aux.METADATA
-
-        def open_kv() -> Awaitable[KvHandle]:
-            assert self.decode
-            return call(self.nc, subjects.worker("decode", self.decode.worker_id, "open"),
-                        OpenKv(job.request_id, len(job.prompt_ids), job.max_tokens, job.transfer_mode,
-                               self.selector if wants_metadata else "", job.kv_bits,
-                               list(job.prompt_ids) if job.transfer_mode == ModeName.FULL else []),
-                        KvHandle, CONTROL_TIMEOUT_S)
-
-        handle = await self._on_some_decode(open_kv)
-        assert self.decode
-        self.decode_cached_tokens, self.page_tokens = handle.cached_tokens, handle.layout.page_tokens
-        self._plan_asked = True
-        self.plan = await call(self.nc, subjects.worker("broker", self.broker.worker_id, "open"),
-                               OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
-                                        len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
-                                        self.decode.worker_id, job.ablate, job.kv_budget, handle.floor,
-                                        job.kv_bits),
-                               TransferPlan,
-                               CONTROL_TIMEOUT_S)
-        self.mode, self.selector, self.decode_layers = self.plan.transfer_mode, self.plan.selector, handle.layout.num_layers
-        self.kv_bits = self.plan.kv_bits
-        return handle
-
-    async def _run_prefill(self, handle: KvHandle, sampling: Sampling) -> PrefillDone | None:
-        """prefill.prefill: the prompt, with its pushes to `handle`; token 1 comes back. None when the prefill
-        failed and failure_policy `recompute` leaves the prefill to the decode worker."""
-        job = self.job
-        assert self.prefill
-        sends_metadata = mode_of(self.mode).aux is Aux.METADATA
-        # NOTE: under `fail` the decode worker holding the reservation is watched too: if it dies while the prompt
-        # waits or runs, the client is told within the heartbeat TTL, not when `generate` finds it gone
-        watched = [self.decode] if job.failure_policy == "fail" and self.decode else []
-        try:
-            return await self._wait(
-                call(self.nc, subjects.worker("prefill", self.prefill.worker_id, "prefill"),
-                     Prefill(job.request_id, job.prompt_ids, self.mode, sampling, handle, self.plan,
-                             self.selector if sends_metadata else "", self.kv_bits,
-                             job.kv_budget if sends_metadata and self.selector else None),
-                     PrefillDone, self.timeout_s), self.prefill, "the prefill", watched)
-        except (RequestFailed, RemoteError) as exc:
-            # NOTE: a prefill worker at capacity is load, not a failure: recomputing on decode would add load
-            if job.failure_policy != "recompute" or getattr(exc, "code", None) in (ErrorCode.BAD_REQUEST, ErrorCode.OVERLOADED, ErrorCode.AT_CAPACITY):
-                raise
-            self.recompute_reason = f"prefill worker {self.prefill.worker_id} failed before the first token: {exc}"
-            log.warning("prefill_failed_recompute", error=str(exc))
-            await self._abort(self.prefill, "recomputed on the decode worker", wait=False)
-            return None
-
-    async def _generate(self, first: int, done: PrefillDone | None, sampling: Sampling) -> Accepted:
-        """decode.generate: continue from token 1 (or, colocated or recomputing, from the prompt)."""
-        job = self.job
-        assert self.decode
-        prefill = self.prefill if done is not None else None
-        # NOTE: watched: a decode worker that died after `open` (before NATS dropped its subscriptions) fails
-        # this within the heartbeat TTL (DecodeLost), not after the call's timeout
-        return await self._wait(call(self.nc, subjects.worker("decode", self.decode.worker_id, "generate"),
-                          Generate(job.request_id, self.mode, job.prompt_ids, first, job.max_tokens,
-                                   self.stop_token_ids, sampling, subjects.stream(job.request_id),
-                                   self.selector, job.kv_budget if self.selector else None, self.plan,
-                                   done.source if done else None, self.kv_bits,
-                                   self.prefill.worker_id if self.prefill else "",
-                                   prefill.dataplane_addr if prefill else "", job.failure_policy,
-                                   done.query_entries if done else 0,
-                                   prefill_aux_bytes=done.aux_bytes if done else 0,
-                                   layer_push_bytes=done.layer_push_bytes if done else [], gateway_id=self.gateway_id),
-                          Accepted, CONTROL_TIMEOUT_S), self.decode, "generate")
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         """The decode worker's token events, in order, each once. Events lost on the way (NATS is at most once: a
@@ -386,10 +227,10 @@ class CompletionRun:
             yield backlog.final
 
     async def _wait(self, awaitable: Awaitable[T], awaited: WorkerInfo, what: str,
-                    also: list[WorkerInfo] | None = None) -> T:
+                    also: list[WorkerInfo] | None = None, is_listed: bool = True) -> T:
         """Await `awaitable` (a reply or the next token from `awaited`), but fail at once, within the heartbeat
-        TTL, if `awaited` or a worker in `also` dies meanwhile or what we wait for was lost in a NATS reconnect,
-        instead of waiting out a long timeout. Under failure_policy `recompute` a dead prefill in `also` is
+        TTL, if `awaited` or a worker in `also` dies meanwhile or (`is_listed`: `awaited` lists the request in its
+        heartbeats) what we wait for was lost in a NATS reconnect, instead of waiting out a long timeout. Under failure_policy `recompute` a dead prefill in `also` is
         reported to the decode worker instead, which carries on without it."""
         assert self._liveness
         task = asyncio.ensure_future(awaitable)
@@ -408,20 +249,11 @@ class CompletionRun:
                         raise lost(f"{worker.role} worker {worker.worker_id} stopped sending heartbeats during {what}")
                     also.remove(worker)
                     await self._report_prefill_lost(worker)
-                self._liveness.check_not_lost(awaited, what)
+                if is_listed:
+                    self._liveness.check_not_lost(awaited, what)
         finally:
             if not task.done():
                 task.cancel()
-
-    async def _report_prefill_lost(self, prefill: WorkerInfo) -> None:
-        """Tell the decode worker that this prefill's pushes or on-demand reads will not be served: under failure
-        policy recompute it recomputes; while decoding, it fails the request only if it still needs that KV."""
-        assert self.decode
-        phase, self._watch_prefill = self._watch_prefill, ""
-        log.warning("prefill_lost", prefill_worker_id=prefill.worker_id, failure_policy=self.job.failure_policy,
-                    phase=phase)
-        failed = TransferFailed(self.job.request_id, f"prefill worker {prefill.worker_id} stopped sending heartbeats")
-        await publish(self.nc, subjects.worker("decode", self.decode.worker_id, "transfer_failed"), failed)
 
     def _stamp(self, token_id: int, logprobs: TokenLogprobs | None) -> int:
         self.token_ids.append(token_id)

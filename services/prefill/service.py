@@ -16,7 +16,7 @@ Life of a request here:
   3. The first token is sampled and returned (after step 1, where it ran here); the last layers' pushes may
      still be in flight.
   4. full, quantized: when every push is acked, the local slab is freed.
-     partial, smartgen: the slab stays, readable under a ticket (KvSource) and held by a lease, from when the
+     partial, smartgen (lease.py): the slab stays, readable under a ticket (KvSource) and held by a lease, from when the
      last push has left, that the decode node extends (`keep`); it is freed on `release` (every entry is
      local, or the request ended), on `abort`, or when the lease expires (the decode node is told).
   5. A failed push is reported to the decode node (`transfer_failed`) so the waiting side learns at once.
@@ -24,7 +24,6 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections import deque
 from collections.abc import Coroutine
@@ -34,10 +33,10 @@ import structlog
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
 
-from schemas import (Abort, Ack, ErrorCode, KeepLease, KvHandle, KvSource, Prefill, PrefillDone, Release, Sampling,
+from schemas import (Abort, Ack, ErrorCode, KeepLease, KvHandle, Prefill, PrefillDone, Release, Sampling,
                      TransferFailed, TransferMode, entry_region_bytes, mode_of, pushed_pages, pushed_runs, subjects)
 from schemas.modes import Aux
-from shared.dataplane import DataPlaneError, Grant, Lane, Segment
+from shared.dataplane import DataPlaneError, Lane, Segment
 from shared.compute.kvstore import OutOfPages
 from shared.runtime.prefill_rate import PrefillTimes, tokens_per_s
 from shared.runtime import tracing
@@ -46,6 +45,7 @@ from shared.compute.selectors import DENSE_LAYERS, PreparationMissing, default_p
 from shared.runtime.worker import ModelWorkerService
 from services.prefill.checks import prefill_problem, reads_codes
 from services.prefill.config import PrefillConfig
+from services.prefill.lease import Lease
 from services.prefill.pushes import Transfer, layer_pushes
 from shared.compute.prefill_engine import LayerEncoder, PrefillEngine, QueryPush
 from shared.compute.sampling import FirstToken
@@ -55,7 +55,9 @@ RELEASE_TIMEOUT_S = 30.0
 NUM_ABORTS_REMEMBERED = 256  # an abort can overtake its request (a paused worker gets both at once)
 
 
-class PrefillService(ModelWorkerService):
+class PrefillService(Lease, ModelWorkerService):
+    """The handlers, the prefill and its pushes; the slab kept for reads under a lease (step 4) is in lease.py."""
+
     role = "prefill"
     config: PrefillConfig
 
@@ -213,15 +215,6 @@ class PrefillService(ModelWorkerService):
         self._background(self._finish(req.request_id, cancel=True))
         return Ack()
 
-    async def release(self, req: Release) -> Ack:
-        transfer = self.active.get(req.request_id)
-        if transfer is not None:
-            log.info("kv_released", request_id=req.request_id, reason=req.reason)
-            # NOTE: freed in its own task: waiting out a read still leaving must not hold up the next release
-            # (nats runs an endpoint's handlers one after another)
-            self._background(self._finish(req.request_id, cancel=True))
-        return Ack()
-
     def _background(self, freeing: Coroutine[Any, Any, None]) -> None:
         self._freeing.add(task := asyncio.create_task(freeing))
         task.add_done_callback(self._freed)
@@ -230,10 +223,6 @@ class PrefillService(ModelWorkerService):
         self._freeing.discard(task)
         if not task.cancelled() and task.exception() is not None:  # its pages stay held: the leak check shows them
             log.error("kv_not_freed", error=repr(task.exception()))
-
-    async def keep(self, req: KeepLease) -> None:
-        if (transfer := self.active.get(req.request_id)) is not None and transfer.lease is not None:
-            self._arm_lease(transfer)
 
     # --- internals -------------------------------------------------------------------------
     def _check(self, req: Prefill) -> TransferMode:
@@ -307,38 +296,6 @@ class PrefillService(ModelWorkerService):
         n = sum(s.length for s in segments)
         transfer.num_bytes += n
         self.latency.kv_bytes.inc(n, path=path)
-
-    def _keep_for_reads(self, transfer: Transfer) -> KvSource:
-        """Selective modes: the slab stays under a lease, readable with a fresh ticket over its prompt rows, or,
-        where reads move codes (smartgen with kv_bits), over its read-codes region only: nothing reads exact rows."""
-        assert self.store and self.dataplane
-        layers, n = self.store.layout.num_layers, transfer.handle.num_tokens
-        codes = transfer.query_push.read_codes if transfer.query_push is not None else None
-        if codes is not None:
-            codes_offset, codes_bits = self.store.aux_offset(transfer.slab) + codes.offset, codes.bits
-            ranges = [(codes_offset, codes_offset + codes.nbytes)]
-        else:
-            codes_offset = codes_bits = 0
-            ranges = [(off, off + length) for layer in range(layers) for off, length in self.store.rows(transfer.slab, layer, 0, n)]
-        transfer.read_grant = Grant(secrets.randbits(63), ranges)
-        self.dataplane.grant(transfer.read_grant)  # NOTE: the lease starts in _await_pushes (life cycle, 4)
-        return KvSource(self.worker_id, self.dataplane.address, transfer.read_grant.ticket,
-                        self.store.offset(transfer.slab), transfer.slab.capacity, self.config.lease_s, codes_offset,
-                        codes_bits)
-
-    def _arm_lease(self, transfer: Transfer) -> None:
-        if transfer.lease is not None:
-            transfer.lease.cancel()
-        rid = transfer.handle.request_id
-        transfer.lease = asyncio.get_running_loop().call_later(
-            self.config.lease_s, lambda: asyncio.ensure_future(self._expire(rid, transfer)))
-
-    async def _expire(self, request_id: str, transfer: Transfer) -> None:
-        if self.active.get(request_id) is transfer:
-            log.warning("lease_expired", request_id=request_id, lease_s=self.config.lease_s)
-            self.leases_expired.inc()
-            await self._report_failure(transfer.handle, f"the prefill's lease expired ({self.config.lease_s:g} s)")
-            await self._finish(request_id, cancel=True)
 
     async def _await_pushes(self, request_id: str) -> None:
         transfer = self.active.get(request_id)

@@ -12,7 +12,7 @@ from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
 from tools.tiny_model import make_tiny_model
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, post_json
-from tests.integration.test_faults import pace
+from tests.integration.fault_helpers import pace
 
 # ~600 tokens of an 8-layer tiny model: 1.2 MB of KV, ~2.4 s at 4 Mbit/s; a decode step takes a few ms here
 PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 33

@@ -13,7 +13,7 @@ def test_the_lease_starts_when_the_last_push_has_left(tmp_path, real_model_path)
     end: the decode node can keep the lease only once its steps run, which wait for the push. Here every push frame
     is held 2 s (fault injection) and the lease is 1 s: the request completes (on the old rule the lease expired
     while the push was still leaving, the prefill freed the KV, and the decode waited for a push that never came)."""
-    from tests.integration.test_faults import admin_post
+    from tests.integration.fault_helpers import admin_post
 
     model = make_tiny_model(tmp_path / "tiny8", tokenizer_from=real_model_path, num_layers=8)
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=tmp_path / "stack.log",

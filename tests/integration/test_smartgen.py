@@ -62,7 +62,7 @@ def complete(stack: Stack, **body) -> dict:
 def paced_to_ratio(stack: Stack, ratio: float) -> Iterator[None]:
     """Inside: the prefill's link paced so that the whole KV takes `ratio` × the prefill's own time (measured on
     PROMPT first), then back to LINK_GBPS."""
-    from tests.integration.test_faults import admin_post, worker
+    from tests.integration.fault_helpers import admin_post, worker
 
     prefill = worker(stack, "prefill")
     complete(stack, transfer_mode="full")  # so the prefill has measured its rate on this prompt
@@ -237,7 +237,7 @@ def test_step_one_starts_while_the_push_lands_and_decodes_the_same_tokens(paced)
     lands long after decode has the request. Step 1 starts at once, each layer waiting for its own bytes only,
     and decodes the tokens of all-local selective attention, as does the same request that waits for the whole
     push first (`ablate: early`)."""
-    from tests.integration.test_faults import admin_post, worker
+    from tests.integration.fault_helpers import admin_post, worker
 
     selective = dict(selector="quest", kv_budget=0.1, ablate=["background"])
     reference = complete(paced, transfer_mode="colocated", selector="quest", kv_budget=0.1)

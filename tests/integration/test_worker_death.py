@@ -130,7 +130,7 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
     prefilled (held 20 s by fault injection, the prefill alive and heartbeating): the client's error names it
     within the heartbeat TTL, not after the prefill, and the prefill's KV is freed."""
     from tests.integration.conftest import assert_no_leaks
-    from tests.integration.test_faults import admin_post
+    from tests.integration.fault_helpers import admin_post
 
     spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
@@ -144,7 +144,7 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
         body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 0, "transfer_mode": "full"}
         asking, answer = ask_in_background(url, body)
         # NOTE: once the prefill holds the request, the decode worker's `open` has been answered: a kill before that
-        # reply is another case (the gateway's open call then waits out its timeout, CONTROL_TIMEOUT_S)
+        # reply is another case (test_a_decode_worker_lost_before_answering_open_is_passed_over_at_once)
         wait_until(lambda: get_json(prefill["admin_url"] + "/stats")["active_requests"] > 0, 10, "the prefill began")
         reserved = decode_holding_a_reservation(decodes)
         os.kill(reserved["pid"], signal.SIGKILL)
@@ -154,6 +154,36 @@ def test_under_fail_a_decode_worker_lost_during_the_prefill_is_told_at_once(tiny
         assert answer.get("status") == 502 and reserved["id"] in answer["body"]["error"]["message"], answer
         assert told_after < 6, told_after  # the TTL is 2 s; the prefill still had ~20 s to go
         admin_post(stack, prefill, "/fault", {"kind": "clear"})
+        assert_no_leaks(stack)
+
+
+def test_a_decode_worker_lost_before_answering_open_is_passed_over_at_once(tiny_model_path, tmp_path):
+    """The decode worker dies after reserving the request's KV but before its `open` reply (held there by fault
+    injection): the gateway notices within the heartbeat TTL, not its 10 s open timeout, and the request completes
+    on the other decode worker."""
+    from tests.integration.conftest import assert_no_leaks
+    from tests.integration.fault_helpers import admin_post
+
+    spec = StackSpec(model=str(tiny_model_path), num_decode=2, gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2",
+                          "SMARTGEN_FAULT_INJECTION": "1"})
+    with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
+        url = stack.gateway_url
+        decodes = [w for w in list_workers(url, stack.admin_token) if w["role"] == "decode"]
+        for decode in decodes:
+            admin_post(stack, decode, "/fault", {"kind": "slow_open", "delay_s": 30})
+        body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 0, "transfer_mode": "full"}
+        asking, answer = ask_in_background(url, body)
+        reserved = decode_holding_a_reservation(decodes)
+        other = next(w for w in decodes if w["id"] != reserved["id"])
+        os.kill(reserved["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        admin_post(stack, other, "/fault", {"kind": "clear"})  # the gateway asks it only once the TTL has passed
+        asking.join(30)
+        answered_after = time.monotonic() - killed_at
+        assert answer.get("status") == 200, answer
+        assert answer["body"]["smartgen"]["decode_worker_id"] == other["id"]
+        assert answered_after < 6, answered_after  # the TTL is 2 s; the open call's timeout is 10 s
         assert_no_leaks(stack)
 
 
@@ -168,7 +198,7 @@ def ask_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
 
 def plan_opened(broker: dict) -> bool:
     """The broker holds a live plan: the gateway asked it after the decode worker answered `open` (a decode
-    killed before that answer is a different case: the gateway's open call then waits out its timeout)."""
+    killed before that answer is a different case: the gateway passes it over for another decode worker)."""
     return bool(get_json(broker["admin_url"] + "/transfers")["live"])
 
 
