@@ -9,6 +9,7 @@
     smartgen eval drift [--selector S] [--factors F,F…] [--json PATH]
     smartgen model prepare | path
     smartgen config show [--config PATH] [--role ROLE] [--json]
+    smartgen walk [--mode MODE…] [--max-tokens N] [--functions] [--json PATH]
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import argparse
 import signal
 import sys
 
-from tools import loadtest, model, prepare_selectors, profiles, settings, up
+from tools import loadtest, model, prepare_selectors, profiles, settings, up, walk
 from tools.bench import conversation, decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
 from tools.eval import accuracy, drift, fidelity
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.register(commands)
     model.register(commands)
     settings.register(commands)
+    walk.register(commands)
     return parser
 
 
