@@ -3,6 +3,7 @@
     smartgen up [--prefill N] [--decode M] [--model PATH] [--transfer-mode MODE] [--link-gbps X]
     smartgen bench transport|interference|decode-step|serve [--json PATH]
     smartgen loadtest [--url URL | --model PATH --prefill N --decode M] [--concurrency 16] [--duration 300] …
+    smartgen rolling-restart [--prefill 2] [--decode 2] [--gateways 2] [--streams 8] [--services ROLE,…]
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
@@ -20,7 +21,7 @@ import argparse
 import signal
 import sys
 
-from tools import loadtest, model, prepare_selectors, profiles, settings, up, walk
+from tools import loadtest, model, prepare_selectors, profiles, rolling_restart, settings, up, walk
 from tools.bench import conversation, decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
 from tools.eval import accuracy, drift, fidelity
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     for tool in (transport, interference, decode_step, decode_batch, prefix_prefill, conversation, serve):
         tool.register(measurements)
     loadtest.register(commands)
+    rolling_restart.register(commands)
     prepare_selectors.register(commands)
     profiles.register(commands)
     evaluation = commands.add_parser("eval", help="quality evaluations; each accepts --json PATH")

@@ -25,7 +25,7 @@ from pathlib import Path
 from shared.runtime.admin_auth import admin_token_from_env
 from shared.runtime.config import write_secret_file
 from tools.client import request
-from tools.nats_server import NatsServer, die_with_parent
+from tools.nats_server import NatsServer, die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 5000  # how much of the log a failed start-up or a dead service shows
@@ -38,6 +38,7 @@ class StackSpec:
     model: str = ""  # "" = the cached default SmolLM2
     transfer_mode: str = "full"  # "" = the services' own setting (env, settings file, default)
     gateway_port: int = 8000
+    num_gateway: int = 1  # the first on gateway_port, named "gateway"; others "gateway-1"… on free ports
     nats_url: str = ""  # "" = start an embedded server
     env: dict[str, str] = field(default_factory=dict)  # extra SMARTGEN_* settings for every service
     log_file: Path | None = None  # None = services log to this terminal
@@ -81,6 +82,12 @@ class Stack:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.spec.gateway_port}"
 
+    @property
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's URL, the first's (gateway_url) first: a load balancer's targets."""
+        return [f"http://127.0.0.1:{self._envs[name][1]['SMARTGEN_GATEWAY_PORT']}" for name in self.processes
+                if name == "gateway" or name.startswith("gateway-")]
+
     def start(self) -> "Stack":
         self.secrets_dir = Path(tempfile.mkdtemp(prefix="smartgen-stack-"))
         self.admin_token = admin_token_from_env({**os.environ, **self.spec.env}) or secrets.token_urlsafe(32)
@@ -108,6 +115,8 @@ class Stack:
         for i in range(self.spec.num_decode):
             self._spawn(f"decode-{i}", "decode", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
         self._spawn("gateway", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(self.spec.gateway_port)})
+        for i in range(1, self.spec.num_gateway):
+            self._spawn(f"gateway-{i}", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(free_port())})
         return self
 
     def _spawn(self, name: str, role: str, env: dict[str, str]) -> None:

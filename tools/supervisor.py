@@ -7,6 +7,8 @@
   up to 30 s) is crash-looping: it stays down, and the log says so. The stack goes on while its role has another
   replica running (a second decode worker serves); only when a role has no replica left, or NATS does not come
   back, `poll` returns a message saying why and the caller stops the stack (a bad setting will not fix itself).
+- `smartgen up` serves this state as its own /metrics (tools/supervisor_metrics.py): a replica that is down
+  has no /metrics of its own to say so.
 - The embedded NATS server is restarted the same way, on the same port with the same token and store, so the
   services reconnect by themselves.
 While a decode or prefill worker is away the gateway routes around it: its heartbeats stop, the registry drops
@@ -48,6 +50,11 @@ class Supervisor:
 
     def total_restarts(self) -> int:
         return sum(s.restarts for s in self.services.values())
+
+    def is_running(self, name: str) -> bool:
+        """The service's process is alive (not dead, waiting out its backoff, or given up on)."""
+        service = self.services[name]
+        return not service.given_up and service.restart_at is None and self._exit_code(name) is None
 
     def given_up(self) -> list[str]:
         """The services left down because they kept dying at start-up."""

@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--api-key", default="", help="require this key on the OpenAI API (/v1: 'Authorization: Bearer "
                                                   "<key>', the openai SDK's api_key); SMARTGEN_API_KEY or "
                                                   "SMARTGEN_API_KEY_FILE work too (default: open)")
+    up.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                    help="where `smartgen up` serves its supervisor's /metrics: each service up, given up on, its "
+                         "backoff and restarts (SMARTGEN_SUPERVISOR_METRICS_PORT; default 0 = a free port, on loopback; "
+                         "the stack_ready event gives the URL)")
     up.set_defaults(run=command)
 
 
@@ -60,6 +64,7 @@ def command(args: argparse.Namespace) -> int:
     from tools.settings import checked_settings
     from tools.stack import Stack, StackSpec
     from tools.supervisor import Supervisor
+    from tools.supervisor_metrics import serve_metrics
 
     # NOTE: this process's own lines are JSON events too, as the services' are: the whole stack's output parses
     log = setup_logging("smartgen", "up")
@@ -108,6 +113,16 @@ def command(args: argparse.Namespace) -> int:
     backoff = tuple(float(x) for x in os.environ.get("SMARTGEN_RESTART_BACKOFF_S", "").split(",") if x.strip())
     supervisor = Supervisor(stack, say=lambda text: log.warning("supervisor", message=text),
                             **({"backoff_s": backoff} if backoff else {}))
+    metrics_port = args.metrics_port if args.metrics_port is not None \
+        else int(os.environ.get("SMARTGEN_SUPERVISOR_METRICS_PORT") or 0)
+    try:
+        metrics_server = serve_metrics(supervisor, port=metrics_port)
+    except OSError as exc:
+        log.error("supervisor_metrics_port", message=f"cannot serve /metrics on port {metrics_port}: {exc}")
+        stack.stop()
+        return 2
+    metrics_url = f"http://127.0.0.1:{metrics_server.server_address[1]}/metrics"
+    log.info("supervisor_metrics", url=metrics_url)
     code = 0
     try:
         ready = False
@@ -118,10 +133,12 @@ def command(args: argparse.Namespace) -> int:
                 break
             if not ready and stack.health().get("status") == "ok":
                 ready = True
-                log.info("stack_ready", api_url=f"{stack.gateway_url}/v1", message="ready (Ctrl-C stops)")
+                log.info("stack_ready", api_url=f"{stack.gateway_url}/v1", supervisor_metrics_url=metrics_url,
+                         message="ready (Ctrl-C stops)")
             time.sleep(0.25)
     finally:
         log.info("stack_stopping")
+        metrics_server.shutdown()
         codes = stack.stop(timeout_s=_drain_s(config_path) + SHUTDOWN_GRACE_S + 5)  # services drain first, then stop
         if args.api_key:
             shutil.rmtree(key_file.parent, ignore_errors=True)

@@ -54,6 +54,9 @@ class Service:
     # Cancel an HTTP handler when its client disconnects (the gateway: a client that leaves a non-streamed
     # completion must free the workers at once). Off elsewhere: an admin action runs to its end.
     cancel_on_disconnect: ClassVar[bool] = False
+    # After a drain is announced, new requests are still taken this long (seconds): those a gateway routed here
+    # before it heard the heartbeat saying `draining` (a model worker's refusal would reach the client as a 429)
+    drain_announce_s: ClassVar[float] = 0.0
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -62,7 +65,8 @@ class Service:
         self.metrics.gauge("smartgen_service_restarts", "Times a supervisor (smartgen up) restarted this service "
                            "after it died, before this process", lambda: float(config.restarts))
         self.nc: Client | None = None
-        self.draining = False  # stopping: take nothing new (drain)
+        self.is_stopping = False  # told to stop: heartbeats say `draining`, /ready is 503, gateways route elsewhere
+        self.draining = False  # stopping: take nothing new (set drain_announce_s after is_stopping)
         self.admin_url = ""
         self.started_unix = time.time()
 
@@ -74,7 +78,7 @@ class Service:
         """Cancel work and free resources. Called before NATS drains."""
 
     def is_ready(self) -> bool:
-        return self.nc is not None and self.nc.is_connected and not self.draining
+        return self.nc is not None and self.nc.is_connected and not self.is_stopping
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, body) for GET /health. Healthy = the process can talk to NATS."""
@@ -101,7 +105,7 @@ class Service:
     def worker_info(self) -> WorkerInfo:
         return WorkerInfo(
             role=self.role, worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(),
-            admin_url=self.admin_url, version=__version__, started_unix=self.started_unix, draining=self.draining,
+            admin_url=self.admin_url, version=__version__, started_unix=self.started_unix, draining=self.is_stopping,
             **self.load_info(),
         )
 
@@ -112,9 +116,11 @@ class Service:
     async def drain(self, timeout_s: float) -> None:
         """Take nothing new (`draining`, announced in a heartbeat now) and wait up to `timeout_s` for what is in
         progress to finish: a rolling restart loses no request that can finish in time."""
-        self.draining = True
+        self.is_stopping = True
         await self.publish_heartbeat()
         deadline = time.monotonic() + timeout_s
+        await asyncio.sleep(min(self.drain_announce_s, timeout_s))
+        self.draining = True
         while not self.is_idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         log.info("service_drained", idle=self.is_idle(), waited_s=round(timeout_s - max(0.0, deadline - time.monotonic()), 2))

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import structlog
 from aiohttp import web
@@ -38,6 +38,7 @@ FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "sl
 
 class ModelWorkerService(Service):
     config: ModelWorkerConfig
+    drain_announce_s: ClassVar[float] = 0.5  # a gateway's pick → the request's arrival: ms, on a loaded host more
 
     def __init__(self, config: ModelWorkerConfig):
         super().__init__(config)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 
 from tools.supervisor import BACKOFF_S, MAX_QUICK_DEATHS, QUICK_DEATH_S, Supervisor
+from tools.supervisor_metrics import serve_metrics
 
 
 class ProcessStack:
@@ -106,4 +108,37 @@ def test_a_crash_looping_replica_stays_down_while_another_of_its_role_serves():
         clock.now += 100
         assert supervisor.poll() == "" and len(stack.restart_envs["decode-0"]) == MAX_QUICK_DEATHS - 1  # left down
     finally:
+        stack.stop()
+
+
+def test_the_supervisor_metrics_show_a_crash_looping_replica_down_while_the_other_runs():
+    """`smartgen up`'s /metrics (over a real socket): the given-up replica is down and given up, with its restarts;
+    a dead service waiting out its backoff shows the seconds left; the healthy one is up."""
+    stack = ProcessStack(**{"decode-0": "raise SystemExit(3)", "decode-1": "import time; time.sleep(60)",
+                            "broker": "import time; time.sleep(60)"})
+    clock = Clock()
+    supervisor = Supervisor(stack, lambda _: None, clock)
+    server = serve_metrics(supervisor)
+    try:
+        for _ in range(MAX_QUICK_DEATHS):
+            stack.processes["decode-0"].wait()
+            clock.now += 0.1
+            supervisor.poll()
+            clock.now += BACKOFF_S[-1]
+            supervisor.poll()
+        stack.processes["broker"].kill()
+        stack.processes["broker"].wait()
+        supervisor.poll()  # dead: restarted in 1 s
+        clock.now += 0.25
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics") as response:
+            text = response.read().decode()
+        assert 'smartgen_supervisor_given_up{service="decode-0"} 1.0' in text
+        assert 'smartgen_supervisor_service_up{service="decode-0"} 0.0' in text
+        assert f'smartgen_supervisor_restarts_total{{service="decode-0"}} {MAX_QUICK_DEATHS - 1:.1f}' in text
+        assert 'smartgen_supervisor_service_up{service="decode-1"} 1.0' in text
+        assert 'smartgen_supervisor_given_up{service="decode-1"} 0.0' in text
+        assert 'smartgen_supervisor_service_up{service="broker"} 0.0' in text
+        assert 'smartgen_supervisor_backoff_seconds{service="broker"} 0.75' in text
+    finally:
+        server.shutdown()
         stack.stop()
