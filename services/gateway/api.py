@@ -48,6 +48,7 @@ class Gateway(Protocol):
     stop_token_ids: list[int]
     worker_id: str
     draining: bool
+    is_started: bool  # NATS connected and workers followed (the HTTP server starts first)
 
     admission: Admission
 
@@ -85,6 +86,8 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
 async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResponse:
     if gw.draining:  # stopping: the requests in progress finish, new ones go to another gateway (or come back)
         return _error(ApiError(503, "this gateway is stopping; try again shortly", code="draining", retry_after_s=1))
+    if not gw.is_started:  # the HTTP server is up before NATS (its address is registered there)
+        return _error(ApiError(503, "this gateway is starting; try again shortly", code="starting", retry_after_s=1))
     try:
         # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
         body = json.loads(await asyncio.wait_for(request.read(), BODY_TIMEOUT_S))

@@ -70,6 +70,8 @@ class GatewayService(Service):
         # every id that ends a turn: the tokenizer's EOS and the generation config's (a chat template with its own
         # end-of-turn token lists it there)
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_end_ids(path)} - {None})
+        self.is_started = False  # NATS connected and the registry following heartbeats: requests can be routed
+        self.num_http_in_progress = 0  # HTTP requests whose handler has not returned (a stream: until its last byte)
         self.vllm = VllmMetrics(self.metrics, self.model_id, lambda: float(self.admission.running),
                                 lambda: float(len(self.admission.waiting)), self._kv_usage) if config.vllm_metrics else None
 
@@ -78,18 +80,36 @@ class GatewayService(Service):
 
     async def start(self, nc: Client, micro: MicroService) -> None:
         await self.registry.follow(nc, self.worker_id)
+        self.is_started = True
 
     def admin_routes(self) -> list[web.RouteDef]:
         return api.routes(self)
 
     def is_idle(self) -> bool:
-        return self.admission.running == 0 and not self.admission.waiting
+        # NOTE: the HTTP count too: a request that passed the `draining` check but is not admitted yet (its body
+        # still arriving) needs NATS as much as a running one; the drain closes NATS only after it
+        return self.num_http_in_progress == 0 and self.admission.running == 0 and not self.admission.waiting
 
     def max_body_bytes(self) -> int:
         return int(self.config.max_body_mb * (1 << 20))
 
     def middlewares(self) -> list:
-        return [self._count_refusals, require_api_key(self.config.api_key)]
+        return [self._track_requests, self._count_refusals, require_api_key(self.config.api_key)]
+
+    @web.middleware
+    async def _track_requests(self, request: web.Request, handler) -> web.StreamResponse:
+        """Count the requests in progress (the drain waits for them), and once this gateway is stopping end each
+        connection after its answer (`Connection: close`; a stream that began before: closed after its last
+        chunk): a client's next request opens a new connection, to a live gateway, instead of reusing this one
+        as it closes (a reset the client cannot tell from a lost request)."""
+        self.num_http_in_progress += 1
+        try:
+            response = await handler(request)
+        finally:
+            self.num_http_in_progress -= 1
+        if self.is_stopping:
+            response.force_close()
+        return response
 
     @web.middleware
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
