@@ -71,6 +71,9 @@ class RollConfig:
     services: tuple[str, ...] = ROLES  # roles (every replica, in the stack's order) or process names ("decode-0")
     failure_policy: str = "recompute"
     settle_s: float = 1.0  # the streams run this long after a restarted service is back, before the next SIGTERM
+    # False: the next SIGTERM as soon as the last service has exited (and `settle_s`), while it starts again; every
+    # one must be back at the end. Shorter (a start is seconds of imports), and a restart meets another's start
+    wait_back: bool = True
     back_timeout_s: float = 90.0  # a restarted service must serve again within this
     drain_s: float = 30.0  # SMARTGEN_DRAIN_S of every service
     worker_ttl_s: float = 2.0  # SMARTGEN_WORKER_TTL_S: how soon a gateway drops a worker gone quiet
@@ -128,11 +131,13 @@ async def client(index: int, load, roll: Roll, session, urls: list[str], stop: a
 
 
 async def restart_each(stack, supervisor, roll: Roll, cfg: RollConfig, names: list[str]) -> None:
-    """SIGTERM each of `names` in turn with every stream in flight; wait until it drained and serves again."""
+    """SIGTERM each of `names` in turn with every stream in flight; wait until it drained and (`wait_back`, else at
+    the end) serves again."""
+    pending: list[tuple[Restart, object, float]] = []  # (restart, its old process, its SIGTERM's time)
     for name in names:
         while roll.num_in_flight < cfg.streams:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # into the streams' decoding, not their admission
+            await _sleep(supervisor, 0.05)
+        await _sleep(supervisor, 0.3)  # into the streams' decoding, not their admission
         process, started = stack.processes[name], time.monotonic()
         restart = Restart(name, roll.num_in_flight)
         roll.restarts.append(restart)
@@ -140,9 +145,28 @@ async def restart_each(stack, supervisor, roll: Roll, cfg: RollConfig, names: li
               file=sys.stderr, flush=True)
         process.send_signal(signal.SIGTERM)
         while process.poll() is None:
-            await asyncio.sleep(0.05)
+            await _sleep(supervisor, 0.05)
         restart.exit_code, restart.drained_s = process.returncode, round(time.monotonic() - started, 2)
-        deadline = started + cfg.drain_s + cfg.back_timeout_s
+        pending.append((restart, process, started))
+        if cfg.wait_back and not await _wait_back(stack, supervisor, cfg, pending):
+            return  # a service that did not come back: the run has failed, stop restarting others
+        await _sleep(supervisor, cfg.settle_s)
+    await _wait_back(stack, supervisor, cfg, pending)
+
+
+async def _sleep(supervisor, seconds: float) -> None:
+    """Sleep, the supervisor starting again what has exited meanwhile (others may be down: wait_back False)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        supervisor.poll()
+        await asyncio.sleep(min(left, 0.05))
+
+
+async def _wait_back(stack, supervisor, cfg: RollConfig, pending: list) -> bool:
+    """Wait until each restart in `pending` serves again (its new process), emptying it; False if one did not."""
+    while pending:
+        restart, process, started = pending[0]
+        name, deadline = restart.name, started + cfg.drain_s + cfg.back_timeout_s
         while time.monotonic() < deadline:
             supervisor.poll()
             if stack.processes[name] is not process and await asyncio.to_thread(_serves, stack, name):
@@ -152,8 +176,9 @@ async def restart_each(stack, supervisor, roll: Roll, cfg: RollConfig, names: li
         print(f"rolling-restart: {name} exited {restart.exit_code} after {restart.drained_s} s, "
               f"serving again after {restart.back_s} s", file=sys.stderr, flush=True)
         if restart.back_s is None:
-            return  # a service that did not come back: the run has failed, stop restarting others
-        await asyncio.sleep(cfg.settle_s)
+            return False
+        pending.pop(0)
+    return True
 
 
 def _serves(stack, name: str) -> bool:
