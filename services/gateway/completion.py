@@ -38,7 +38,7 @@ from schemas import (ErrorCode, PlanState, Abort, Ack, PlanEvent, ResendTokens, 
 from schemas.modes import ModeName
 from shared.runtime.rpc import RemoteError, call, publish
 from shared.runtime.registry import WorkerRegistry
-from services.gateway.dispatch import CONTROL_TIMEOUT_S, Dispatch
+from services.gateway.dispatch import BROKER_WAIT_S, CONTROL_TIMEOUT_S, Dispatch
 from services.gateway.liveness import DecodeLost, EventsLost, Liveness, RequestFailed
 from services.gateway.migration import Migration
 from services.gateway.requests import ApiError, CompletionJob
@@ -108,7 +108,7 @@ class CompletionRun(Dispatch, Migration):
         self.decode = self._pick("decode", self.routes.cached_tokens(job.prompt_ids) if by_kv else None)
         disaggregated = mode_of(job.transfer_mode).is_disaggregated
         if disaggregated:
-            self.prefill, self.broker = self._pick("prefill"), self._pick("broker")
+            self.prefill, self.broker = self._pick("prefill"), await self._pick_within("broker", BROKER_WAIT_S)
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed, top_p=job.top_p, top_k=job.top_k,
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,

@@ -27,6 +27,8 @@ T = TypeVar("T")
 CONTROL_TIMEOUT_S = 10.0  # open / generate / abort are bookkeeping: fast or failed
 DECODE_FULL_WAIT_S = 10.0  # every decode worker full after admission: keep trying this long before a 429
 DECODE_FULL_RETRY_S = 0.25
+BROKER_WAIT_S = 4.0  # no broker registered (the one broker restarting: ~2-3 s): wait this long before a 503 no_worker
+WORKER_WAIT_POLL_S = 0.1
 
 
 class Dispatch:
@@ -37,6 +39,14 @@ class Dispatch:
         if worker is None:
             raise ApiError(503, f"no {role} worker is registered; try again when /health says ok", code="no_worker")
         return worker
+
+    async def _pick_within(self: CompletionRun, role: str, wait_s: float) -> WorkerInfo:
+        """`_pick(role)`, waiting up to `wait_s` for one to register: the one broker restarting is back in ~2 s, and
+        a request that waits for it is better served than refused (it holds only its admission slot meanwhile)."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self.registry.pick(role) is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(WORKER_WAIT_POLL_S)
+        return self._pick(role)
 
     async def _on_some_decode(self: CompletionRun, ask: Callable[[], Awaitable[T]]) -> T:
         """`ask()` the chosen decode worker; while one answers `overloaded` (no room for the request's pages) or

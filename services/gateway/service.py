@@ -99,15 +99,16 @@ class GatewayService(Service):
     @web.middleware
     async def _track_requests(self, request: web.Request, handler) -> web.StreamResponse:
         """Count the requests in progress (the drain waits for them), and once this gateway is stopping end each
-        connection after its answer (`Connection: close`; a stream that began before: closed after its last
-        chunk): a client's next request opens a new connection, to a live gateway, instead of reusing this one
+        connection after its answer (`Connection: close`): a client's next request opens a new connection, to a live gateway, instead of reusing this one
         as it closes (a reset the client cannot tell from a lost request)."""
         self.num_http_in_progress += 1
         try:
             response = await handler(request)
         finally:
             self.num_http_in_progress -= 1
-        if self.is_stopping:
+        # NOTE: not a stream that began before: closed right after its last chunk, its connection could go back to
+        # the client's pool and carry a request before the close arrives (a reset); its next request gets the 503
+        if self.is_stopping and not response.prepared:
             response.force_close()
         return response
 
