@@ -14,7 +14,8 @@ Life of a request here:
                   prefill is done, step 1 runs here and they push its exact selection (`Transfer.holds_back`,
                   `_push_step_one_selection`).
   3. The first token is sampled and returned (after step 1, where it ran here); the last layers' pushes may
-     still be in flight.
+     still be in flight. Once the reply is on its way, the prompt's new full pages go into the prefix cache
+     (`_keep_prefix`, on the torch thread): copying them is not on TTFT's path.
   4. full, quantized: when every push is acked, the local slab is freed.
      partial, smartgen (lease.py): the slab stays, readable under a ticket (KvSource) and held by a lease, from when the
      last push has left, that the decode node extends (`keep`); it is freed on `release` (every entry is
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -69,6 +70,8 @@ class PrefillService(Lease, ModelWorkerService):
         self.prefill_times = PrefillTimes()  # by prompt length, warm-up included: what the broker plans with
         self.aborted: deque[str] = deque(maxlen=NUM_ABORTS_REMEMBERED)
         self._freeing: set[asyncio.Task] = set()  # frees run by abort and release, which reply at once
+        # request id → the prefix cache insertion its prefill left for after its reply (PrefillEngine.run_then_keep)
+        self._prefixes_to_keep: dict[str, Callable[[], int]] = {}
         self.leases_expired = self.metrics.counter("smartgen_kv_leases_expired_total",
                                                    "Prefill-held KV freed because its lease ran out")
 
@@ -79,7 +82,8 @@ class PrefillService(Lease, ModelWorkerService):
                                          "looked up in the prefix cache")
         self.engine = PrefillEngine(self.runner, self.store, default_prep_dir(self.runner.path), prefix_cache)
         await self._warm_up()
-        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True),
+        await self.add_endpoints(micro, prefill=endpoint(Prefill, self.prefill, concurrent=True,
+                                                                   after_reply=self._keep_prefix),
                                  abort=endpoint(Abort, self.abort),
                                  release=endpoint(Release, self.release))
         await nc.subscribe(self.subject("keep"), cb=subscriber(KeepLease, self.keep))
@@ -117,6 +121,7 @@ class PrefillService(Lease, ModelWorkerService):
     # --- handlers ------------------------------------------------------------------------
     async def prefill(self, req: Prefill) -> PrefillDone:
         assert self.engine and self.store and self.runner
+        arrived = time.perf_counter()
         mode = self._check(req)
         n = len(req.token_ids)
         aux_bytes = req.handle.aux_bytes if mode.aux is not Aux.NONE else 0  # auto → full leaves decode's unused
@@ -151,8 +156,9 @@ class PrefillService(Lease, ModelWorkerService):
             if self.active.get(req.request_id) is not transfer:
                 raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted before its prefill")
             started = transfer.prefill_started = time.perf_counter()
-            first = self.engine.run_scored(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer, by_query,
-                                           reuse_prefix=True)
+            first, keep = self.engine.run_then_keep(slab, req.token_ids, req.sampling, on_layer_stored, encode_layer,
+                                                    by_query, reuse_prefix=True)
+            self._prefixes_to_keep[req.request_id] = keep  # NOTE: kept even if the request fails now: its KV is right
             return first, time.perf_counter() - started
 
         if self.dataplane is not None and self.dataplane.faults.prefill_delay_s:  # fault injection (tests)
@@ -173,6 +179,7 @@ class PrefillService(Lease, ModelWorkerService):
             await self.publish_heartbeat()  # tell the broker now
         self.last_prompt_tokens = n
         log.info("prefill_done", tokens=n, cached_tokens=first.num_cached_tokens, prefill_s=round(prefill_s, 3),
+                 waited_s=round(transfer.prefill_started - arrived, 4),  # here, before its prefill began
                  tokens_per_s=round(rate, 1), mode=req.transfer_mode, **link)
         source = self._keep_for_reads(transfer) if mode.keeps_source else None
         asyncio.create_task(tracing.in_span("prefill.pushes", self._await_pushes(req.request_id)))
@@ -180,6 +187,24 @@ class PrefillService(Lease, ModelWorkerService):
         return PrefillDone(req.request_id, first.token, self.worker_id, n, prefill_s, source, query_entries,
                            first.logprobs, first.prompt_logprobs, transfer.aux_filled, transfer.layer_push_bytes,
                            transfer.exact_from_layer, transfer.step_one_s, first.num_cached_tokens)
+
+    async def _keep_prefix(self, req: Prefill) -> None:
+        """After `prefill`'s reply (token 1) has left: the prompt's new full pages into the prefix cache, on the
+        torch thread. NOTE: FIFO there, so a prefill queued after this one finds them. A concurrent lookup never
+        sees a page half copied: PrefixCache.insert publishes each page once its copy is whole, in chain order."""
+        keep = self._prefixes_to_keep.pop(req.request_id, None)
+        if keep is None:  # refused before its prefill ran
+            return
+        delay_s = self.dataplane.faults.prefix_insert_delay_s if self.dataplane is not None else 0.0
+
+        def run() -> tuple[int, float]:  # torch thread: pages added, seconds
+            started = time.perf_counter()
+            if delay_s:  # fault injection (tests): a slow insertion
+                time.sleep(delay_s)
+            return keep(), time.perf_counter() - started
+
+        num_pages, seconds = await self.in_torch(run)
+        log.info("prefix_kept", pages=num_pages, keep_s=round(seconds, 4))
 
     async def _push_step_one_selection(self, req: Prefill, transfer: Transfer, first: int) -> None:
         """The layers held back (`Transfer.holds_back`): run step 1 here, give each of them step 1's exact selection as its

@@ -78,12 +78,22 @@ class PrefillEngine:
     def run_scored(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling,
                    on_layer_stored: Callable[[int], None], encode: LayerEncoder | None = None,
                    last_queries: bool = False, reuse_prefix: bool = False) -> FirstToken:
+        """`run_then_keep`, the prompt's new pages kept in the prefix cache before it returns."""
+        first, keep = self.run_then_keep(slab, token_ids, sampling, on_layer_stored, encode, last_queries, reuse_prefix)
+        keep()
+        return first
+
+    def run_then_keep(self, slab: Slab, token_ids: Sequence[int], sampling: Sampling,
+                      on_layer_stored: Callable[[int], None], encode: LayerEncoder | None = None,
+                      last_queries: bool = False, reuse_prefix: bool = False) -> tuple[FirstToken, Callable[[], int]]:
         """Prefill `token_ids` into `slab`; `encode` runs on each layer's K/V as stored (rounded to the store's
         dtype, so metadata and codes describe exactly the KV decode will attend to), then `on_layer_stored(layer)`
         fires as each layer has landed. `last_queries`: keep each layer's last-position query for `encode` (a
         query-aware push). `reuse_prefix` (with a prefix cache): take the prompt's cached pages instead of computing
-        them, and keep its new full pages. Either way every layer lands whole, all N tokens, in `slab`. Returns the
-        first completion token (and the log-probabilities `sampling` asks for, and how many tokens were cached)."""
+        them. Either way every layer lands whole, all N tokens, in `slab`. Returns the first completion token (and
+        the log-probabilities `sampling` asks for, and how many tokens were cached), and `keep`: run on the torch
+        thread, it puts the prompt's new full pages in the prefix cache and returns how many (0 without
+        `reuse_prefix`). The prefill service runs it once token 1 is on its way: copying the pages is not TTFT's."""
         cache = self.prefix_cache if reuse_prefix else None
         # NOTE: echo's prompt scores need every position computed: it looks nothing up (but still fills the cache)
         hit = cache.acquire(token_ids) if cache is not None and not sampling.echo else None
@@ -107,10 +117,12 @@ class PrefillEngine:
         finally:
             if cache is not None and hit is not None:
                 cache.release(hit)
-        if cache is not None:
-            cache.insert(token_ids, computed)
         first.num_cached_tokens = num_cached
-        return first
+
+        def keep() -> int:  # NOTE: `computed` is the prefill's own KV (not the slab's): nothing writes it after the run
+            return cache.insert(token_ids, computed) if cache is not None else 0
+
+        return first, keep
 
     def step_one_selection(self, slab: Slab, num_tokens: int, first: int, selector: str, budget: float,
                            floor: BudgetFloor) -> dict[int, np.ndarray]:

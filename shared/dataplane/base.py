@@ -61,6 +61,7 @@ class Faults:
     delay_lanes: list[str] = field(default_factory=list)  # … on these lanes only (Lane names, lower case); [] = all
     prefill_delay_s: float = 0.0  # a prefill worker holds each prompt this long before computing it (alive, busy)
     open_delay_s: float = 0.0  # a decode worker holds each `open` this long after reserving, before it answers
+    prefix_insert_delay_s: float = 0.0  # a prefill worker's prefix cache insertion takes this much longer
 
     def maybe_corrupt(self, payload: list[memoryview]) -> list[memoryview]:
         """`payload`, or a corrupted copy of it if a corruption is due (the region itself is never touched)."""
@@ -78,7 +79,7 @@ class Faults:
     def summary(self) -> dict[str, object]:
         return {"corrupt_frames": self.corrupt_frames, "refuse_tickets": self.refuse_tickets, "delay_s": self.delay_s,
                 "delay_lanes": list(self.delay_lanes), "prefill_delay_s": self.prefill_delay_s,
-                "open_delay_s": self.open_delay_s}
+                "open_delay_s": self.open_delay_s, "prefix_insert_delay_s": self.prefix_insert_delay_s}
 
 
 def check_within(segments: Sequence["Segment"], region_len: int, side: str) -> None:

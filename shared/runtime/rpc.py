@@ -71,13 +71,14 @@ async def respond_error(req: Request, code: ErrorCode, message: str) -> None:
     await req.respond(encode(ErrorReply(code, message)), headers={ERROR_HEADER: header, ERROR_CODE_HEADER: code})
 
 
-def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
-             concurrent: bool = False) -> Callable[[Request], Awaitable[None]]:
+def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]], concurrent: bool = False,
+             after_reply: Callable[[T], Awaitable[None]] | None = None) -> Callable[[Request], Awaitable[None]]:
     """Wrap `handler(message) -> reply message` as a nats.micro handler that never crashes on bad input.
 
     nats runs an endpoint's handlers one after another, in one task. `concurrent`: each message gets a task of
     its own instead, so a long handler (a prefill waiting its turn for the model) does not keep the next
-    message unread, unseen by the service (and by its heartbeats, which say what it holds)."""
+    message unread, unseen by the service (and by its heartbeats, which say what it holds). `after_reply(message)`:
+    work the handler left for after its reply (or error) is on its way to the caller, in the same task."""
 
     tasks: set[asyncio.Task] = set()
 
@@ -95,23 +96,35 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]],
         request_id = getattr(message, "request_id", None)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                with tracing.handling(req, request_id):
-                    reply = await handler(message)
-            except RequestRefused as exc:
-                log.info("request_refused", code=exc.code, reason=exc.message)
-                await respond_error(req, exc.code, exc.message)
-                return
-            except Exception as exc:  # the service keeps running; the caller learns at once
-                log.exception("handler_failed", subject=req.subject)
-                await respond_error(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-                return
-            data = encode(reply)
-            try:
-                await req.respond(data)
-            except Exception as exc:  # e.g. nats' MaxPayloadError: the caller learns why now, not at its timeout
-                log.warning("reply_not_sent", subject=req.subject, bytes=len(data), error=repr(exc))
-                await respond_error(req, ErrorCode.INTERNAL, f"the reply ({len(data)} bytes) could not be sent: "
-                                                             f"{type(exc).__name__}: {exc}")
+                await reply_to(req, message)
+            finally:
+                if after_reply is not None:
+                    try:
+                        await after_reply(message)
+                    except Exception:  # noqa: BLE001 (the reply has gone: nobody else would hear of it)
+                        log.exception("after_reply_failed", subject=req.subject)
+
+    async def reply_to(req: Request, message: T) -> None:
+        """The handler's reply to `req`, or the error it raised."""
+        request_id = getattr(message, "request_id", None)
+        try:
+            with tracing.handling(req, request_id):
+                reply = await handler(message)
+        except RequestRefused as exc:
+            log.info("request_refused", code=exc.code, reason=exc.message)
+            await respond_error(req, exc.code, exc.message)
+            return
+        except Exception as exc:  # the service keeps running; the caller learns at once
+            log.exception("handler_failed", subject=req.subject)
+            await respond_error(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        data = encode(reply)
+        try:
+            await req.respond(data)
+        except Exception as exc:  # e.g. nats' MaxPayloadError: the caller learns why now, not at its timeout
+            log.warning("reply_not_sent", subject=req.subject, bytes=len(data), error=repr(exc))
+            await respond_error(req, ErrorCode.INTERNAL, f"the reply ({len(data)} bytes) could not be sent: "
+                                                         f"{type(exc).__name__}: {exc}")
 
     return spawn if concurrent else handle
 

@@ -33,7 +33,8 @@ log = structlog.get_logger()
 # NOTE: a switch of the process's environment, not a config field: no deployment should carry it, and
 # without it `POST /fault` does not exist (404).
 FAULT_INJECTION_ENV = "SMARTGEN_FAULT_INJECTION"
-FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "slow_prefill", "slow_open", "clear")
+FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "slow_prefill", "slow_open",
+               "slow_prefix_insert", "clear")
 
 
 class ModelWorkerService(Service):
@@ -186,6 +187,7 @@ class ModelWorkerService(Service):
                                                       ["push", …] holds only those lanes' frames
           {"kind": "slow_prefill", "delay_s": X}      a prefill worker holds each prompt X seconds before computing it
           {"kind": "slow_open", "delay_s": X}         a decode worker holds each `open` X seconds after reserving the KV
+          {"kind": "slow_prefix_insert", "delay_s": X}  a prefill worker's prefix cache insertion takes X seconds more
           {"kind": "clear"}                           undo the switches above"""
         try:
             body = await request.json()
@@ -211,9 +213,11 @@ class ModelWorkerService(Service):
                 faults.prefill_delay_s = max(0.0, float(body["delay_s"]))
             elif kind == "slow_open":
                 faults.open_delay_s = max(0.0, float(body["delay_s"]))
+            elif kind == "slow_prefix_insert":
+                faults.prefix_insert_delay_s = max(0.0, float(body["delay_s"]))
             elif kind == "clear":
                 faults.corrupt_frames, faults.refuse_tickets, faults.delay_s = 0, False, 0.0
-                faults.prefill_delay_s = faults.open_delay_s = 0.0
+                faults.prefill_delay_s = faults.open_delay_s = faults.prefix_insert_delay_s = 0.0
                 faults.delay_lanes = []
             else:
                 cut = self.dataplane.cut_links()

@@ -90,11 +90,12 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
 
 def test_bench_conversation_smoke(tiny_model_path):
     """`smartgen bench conversation` on the tiny model, 2 turns: turn 2 finds turn 1's prompt cached on the decode
-    worker with the cache on, moves less than with it off, and both stacks give the same tokens."""
+    worker and the prefill with the caches on, moves less than with them off, and both stacks give the same tokens."""
     from tools.bench.conversation import run
 
     rows = run(str(tiny_model_path), 2, 4, 8, 0.0)
     assert [row["tokens_equal"] for row in rows] == [True, True]
     second = rows[1]
     assert second["on"]["decode_cached_tokens"] > 0 and second["off"]["decode_cached_tokens"] == 0
+    assert second["on"]["cached_tokens"] > 0 and second["off"]["cached_tokens"] == 0  # `--off all`: the prefill's too
     assert 0 < second["on"]["kv_mb"] < second["off"]["kv_mb"]

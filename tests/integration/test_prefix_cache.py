@@ -7,8 +7,11 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import model_workers, post_json
+from tests.integration.conftest import assert_no_leaks, model_workers, post_json
+from tests.integration.fault_helpers import admin_post, worker
 from tests.reference import greedy_tokens, prompt_ids
+from tools.nats_server import free_port
+from tools.stack import StackSpec, started_stack
 
 DOC = ("The river town kept its records in a stone house by the bridge. Each spring the clerks counted the boats, "
        "the mills and the families, and wrote the numbers in a ledger bound with red thread. In the dry years the "
@@ -74,3 +77,25 @@ def test_a_shared_prefix_hits_and_matches_generate(clean_stack, tiny_model_path)
     assert prefill_metric(clean_stack, "smartgen_prefix_cache_queries_total") == queries + queried
     assert prefill_metric(clean_stack, "smartgen_prefix_cache_hits_total") == hits + cached(body)
     assert prefill_metric(clean_stack, "smartgen_prefix_cache_bytes") > 0
+
+
+def test_token_one_leaves_before_the_prompt_is_kept_in_the_cache(tiny_model_path, tmp_path):
+    """The prefix cache insertion is off TTFT's path: made 3 s slow (fault injection), a prompt's first token still
+    comes back at once (inserted before the reply, as it once was, TTFT would be ≥ 3 s), and the same prompt sent
+    next, queued behind the insertion on the torch thread, finds every page of it in the cache."""
+    delay_s = 3.0
+    spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=tmp_path / "stack.log",
+                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_KV_DTYPE": "float32",
+                          "SMARTGEN_FAULT_INJECTION": "1"})
+    with started_stack(spec, 120) as stack:
+        admin_post(stack, worker(stack, "prefill"), "/fault", {"kind": "slow_prefix_insert", "delay_s": delay_s})
+        prompt = f"{DOC} Question: how were the ledgers bound?"
+        n = len(prompt_ids(tiny_model_path, prompt))
+        miss = complete(stack, prompt, "full", max_tokens=2)
+        assert cached(miss) == 0
+        assert miss["smartgen"]["ttft_s"] < delay_s / 2, miss["smartgen"]["ttft_s"]
+        hit = complete(stack, prompt, "full", max_tokens=2)
+        assert cached(hit) == min(n - 1, (n // PAGE_TOKENS) * PAGE_TOKENS)
+        assert hit["smartgen"]["token_ids"] == miss["smartgen"]["token_ids"]
+        admin_post(stack, worker(stack, "prefill"), "/fault", {"kind": "clear"})
+        assert_no_leaks(stack)
