@@ -252,7 +252,8 @@ def summarize(roll: Roll, leaks: dict) -> dict:
     num_ok = kinds.get(OK, 0)
     restarts = [asdict(r) for r in roll.restarts]
     return {"num_requests": len(roll.outcomes), "num_ok": num_ok, "num_lost": len(roll.outcomes) - num_ok,
-            "outcomes": kinds, "num_resumed": sum(o.resumed for o in roll.outcomes), "retries": roll.retries,
+            "outcomes": kinds, "num_resumed": sum(o.resumed for o in roll.outcomes),
+            "num_recomputed": sum(o.recomputed for o in roll.outcomes), "retries": roll.retries,
             "near_ties": [m for m in getattr(roll, "mismatches", []) if m["near_tie"]], "restarts": restarts,
             "all_drained": all(r["exit_code"] == 0 for r in restarts), "all_back": all(r["back_s"] for r in restarts),
             "leaks": leaks}

@@ -17,6 +17,7 @@ def test_decode_workers_killed_under_eight_streams_lose_no_request(tiny_model_pa
     assert all(k["exit_code"] == -9 for k in result["kills"]), result["kills"]
     assert result["num_requests"] >= cfg.streams * 2
     assert result["num_lost"] == 0, (result["outcomes"], result.get("log_tail"))
+    assert result["num_migrations"] >= 1 and result["num_resumed"] >= 1, result  # the kills hit requests mid-stream
     assert result["all_back_within"], result["kills"]
     assert not result["leaks"], result["leaks"]
     assert result["passed"]
