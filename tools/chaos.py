@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chaos.add_argument("--decode", type=int, default=2, metavar="M", help="decode replicas, killed in turn (default 2)")
     chaos.add_argument("--streams", type=int, default=8, help="concurrent streaming clients (default 8)")
     chaos.add_argument("--max-tokens", type=int, default=48, help="tokens per completion (default 48)")
-    chaos.add_argument("--kill-every", type=float, default=120.0, metavar="S", help="seconds between kills (default 120)")
+    chaos.add_argument("--kill-every", type=float, default=120.0, metavar="S",
+                       help="seconds between kills (default 120)")
     chaos.add_argument("--duration", type=float, default=600.0, metavar="S",
                        help="seconds of load; a kill at each period's end before it (default 600: 4 kills)")
     add_json(chaos, "also write the full result here")
@@ -86,7 +87,6 @@ async def kill_on_a_clock(stack, supervisor, roll: Roll, cfg: ChaosConfig) -> No
             return  # a killed worker did not come back: the run has failed, kill no other
         name = victims[turn % len(victims)]
         back = asyncio.create_task(_kill(stack, supervisor, roll, cfg, name, started, turn))
-        await asyncio.sleep(0)  # the kill itself happens now, before this loop sleeps
     if back is not None:
         await back
     await _sleep(supervisor, started + cfg.duration_s - time.monotonic())
@@ -169,7 +169,8 @@ def command(args: argparse.Namespace) -> int:
     if args.decode < 2:
         raise SystemExit("smartgen chaos: --decode must be at least 2 (one serves while the other is killed)")
     if not 0 < args.kill_every < args.duration:
-        raise SystemExit("smartgen chaos: --kill-every must be more than 0 and less than --duration (no kill otherwise)")
+        raise SystemExit("smartgen chaos: --kill-every must be more than 0 and less than --duration "
+                         "(no kill otherwise)")
     cfg = ChaosConfig(model=args.model or "", num_prefill=args.prefill, num_decode=args.decode, streams=args.streams,
                       max_tokens=args.max_tokens, kill_every_s=args.kill_every, duration_s=args.duration,
                       json_path=args.json or "")

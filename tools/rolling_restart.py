@@ -276,7 +276,8 @@ def run(cfg: RollConfig) -> dict:
     return run_under_load(cfg, "rolling-restart", disrupt, report)
 
 
-def run_under_load(cfg: StreamsConfig, tool: str, disrupt: Disrupt, report: Callable[[object, Roll, dict], dict]) -> dict:
+def run_under_load(cfg: StreamsConfig, tool: str, disrupt: Disrupt,
+                   report: Callable[[object, Roll, dict], dict]) -> dict:
     """Start a supervised stack as `cfg` says, `drive` its clients while `disrupt` runs, check for leaks, and return
     {"config", "elapsed_s", **report(stack, roll, leaks)}, also printed as JSON on stdout (and written to
     cfg.json_path); `report`'s dict says "passed", and the log's tail is added when it did not."""
