@@ -4,6 +4,7 @@
     smartgen bench transport|interference|decode-step|serve [--json PATH]
     smartgen loadtest [--url URL | --model PATH --prefill N --decode M] [--concurrency 16] [--duration 300] …
     smartgen rolling-restart [--prefill 2] [--decode 2] [--gateways 2] [--streams 8] [--services ROLE,…]
+    smartgen chaos [--decode 2] [--streams 8] [--kill-every 120] [--duration 600] [--json PATH]
     smartgen prepare-selectors [--selector all|infinigen|hata]
     smartgen profile build|list|show|delete [--selector S] [--prompt-tokens L] [KEY]
     smartgen eval fidelity [--selector S…] [--budget B…] [--json PATH]
@@ -21,7 +22,7 @@ import argparse
 import signal
 import sys
 
-from tools import loadtest, model, prepare_selectors, profiles, rolling_restart, settings, up, walk
+from tools import chaos, loadtest, model, prepare_selectors, profiles, rolling_restart, settings, up, walk
 from tools.bench import conversation, decode_batch, decode_step, interference, prefix_prefill, serve, simulate, transport
 from tools.eval import accuracy, drift, fidelity
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         tool.register(measurements)
     loadtest.register(commands)
     rolling_restart.register(commands)
+    chaos.register(commands)
     prepare_selectors.register(commands)
     profiles.register(commands)
     evaluation = commands.add_parser("eval", help="quality evaluations; each accepts --json PATH")

@@ -250,6 +250,7 @@ class Outcome:
     retry_after_s: float | None = None  # a refusal's Retry-After header
     token_ids: list[int] = field(default_factory=list)  # the completion's tokens (`smartgen.token_ids`)
     resumed: bool = False  # the gateway moved it to another decode worker mid-stream (failure_policy recompute)
+    recomputed: bool = False  # its prompt was computed again (resumed, or its KV lost before decode: `recompute`)
     finished_at_s: float | None = None  # a load test's clock: when it ended, from the run's start
 
 
@@ -309,7 +310,8 @@ def _finished(outcome, last: dict | None) -> Outcome:
     gaps = [b - a for a, b in zip(times[1:], times[2:])]  # token 2 → 3, 3 → 4, …
     return outcome(OK, ttft_s=sg.get("ttft_s"), ttst_s=sg.get("ttst_s"), tbt_gaps_s=gaps,
                    prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
-                   token_ids=list(sg.get("token_ids", [])), resumed=bool(sg.get("resumed_from")))
+                   token_ids=list(sg.get("token_ids", [])), resumed=bool(sg.get("resumed_from")),
+                   recomputed=bool(sg.get("recomputed")))
 
 
 def _error_kind(error: object) -> str:

@@ -30,6 +30,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 @dataclass
-class RollConfig:
+class StreamsConfig:
+    """A supervised stack and the streaming clients that `run_under_load` drives against it."""
+
     model: str = ""  # "" = a tiny random-weight model (tools/tiny_model.py), made in a temp folder
     num_prefill: int = 2
     num_decode: int = 2
@@ -68,17 +71,21 @@ class RollConfig:
     streams: int = 8
     max_tokens: int = 48
     prompt_tokens: int = 96  # approximate
-    services: tuple[str, ...] = ROLES  # roles (every replica, in the stack's order) or process names ("decode-0")
     failure_policy: str = "recompute"
-    settle_s: float = 1.0  # the streams run this long after a restarted service is back, before the next SIGTERM
-    # False: the next SIGTERM as soon as the last service has exited (and `settle_s`), while it starts again; every
-    # one must be back at the end. Shorter (a start is seconds of imports), and a restart meets another's start
-    wait_back: bool = True
-    back_timeout_s: float = 90.0  # a restarted service must serve again within this
+    back_timeout_s: float = 90.0  # a restarted service must serve again within this (after its drain)
     drain_s: float = 30.0  # SMARTGEN_DRAIN_S of every service
     worker_ttl_s: float = 2.0  # SMARTGEN_WORKER_TTL_S: how soon a gateway drops a worker gone quiet
     log_file: str = ""  # "" = a file in the temp folder
     json_path: str = ""
+
+
+@dataclass
+class RollConfig(StreamsConfig):
+    services: tuple[str, ...] = ROLES  # roles (every replica, in the stack's order) or process names ("decode-0")
+    settle_s: float = 1.0  # the streams run this long after a restarted service is back, before the next SIGTERM
+    # False: the next SIGTERM as soon as the last service has exited (and `settle_s`), while it starts again; every
+    # one must be back at the end. Shorter (a start is seconds of imports), and a restart meets another's start
+    wait_back: bool = True
 
 
 @dataclass
@@ -162,7 +169,7 @@ async def _sleep(supervisor, seconds: float) -> None:
         await asyncio.sleep(min(left, 0.05))
 
 
-async def _wait_back(stack, supervisor, cfg: RollConfig, pending: list) -> bool:
+async def _wait_back(stack, supervisor, cfg: StreamsConfig, pending: list) -> bool:
     """Wait until each restart in `pending` serves again (its new process), emptying it; False if one did not."""
     while pending:
         restart, process, started = pending[0]
@@ -173,7 +180,7 @@ async def _wait_back(stack, supervisor, cfg: RollConfig, pending: list) -> bool:
                 restart.back_s = round(time.monotonic() - started, 2)
                 break
             await asyncio.sleep(0.2)
-        print(f"rolling-restart: {name} exited {restart.exit_code} after {restart.drained_s} s, "
+        print(f"{name} exited {restart.exit_code} after {restart.drained_s} s, "
               f"serving again after {restart.back_s} s", file=sys.stderr, flush=True)
         if restart.back_s is None:
             return False
@@ -201,8 +208,13 @@ def _serves(stack, name: str) -> bool:
     return False
 
 
-async def drive(stack, cfg: RollConfig) -> Roll:
-    """References first, then the clients and the restarts; the clients finish the request they hold."""
+# What a run does to the stack while the clients stream: (stack, supervisor, roll) → when it returns, the clients
+# finish the request they hold (rolling-restart: `restart_each`; tools/chaos.py: SIGKILLs on a clock)
+Disrupt = Callable[[object, object, Roll], Awaitable[None]]
+
+
+async def drive(stack, cfg: StreamsConfig, disrupt: Disrupt) -> Roll:
+    """References first, then the clients and `disrupt`; the clients finish the request they hold."""
     import aiohttp
 
     from tools.loadtest import LoadConfig, Load
@@ -211,7 +223,6 @@ async def drive(stack, cfg: RollConfig) -> Roll:
     load = Load(LoadConfig(max_tokens=cfg.max_tokens, prompt_tokens=cfg.prompt_tokens, transfer_modes=["full"],
                            failure_policy=cfg.failure_policy, check_tokens=cfg.streams), stack.gateway_url)
     supervisor = Supervisor(stack, say=lambda text: print(f"supervisor: {text}", file=sys.stderr, flush=True))
-    names = _names(stack, cfg.services)
     roll, stop = Roll(), asyncio.Event()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.streams * 2)) as session:
         for index in range(cfg.streams):
@@ -219,7 +230,7 @@ async def drive(stack, cfg: RollConfig) -> Roll:
         clients = [asyncio.create_task(client(i, load, roll, session, stack.gateway_urls, stop))
                    for i in range(cfg.streams)]
         try:
-            await restart_each(stack, supervisor, roll, cfg, names)
+            await disrupt(stack, supervisor, roll)
         finally:
             stop.set()
             await asyncio.gather(*clients)
@@ -241,7 +252,8 @@ def summarize(roll: Roll, leaks: dict) -> dict:
     num_ok = kinds.get(OK, 0)
     restarts = [asdict(r) for r in roll.restarts]
     return {"num_requests": len(roll.outcomes), "num_ok": num_ok, "num_lost": len(roll.outcomes) - num_ok,
-            "outcomes": kinds, "num_resumed": sum(o.resumed for o in roll.outcomes), "retries": roll.retries,
+            "outcomes": kinds, "num_resumed": sum(o.resumed for o in roll.outcomes),
+            "num_recomputed": sum(o.recomputed for o in roll.outcomes), "retries": roll.retries,
             "near_ties": [m for m in getattr(roll, "mismatches", []) if m["near_tie"]], "restarts": restarts,
             "all_drained": all(r["exit_code"] == 0 for r in restarts), "all_back": all(r["back_s"] for r in restarts),
             "leaks": leaks}
@@ -254,30 +266,43 @@ def passed(result: dict, num_services: int) -> bool:
 
 def run(cfg: RollConfig) -> dict:
     """Start the stack, roll it, check for leaks; returns the result (printed as JSON on stdout)."""
+    def disrupt(stack, supervisor, roll: Roll) -> Awaitable[None]:
+        return restart_each(stack, supervisor, roll, cfg, _names(stack, cfg.services))
+
+    def report(stack, roll: Roll, leaks: dict) -> dict:
+        result = summarize(roll, leaks)
+        return {**result, "passed": passed(result, len(_names(stack, cfg.services)))}
+
+    return run_under_load(cfg, "rolling-restart", disrupt, report)
+
+
+def run_under_load(cfg: StreamsConfig, tool: str, disrupt: Disrupt,
+                   report: Callable[[object, Roll, dict], dict]) -> dict:
+    """Start a supervised stack as `cfg` says, `drive` its clients while `disrupt` runs, check for leaks, and return
+    {"config", "elapsed_s", **report(stack, roll, leaks)}, also printed as JSON on stdout (and written to
+    cfg.json_path); `report`'s dict says "passed", and the log's tail is added when it did not."""
     from shared.runtime.models import prepare_default_model
     from tools.leaks import find_leaks
     from tools.nats_server import free_port
     from tools.stack import StackSpec, started_stack
     from tools.tiny_model import make_tiny_model
 
-    with tempfile.TemporaryDirectory(prefix="smartgen-roll-") as folder:
+    with tempfile.TemporaryDirectory(prefix=f"smartgen-{tool}-") as folder:
         model = cfg.model or str(make_tiny_model(Path(folder) / "tiny", tokenizer_from=prepare_default_model()))
         log_file = Path(cfg.log_file or Path(folder) / "stack.log")
-        print(f"rolling-restart: starting the stack (log: {log_file})", file=sys.stderr, flush=True)
+        print(f"{tool}: starting the stack (log: {log_file})", file=sys.stderr, flush=True)
         spec = StackSpec(cfg.num_prefill, cfg.num_decode, model, "full", free_port(), num_gateway=cfg.num_gateway,
                          log_file=log_file, env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1",
                                                  "SMARTGEN_DRAIN_S": str(cfg.drain_s),
                                                  "SMARTGEN_WORKER_TTL_S": str(cfg.worker_ttl_s)})
         names_in_turn = set()
         with started_stack(spec, 180, may_die=names_in_turn) as stack:
-            names_in_turn.update(stack.processes)  # each is stopped on purpose once
+            names_in_turn.update(stack.processes)  # each may be stopped on purpose
             started = time.monotonic()
-            roll = asyncio.run(drive(stack, cfg))
+            roll = asyncio.run(drive(stack, cfg, disrupt))
             elapsed = time.monotonic() - started
             result = {"config": asdict(cfg), "elapsed_s": round(elapsed, 1),
-                      **summarize(roll, find_leaks(stack.gateway_url, 10.0, stack.admin_token))}
-            num_services = len(_names(stack, cfg.services))
-        result["passed"] = passed(result, num_services)
+                      **report(stack, roll, find_leaks(stack.gateway_url, 10.0, stack.admin_token))}
         if not result["passed"]:
             result["log_tail"] = log_file.read_text(errors="replace")[-4000:] if log_file.is_file() else ""
     print(json.dumps({k: v for k, v in result.items() if k != "log_tail"}, indent=1))
