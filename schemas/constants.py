@@ -12,7 +12,7 @@ SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrain
 # top-token agreement 0.984 against 0.974, 2K held-out prompts: docs/results/faithful-default-2026-12-05); Quest at
 # 10% (the earlier default) is at KL 0.17. HATA needs its offline preparation, which `smartgen model prepare` makes.
 DEFAULT_SELECTOR = "hata"  # what a mode that needs a selector gets when the request names none
-DEFAULT_KV_BUDGET = 0.3  # what a request with a selector attends to when it names no budget
+DEFAULT_KV_BUDGET = 0.2  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4, 8)  # quantized transfer's code widths
 # 4, not 2: 2-bit codes turn short chats into garbage on SmolLM2 ("Name three primary colors." answered "The human
 # beings:\n\n\nfurther…"); 4 bits answers right (KL vs dense ~0.02 nats/token at 2K, docs/results accuracy)
@@ -106,8 +106,9 @@ class BudgetFloor:
     steps selected scores `stick` × the standard deviation of the step's scores (per KV head) higher, so a step
     prefers what is already on the decode node where scores are close. A slow link carries the *union* of a
     request's selections, and without memory 64 steps of 20% selections cover ~70% (2K) to ~80% (8K) of the
-    entries. The default (1.0, with the 30% default budget) is closer to dense than HATA at 20% without memory and
-    its union is smaller: 2K 55% against 69% of the entries, 8K 64% against 80% (docs/results/sticky-selection).
+    entries. The default, 0.25 with the 20% default budget, takes that to 61% (2K) and 72% (8K) for ~2% more KL;
+    30% with stick 1.0 is closer to dense than 20% without memory at a smaller union (2K 55%, 8K 64%), but its larger
+    step 1 costs TTST on a slow link (docs/results/sticky-selection, serve-2k-sticky-default).
     Deterministic (earlier picks, not what happens to have landed), so every mode selects alike. Selectors that score
     whole pages (Quest) or nothing (positional) have no memory."""
 
@@ -115,7 +116,7 @@ class BudgetFloor:
     dense_below: int = 1024
     sinks: int = 4
     recent: int = 32
-    stick: float = 1.0
+    stick: float = 0.25
 
     def tokens(self, value: float, num_tokens: int) -> int:
         """The entries per KV head a step over `num_tokens` cached tokens attends to under budget `value`."""
