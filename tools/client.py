@@ -13,7 +13,8 @@ do not (but open_stream's: urllib.error.HTTPError, whose JSON body is json.load(
 
 Outcome kinds: OK, ABORTED (set by the caller that cancels), `http <status> <type>/<code>` (from the
 OpenAI-style JSON body), `sse error <type>/<code>` (an error event inside the stream), `timeout`,
-`connection error (<exception>)`, `stream ended without [DONE]`, and a few malformed-stream kinds. A
+`connection error (<exception>)` (after the response began) or `connection error before a response
+(<exception>)`, `stream ended without [DONE]`, and a few malformed-stream kinds. A
 cancelled request is no outcome here: cancellation propagates to the caller (leaving the `async with` closes
 the connection, which is how the gateway learns the client has gone).
 """
@@ -263,9 +264,11 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     def outcome(kind: str, **figures) -> Outcome:
         return Outcome(kind, mode, time.monotonic() - started, **figures)
 
+    responded = False  # the response's head arrived: a connection error after it is a request lost mid-answer
     try:
         async with session.post(url + "/v1/completions", json={**body, "stream": True},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            responded = True
             if response.status != 200:
                 try:
                     error = (await response.json(content_type=None)).get("error")
@@ -284,8 +287,8 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
             return outcome("stream ended without [DONE]")
     except TimeoutError:  # aiohttp's timeouts subclass it (and ClientError): before ClientError
         return outcome("timeout")
-    except aiohttp.ClientError as exc:
-        return outcome(f"connection error ({type(exc).__name__})")
+    except aiohttp.ClientError as exc:  # before a response: refused, or a pooled connection the server closed
+        return outcome(f"connection error{'' if responded else ' before a response'} ({type(exc).__name__})")
     except json.JSONDecodeError:
         return outcome("SSE data not JSON")
 

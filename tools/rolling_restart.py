@@ -38,7 +38,9 @@ from tools.args import add_json, add_model
 
 ROLES = ("gateway", "prefill", "decode", "broker", "kvprofile")
 # Refusals before admission that a client sends to another gateway (docs/api.md: a 503 says when to retry)
-RETRYABLE_PREFIXES = ("http 503", "connection error (ClientConnectorError)")
+# "before a response": a refused connection, or a pooled keep-alive connection the stopping gateway closed as the
+# request went out (the HTTP/1.1 race no server can close: clients retry it, as the openai SDK does by default)
+RETRYABLE_PREFIXES = ("http 503", "connection error before a response")
 RETRY_PAUSE_S = 0.1
 MAX_RETRIES = 600  # ~a minute of refusals for one request: then it counts as lost
 
