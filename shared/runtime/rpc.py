@@ -96,7 +96,7 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]], conc
         request_id = getattr(message, "request_id", None)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                await reply_to(req, message)
+                await reply_to(req, message, request_id)
             finally:
                 if after_reply is not None:
                     try:
@@ -104,9 +104,8 @@ def endpoint(message_type: type[T], handler: Callable[[T], Awaitable[Any]], conc
                     except Exception:  # noqa: BLE001 (the reply has gone: nobody else would hear of it)
                         log.exception("after_reply_failed", subject=req.subject)
 
-    async def reply_to(req: Request, message: T) -> None:
+    async def reply_to(req: Request, message: T, request_id: str | None) -> None:
         """The handler's reply to `req`, or the error it raised."""
-        request_id = getattr(message, "request_id", None)
         try:
             with tracing.handling(req, request_id):
                 reply = await handler(message)

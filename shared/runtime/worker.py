@@ -33,8 +33,9 @@ log = structlog.get_logger()
 # NOTE: a switch of the process's environment, not a config field: no deployment should carry it, and
 # without it `POST /fault` does not exist (404).
 FAULT_INJECTION_ENV = "SMARTGEN_FAULT_INJECTION"
-FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", "slow_prefill", "slow_open",
-               "slow_prefix_insert", "clear")
+# the faults that hold one step of a worker's work `delay_s` seconds → the Faults field each sets
+SLOW_FAULTS = {"slow_prefill": "prefill_delay_s", "slow_open": "open_delay_s", "slow_prefix_insert": "prefix_insert_delay_s"}
+FAULT_KINDS = ("corrupt_next_chunk", "cut_links", "refuse_tickets", "delay", *SLOW_FAULTS, "clear")
 
 
 class ModelWorkerService(Service):
@@ -209,15 +210,12 @@ class ModelWorkerService(Service):
                 if not set(lanes) <= {lane.name.lower() for lane in Lane}:
                     raise ValueError(lanes)
                 faults.delay_s, faults.delay_lanes = max(0.0, float(body["delay_s"])), lanes
-            elif kind == "slow_prefill":
-                faults.prefill_delay_s = max(0.0, float(body["delay_s"]))
-            elif kind == "slow_open":
-                faults.open_delay_s = max(0.0, float(body["delay_s"]))
-            elif kind == "slow_prefix_insert":
-                faults.prefix_insert_delay_s = max(0.0, float(body["delay_s"]))
+            elif kind in SLOW_FAULTS:
+                setattr(faults, SLOW_FAULTS[kind], max(0.0, float(body["delay_s"])))
             elif kind == "clear":
                 faults.corrupt_frames, faults.refuse_tickets, faults.delay_s = 0, False, 0.0
-                faults.prefill_delay_s = faults.open_delay_s = faults.prefix_insert_delay_s = 0.0
+                for name in SLOW_FAULTS.values():
+                    setattr(faults, name, 0.0)
                 faults.delay_lanes = []
             else:
                 cut = self.dataplane.cut_links()
