@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar
 
 import structlog
 from aiohttp import web
@@ -28,7 +28,6 @@ from shared.runtime.models import resolve_model
 from shared.runtime.rpc import call, endpoint
 from shared.runtime.service import Service
 
-T = TypeVar("T")
 log = structlog.get_logger()
 # NOTE: a switch of the process's environment, not a config field: no deployment should carry it, and
 # without it `POST /fault` does not exist (404).
@@ -46,6 +45,7 @@ class ModelWorkerService(Service):
         super().__init__(config)
         # NOTE: every torch call runs on this one thread; handlers never call torch directly.
         self.torch_thread = TorchThread()
+        self.in_torch = self.torch_thread.run  # `await self.in_torch(fn, *args)`: fn(*args) on that thread
         self.runner: ModelRunner | None = None
         self.store: KvStore | None = None
         self.dataplane: DataPlane | None = None
@@ -85,10 +85,6 @@ class ModelWorkerService(Service):
                            lambda: cache.num_bytes)
         self.pool = cache
         return cache
-
-    async def in_torch(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the torch thread (never on the event loop)."""
-        return await self.torch_thread.run(fn, *args)
 
     async def start(self, nc: Client, micro: MicroService) -> None:
         path = resolve_model(self.config.model)
