@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from schemas import DENSE_LAYERS, Generate, PlanState, mode_of, pushed_pages
+from schemas import DENSE_LAYERS, Generate, PlanState, pushed_pages
 from schemas.modes import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import KvStore
@@ -47,7 +47,7 @@ class KvLoader:
     async def receive(self, state: DecodeRequest, tokens: list[int]) -> None:
         """Disaggregated modes: wait for the pushed KV and build the cache on it (TransferError or RemoteReadError
         when it cannot arrive). The prefill's first token goes into `tokens`."""
-        req = state.generate
+        req = state.req
         if req.first_token >= 0:
             tokens.append(req.first_token)
         started = asyncio.get_running_loop().time()
@@ -68,13 +68,13 @@ class KvLoader:
     def _dequantizes_as_it_lands(self, state: DecodeRequest) -> bool:
         """quantized: each layer's codes are dequantized into the slab's rows as soon as that layer has landed
         (they land in layer order: PrefillDone.layer_push_bytes), so only the last layers wait after the push."""
-        req = state.generate
-        return (mode_of(req.transfer_mode).aux is Aux.CODES and len(req.layer_push_bytes) == self.store.layout.num_layers
+        req = state.req
+        return (state.mode.aux is Aux.CODES and len(req.layer_push_bytes) == self.store.layout.num_layers
                 and sum(req.layer_push_bytes) == state.push.expected_bytes and not state.push.landed.is_set())
 
     async def _receive_codes(self, state: DecodeRequest) -> None:
         """quantized, layer by layer: dequantize each layer on the torch thread as it lands, then build the cache."""
-        req = state.generate
+        req = state.req
         assert state.slab is not None
         slab, n = state.slab, len(req.token_ids)
         jobs: list[asyncio.Future] = []
@@ -103,7 +103,7 @@ class KvLoader:
         """failure_policy `recompute`: the prefill node cannot provide this request's KV, so build its cache here
         from the prompt as colocated mode does, replaying the completion so far. The computation is colocated
         mode's, so greedy tokens are the ones it gives. Returns the first token's sample (token 0)."""
-        req = state.generate
+        req = state.req
         log.warning("kv_recompute", reason=why, tokens_so_far=len(tokens))
         state.report.recompute_reason = why
         if req.plan is not None:
@@ -120,7 +120,7 @@ class KvLoader:
         """Step 1 starts while the push lands, but only once the rest of it would land, at the plan's link rate,
         within EARLY_START_S: a layer waiting for its bytes holds the torch thread, and with it every request
         stepping in the same batch, so the wait it may cause is bounded by about one decode step."""
-        req = state.generate
+        req = state.req
         assert req.plan is not None
         rest = int(req.plan.link_gbps * 1e9 / 8 * EARLY_START_S) if req.plan.link_gbps > 0 else state.push.expected_bytes
         state.push.nearly_landed_at = max(1, state.push.expected_bytes - rest)
@@ -142,9 +142,9 @@ class KvLoader:
 
     async def load(self, state: DecodeRequest) -> None:
         """The pushed KV has landed: make the cache, and for selective modes the selection over what is remote."""
-        req = state.generate
+        req = state.req
         assert state.slab is not None
-        rid, n, mode = req.request_id, len(req.token_ids), mode_of(req.transfer_mode)
+        rid, n, mode = req.request_id, len(req.token_ids), state.mode
         pushed = pushed_pages(req.plan, self.store.layout.num_layers) if mode.keeps_source and req.plan else None
         by_query = None  # (L, H, N) bool: pushed by the prompt's last query
         if mode.pushes_by_query:
@@ -173,7 +173,7 @@ class KvLoader:
     def _remote_kv(self, state: DecodeRequest, pushed: np.ndarray, by_query: np.ndarray | None) -> RemoteKv:
         """The request's view of its KV still on the prefill node: `pushed` (num_layers, num_pages) the plan's
         blocks, `by_query` (num_layers, num_kv_heads, N) the entries pushed by query (None: none, or not known yet)."""
-        req = state.generate
+        req = state.req
         assert state.slab is not None and req.plan is not None and req.source is not None
         n = len(req.token_ids)
         # reads as codes (smartgen with kv_bits): their records land in the slab's codes region, the push's
@@ -190,9 +190,8 @@ class KvLoader:
         bytes only, where the KV left on the prefill node is read anyway (partial, smartgen), the prefill said
         what each layer pushes (and it adds up), and attention reads the slab itself (CPU: no copy to a device
         that would be taken before the bytes land)."""
-        req = state.generate
-        mode = mode_of(req.transfer_mode)
-        return (mode.keeps_source and req.plan is not None and req.plan.early_start and req.source is not None
+        req = state.req
+        return (state.mode.keeps_source and req.plan is not None and req.plan.early_start and req.source is not None
                 and len(req.layer_push_bytes) == self.store.layout.num_layers
                 and sum(req.layer_push_bytes) == state.push.expected_bytes and self.engine.decodes_in_the_slab
                 and not state.push.landed.is_set())
@@ -202,10 +201,10 @@ class KvLoader:
         land one after another (in layer order: PrefillDone.layer_push_bytes), and step 1's layer l waits for
         layer l (`RemoteKv.ready`). Each layer's metadata is read as it lands: the selector's state when its
         attention first runs, the entries the prompt's last query pushed (present once landed)."""
-        req = state.generate
+        req = state.req
         assert state.slab is not None
         assert req.plan is not None and req.source is not None
-        rid, n, mode, lay = req.request_id, len(req.token_ids), mode_of(req.transfer_mode), self.store.layout
+        rid, n, mode, lay = req.request_id, len(req.token_ids), state.mode, self.store.layout
         pushed = pushed_pages(req.plan, lay.num_layers)
         await self.in_torch(self.engine.load_from_store, rid, state.slab, n)
         remote = state.remote = self._remote_kv(state, pushed, None)

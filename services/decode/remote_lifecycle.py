@@ -7,7 +7,7 @@ and 3, and the lease): a collaborator of DecodeService, which hands it what it n
   - `after_step` tells the broker a step is done (`progress`) and queues the background batch it answers with;
   - when every entry is local, `all_local` stops remote reads and releases the lease (`end`, which the end of
     the request, an abort or a recompute also call: it runs once);
-  - `plan_event` tells the broker each plan state; `registration` repeats the live plan in every heartbeat,
+  - `plan_event` tells the broker each plan state (`release`, at the request's end, the last one); `registration` repeats the live plan in every heartbeat,
     so a restarted broker rebuilds it.
 """
 from __future__ import annotations
@@ -175,6 +175,13 @@ class RemoteKvLifecycle:
         log.info("kv_all_local", step=step)
         await asyncio.shield(self.end(state, PlanState.ALL_LOCAL))
         self.plan_event(state, PlanState.ALL_LOCAL)
+
+    async def release(self, state: DecodeRequest, plan_state: PlanState, reason: str) -> None:
+        """The request ends, or was refused: `end` the remote KV, then tell the broker the plan's last state
+        (unless it has one already)."""
+        await asyncio.shield(self.end(state, reason or plan_state))
+        if not state.progress.plan_state.is_final:
+            self.plan_event(state, plan_state, reason)
 
     def end(self, state: DecodeRequest, reason: str) -> asyncio.Future[None]:
         """Stop reading, wait for reads in flight, release the prefill's lease. Idempotent: every call gets the

@@ -1,7 +1,7 @@
 """Decode worker: receives a request's KV over the data plane and streams tokens. The handlers and the request's
-task are here, `open` and admission in admission.py; the request's state is in request.py, its checks in
-checks.py, the cache on what landed in kv_loader.py, the remote KV in remote.py and remote_lifecycle.py, what it
-reports in report.py, the torch work in shared/compute/decode_engine.py.
+task are here, `open` and admission in admission.py; the request's state, its checks and what it reports are in
+request.py, the cache on what landed in kv_loader.py, the remote KV in remote.py and remote_lifecycle.py, the torch
+work in shared/compute/decode_engine.py.
 
 Life of a request here:
   1. `open` (admission.py): reserve a slab for the prompt's KV and the completion, plus an aux area for what
@@ -50,14 +50,12 @@ from shared.runtime.rpc import RequestRefused, endpoint, subscriber
 from shared.runtime.worker import ModelWorkerService
 from services.decode.batcher import StepBatcher
 from services.decode.admission import Admission
-from services.decode.checks import aux_to_fill, generate_problem
 from services.decode.config import DecodeConfig
 from services.decode.gateway_watch import GatewayWatch
 from services.decode.kv_loader import KvLoader, TransferError
 from services.decode.remote import RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
-from services.decode.report import final_event, selection_stats, step1_kv_bytes
-from services.decode.request import DecodeRequest, Phase
+from services.decode.request import DecodeRequest, Phase, selection_stats
 
 log = structlog.get_logger()
 
@@ -123,7 +121,7 @@ class DecodeService(Admission, ModelWorkerService):
             if state.expiry:
                 state.expiry.cancel()
         assert self.runner and self.store and self.engine
-        if problem := generate_problem(req, state, self.runner, self.store.layout):
+        if problem := state.generate_problem(req, self.runner, self.store.layout):
             await self._refuse(state, ErrorCode.BAD_REQUEST, problem)
         if state.slab is None:  # colocated: its KV goes in a slab here too, as in every mode
             try:
@@ -143,15 +141,10 @@ class DecodeService(Admission, ModelWorkerService):
                 await self._refuse(state, ErrorCode.BAD_REQUEST, str(exc))
             if state.phase is Phase.ABORTED:
                 await self._refuse(state, ErrorCode.NOT_FOUND, f"request {req.request_id} was aborted")
-        if state.grant is not None:
-            try:
-                state.push.aux_filled = aux_to_fill(self.engine, req, state)
-            except ValueError as exc:
-                await self._refuse(state, ErrorCode.BAD_REQUEST, str(exc))
-        state.req = req
-        if state.grant is not None:
-            state.push.expected_bytes = state.pushed_bytes(self.store.layout)
-            state.check_landed()
+        try:
+            state.claim(req, self.engine, self.store.layout)
+        except ValueError as exc:
+            await self._refuse(state, ErrorCode.BAD_REQUEST, str(exc))
         self.streaming.add(req.request_id)
         state.advance(Phase.RUNNING)
         state.task = asyncio.create_task(tracing.in_span("decode.generation", self._run(state)))
@@ -199,8 +192,8 @@ class DecodeService(Admission, ModelWorkerService):
 
     # --- the request's task ---------------------------------------------------------------
     async def _run(self, state: DecodeRequest) -> None:
-        req = state.generate
-        assert self.engine and self.nc and self.runner
+        req = state.req
+        assert req and self.engine and self.nc and self.runner
         rid, stop_ids = req.request_id, set(req.stop_token_ids)
         tokens: list[int] = []  # the completion so far: token i is tokens[i]
         finals: list[TokenEvent] = []  # the stream's last event, once sent
@@ -229,12 +222,16 @@ class DecodeService(Admission, ModelWorkerService):
                 if req.selector and rid not in self.engine.selections:
                     await self.in_torch(self.engine.use_selection, rid, req.selector, req.kv_budget, False, None, None,
                                         NUM_BLOCKS)
-                while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens and not state.is_complete(tokens):
+
+                def is_complete() -> bool:  # structured output: its grammar allows nothing more (it ends: `stop`)
+                    return state.grammar is not None and state.grammar.is_complete(tokens)
+                while tokens[-1] not in stop_ids and len(tokens) < req.max_tokens and not is_complete():
                     token, logprobs = await self._step(state, tokens)
                     tokens.append(token)
                     await self._emit(req, TokenEvent(rid, len(tokens) - 1, token, logprobs=logprobs))
-                    await self.remote_kv.after_step(state, len(tokens) - 1)
-                reason = "stop" if tokens[-1] in stop_ids or state.is_complete(tokens) else "length"
+                    if state.remote is not None:  # paths 2-3: progress to the broker, all-local, step times
+                        await self.remote_kv.after_step(state, len(tokens) - 1)
+                reason = "stop" if tokens[-1] in stop_ids or is_complete() else "length"
             except asyncio.CancelledError:
                 reason = "abort"
             except Exception as exc:
@@ -243,7 +240,7 @@ class DecodeService(Admission, ModelWorkerService):
             state.advance(Phase.FINISHING)
             try:
                 selection = self.engine.selections.get(rid)
-                final = final_event(state, selection, len(tokens), reason, error, kv_wait_s, self.store.layout)
+                final = state.final_event(selection, len(tokens), reason, error, kv_wait_s, self.store.layout)
                 self.latency.requests.inc(status=reason)
                 for path, n in final.kv_bytes.items():
                     self.latency.kv_bytes.inc(n, path=path)
@@ -277,7 +274,7 @@ class DecodeService(Admission, ModelWorkerService):
         try:
             await self.loader.receive(state, tokens)
         except (TransferError, RemoteReadError) as exc:
-            if state.generate.failure_policy != "recompute":
+            if state.req.failure_policy != "recompute":
                 raise
             await self._recompute(state, tokens, str(exc))
         return asyncio.get_running_loop().time() - started
@@ -288,13 +285,13 @@ class DecodeService(Admission, ModelWorkerService):
         first = await self.loader.recompute(state, tokens, why)
         if not tokens:
             tokens.append(first)
-            await self._emit(state.generate, TokenEvent(state.request_id, 0, first))
+            await self._emit(state.req, TokenEvent(state.request_id, 0, first))
 
     async def _step(self, state: DecodeRequest, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """One decode step: feed the last token, get the next (and its log-probabilities if asked). An on-demand read that fails mid-step fails the
         request, or under failure_policy `recompute` (once) rebuilds the cache here and takes the step again."""
-        req = state.generate
-        assert self.engine
+        req = state.req
+        assert req and self.engine
         index = len(tokens)
         try:
             if index == 1:
@@ -310,14 +307,14 @@ class DecodeService(Admission, ModelWorkerService):
 
     async def _first_step(self, state: DecodeRequest, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""
-        req = state.generate
-        assert self.engine and self.store
+        req = state.req
+        assert req and self.engine and self.store
         started = asyncio.get_running_loop().time()
         token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, 1, req.token_ids, tokens,
                                          state.grammar)  # (token, its logprobs)
         waited = state.remote.step_wait[-1] if state.remote is not None and state.remote.step_wait else 0.0
         state.report.step1_compute_s = max(0.0, asyncio.get_running_loop().time() - started - waited)
-        state.report.step1_kv_bytes = step1_kv_bytes(state, self.store.layout, self.engine.selections.get(req.request_id))
+        state.report.step1_kv_bytes = state.step1_kv_bytes(self.store.layout, self.engine.selections.get(req.request_id))
         return token
 
     async def _emit(self, req: Generate, event: TokenEvent) -> None:
@@ -336,9 +333,7 @@ class DecodeService(Admission, ModelWorkerService):
         if state.expiry:
             state.expiry.cancel()
         assert self.remote_kv and self.store
-        await asyncio.shield(self.remote_kv.end(state, reason or plan_state))
-        if not state.progress.plan_state.is_final:
-            self.remote_kv.plan_event(state, plan_state, reason)
+        await self.remote_kv.release(state, plan_state, reason)
         if state.grant is not None and self.dataplane is not None:
             await self.dataplane.retire(state.grant.ticket, RELEASE_TIMEOUT_S)
         if self.engine:

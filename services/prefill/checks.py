@@ -1,5 +1,5 @@
 """What a `prefill` asks, checked before anything is allocated (services/prefill/service.py): every reason a
-prefill worker refuses a request as malformed, in one pure function (the decode side's is services/decode/checks.py)."""
+prefill worker refuses a request as malformed, in one pure function (the decode side's is services/decode/request.py `generate_problem`)."""
 from __future__ import annotations
 
 from schemas import KvLayout, Prefill, TransferMode, kv_budget_problem, mode_of, modes_where, plan_problem

@@ -27,7 +27,7 @@ TTL_S = 0.6
 class FakeDecode:
     """A decode worker on the wire (heartbeats, `generate`): streams `max_tokens` token events and then dies
     before its final event; or (`refuses`) answers every `generate` as a real one does a resume of a finished
-    answer (services/decode/checks.py)."""
+    answer (services/decode/request.py `generate_problem`)."""
 
     def __init__(self, nc, worker_id: str, refuses: bool = False):
         self.nc, self.worker_id, self.refuses = nc, worker_id, refuses

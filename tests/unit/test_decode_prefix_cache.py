@@ -71,7 +71,7 @@ def test_decode_refuses_token_ids_that_are_not_the_prompt(token_ids, expected):
     """OpenKv.token_ids of another length than num_tokens, or outside the vocabulary, is a 400 before anything is
     reserved; none at all is fine (no lookup)."""
     from schemas import OpenKv
-    from services.decode.checks import open_problem
+    from services.decode.admission import open_problem
 
     runner = SimpleNamespace(max_positions=4096, token_problem=lambda ids: "ids outside the vocabulary"
                              if min(ids) < 0 else "")
