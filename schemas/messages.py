@@ -190,10 +190,6 @@ class Sampling:
     # follow; the workers mask the logits with it and end the answer when it is complete ("" = free text)
     grammar: str = ""
 
-    @property
-    def penalizes(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:

@@ -33,7 +33,7 @@ class _Ask:
     token: int  # the token to feed (completion token index-1)
     sampling: Sampling
     index: int  # the completion index of the token to return
-    prompt: Sequence[int]  # what the penalties look at (Sampling.penalizes), with the completion's first `index`
+    prompt: Sequence[int]  # what the penalties look at (Sampling's *_penalty), with the completion's first `index`
     completion: Sequence[int]
     grammar: TokenGrammar | None  # the request's, if it has one: masks the row's logits
     future: asyncio.Future[tuple[int, TokenLogprobs | None]]

@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, index: int, prompt: Sequenc
     `sampling.grammar` is set): only the tokens it allows after completion[:index] can come out."""
     if grammar is not None:
         logits = grammar.masked(logits, completion[:index])
-    if sampling.penalizes:
+    if sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0:
         logits = penalized(logits, sampling, prompt, completion[:index])
     if sampling.logit_bias:
         logits = biased(logits, sampling.logit_bias)
