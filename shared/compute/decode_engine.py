@@ -29,6 +29,8 @@ from shared.compute.sampling import FirstToken, first_token, sample
 from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
 from shared.compute.selectors.metadata import MetadataLayout
 
+MAX_METADATA_LAYOUTS = 64  # (selector, prompt length, bitmap) layouts kept; a few requests' are live at once
+
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, store: KvStore, prep_dir: Path | None = None,
@@ -39,6 +41,7 @@ class DecodeEngine:
         self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
         self.selections: dict[str, selective.Selection] = {}
         self._selectors: dict[str, Selector] = {}  # built once per name (offline preparation is loaded here)
+        self._metadata_layouts: dict[tuple[str, int, bool], MetadataLayout] = {}  # see `metadata_layout`
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
                                  runner.head_dim, store.layout.page_tokens, getattr(torch, store.layout.dtype))
         selective.install(runner.model)
@@ -53,6 +56,17 @@ class DecodeEngine:
         """`name` is built (its preparation loaded): `selector(name)` is a lookup, safe off the torch thread."""
         return not name or name in self._selectors
 
+    def metadata_layout(self, selector: str, num_tokens: int, query_bitmap: bool = False) -> MetadataLayout:
+        """Where the metadata of a request of `num_tokens` prompt tokens lies in its aux area. Built once per
+        (selector, prompt length, bitmap), not at each of the several steps of sizing and loading a request."""
+        key = (selector, num_tokens, query_bitmap)
+        if key not in self._metadata_layouts:
+            if len(self._metadata_layouts) >= MAX_METADATA_LAYOUTS:
+                self._metadata_layouts.clear()
+            self._metadata_layouts[key] = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens,
+                                                         query_bitmap)
+        return self._metadata_layouts[key]
+
     def aux_bytes(self, aux: Aux, num_tokens: int, selector: str = "", kv_bits: int = 0, query_bitmap: bool = False) -> int:
         """The bytes of the aux area a request of `num_tokens` prompt tokens needs: its selector's metadata (and
         the query-aware push's bitmap), or its KV as `kv_bits`-bit codes (ValueError or PreparationMissing, with
@@ -61,7 +75,7 @@ class DecodeEngine:
         if aux is Aux.CODES:
             return QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, kv_bits).nbytes
         if aux is Aux.METADATA:  # and, with kv_bits (smartgen's low-bit push), room for the pushed entries' codes
-            metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap)
+            metadata = self.metadata_layout(selector, num_tokens, query_bitmap)
             return metadata.nbytes + entry_region_bytes(lay, num_tokens, kv_bits)
         return 0
 
@@ -79,8 +93,7 @@ class DecodeEngine:
         """layer ≥ DENSE_LAYERS → its (num_kv_heads, num_tokens) bool bitmap of `picked_by_query`, read once that
         layer's metadata has landed. NOTE: numpy over a view of the aux area, no torch compute: the decode service
         reads it on its event loop as each layer lands."""
-        layout = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
-        aux = self.store.aux(slab)
+        layout, aux = self.metadata_layout(selector, num_tokens, True), self.store.aux(slab)
         return lambda layer: layout.read_query_bitmap(aux, layer)
 
     def load_pushed_codes(self, slab: Slab, selector: str, num_tokens: int, bits: int, pushed: np.ndarray,
@@ -95,7 +108,7 @@ class DecodeEngine:
         """smartgen's low-bit codes region of a request's aux area, after its metadata: where the pushed records
         land, and, once a layer's are dequantized, the records its reads bring (services/decode/remote.py)."""
         lay = self.store.layout
-        metadata = MetadataLayout(self.selector(selector), self.runner.num_layers, num_tokens, query_bitmap=True)
+        metadata = self.metadata_layout(selector, num_tokens, True)
         return EntryCodes(lay.num_layers, lay.num_kv_heads, lay.head_dim, num_tokens, bits, offset=metadata.nbytes)
 
     def pushed_codes_loader(self, slab: Slab, selector: str, num_tokens: int, bits: int,
@@ -135,7 +148,7 @@ class DecodeEngine:
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
         if slab is not None:
-            layout, aux = MetadataLayout(sel.selector, self.runner.num_layers, num_tokens, query_bitmap), self.store.aux(slab)
+            layout, aux = self.metadata_layout(selector, num_tokens, query_bitmap), self.store.aux(slab)
             sel.restore = lambda layer: sel.selector.restore(
                 layer, [t.to(self.runner.device) for t in layout.read(aux, layer)], num_tokens)
         for layer in range(DENSE_LAYERS, self.runner.num_layers):
