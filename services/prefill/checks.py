@@ -6,12 +6,13 @@ from schemas import KvLayout, Prefill, TransferMode, kv_budget_problem, mode_of,
 from schemas.modes import Aux, Push
 from shared.compute.modeling import ModelRunner
 
+MODES_SERVED = modes_where(is_disaggregated=True, resolves_to=())
+
 
 def prefill_problem(req: Prefill, runner: ModelRunner, layout: KvLayout) -> str:
     """Why this worker (its model `runner`, its store's `layout`) cannot prefill `req` as asked ("" if it can): a 400."""
-    served = modes_where(is_disaggregated=True, resolves_to=())
-    if req.transfer_mode not in served:
-        return f"prefill serves transfer modes {', '.join(served)}, not {req.transfer_mode!r}"
+    if req.transfer_mode not in MODES_SERVED:
+        return f"prefill serves transfer modes {', '.join(MODES_SERVED)}, not {req.transfer_mode!r}"
     mode = mode_of(req.transfer_mode)
     if not req.token_ids or len(req.token_ids) != req.handle.num_tokens:
         return "the prompt is empty or does not match the KV handle's token count"
