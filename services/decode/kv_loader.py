@@ -20,7 +20,7 @@ from shared.dataplane import DataPlane
 from shared.runtime.profiles import NUM_BLOCKS
 from services.decode.config import DecodeConfig
 from services.decode.remote import RemoteKv
-from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle, background_read_bytes
+from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
 from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
@@ -30,6 +30,14 @@ log = structlog.get_logger()
 # rate (a step at 2K here is ~0.06 s): its layers then wait for their own bytes inside the step, which holds up
 # the requests batched with it by about this much at most (`_wait_until_nearly_landed`)
 EARLY_START_S = 0.1
+BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
+
+
+def background_read_bytes(link_gbps: float) -> int:
+    """Background reads occupy the link ~BACKGROUND_READ_S each, so an on-demand read waits at most that long."""
+    if link_gbps <= 0:
+        return 256 << 10
+    return int(min(256 << 10, max(8 << 10, link_gbps * 1e9 / 8 * BACKGROUND_READ_S)))
 
 
 class TransferError(RuntimeError):
@@ -176,8 +184,9 @@ class KvLoader:
         req = state.req
         assert state.slab is not None and req.plan is not None and req.source is not None
         n = len(req.token_ids)
-        # reads as codes (smartgen with kv_bits): their records land in the slab's codes region, the push's
-        codes_at = self.store.aux_offset(state.slab) + self.engine.entry_codes(req.selector, n, req.source.codes_bits).offset \
+        # reads as codes (smartgen with kv_bits): their records land in the slab's codes region, the push's, which
+        # follows the metadata in the aux area (DecodeEngine.entry_codes)
+        codes_at = self.store.aux_offset(state.slab) + self.engine.metadata_layout(req.selector, n, True).nbytes \
             if req.source.codes_bits else -1
         return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                         self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,

@@ -1,5 +1,5 @@
 """The part of one request's KV that is still on the prefill node, and the reads that bring it over (path 2 here,
-path 3 in background.py; docs/architecture.md, "The three transfer paths"); what is here is `Presence`'s
+path 3 in remote_lifecycle.py; docs/architecture.md, "The three transfer paths"); what is here is `Presence`'s
 (presence.py). The decode node owns this picture; the broker only schedules. The rule between the two threads:
   - the torch thread calls `fetch`, `speculate`, `rank` and `ready` inside attention and waits on the returned
     `Pending` (a concurrent future), never on the loop; it never awaits and touches asyncio only through

@@ -3,12 +3,13 @@ and 3, and the lease): a collaborator of DecodeService, which hands it what it n
 
   - `start` (once the pushed KV has landed and the RemoteKv exists): keep the prefill's lease alive, and in
     smartgen run path 3: the remote view's ranked reads (the entries the latest query makes likely, every step)
-    and the background batches the broker hands out (the rest, in profile order), one batch after another;
+    and the background batches the broker hands out (the rest, in profile order), one batch after another
+    (`read_ranked`, `read_blocks`, at the end of this file);
   - `after_step` tells the broker a step is done (`progress`) and queues the background batch it answers with;
   - when every entry is local, `all_local` stops remote reads and releases the lease (`end`, which the end of
     the request, an abort or a recompute also call: it runs once);
-  - `plan_event` tells the broker each plan state (`release`, at the request's end, the last one); `registration` repeats the live plan in every heartbeat,
-    so a restarted broker rebuilds it.
+  - `plan_event` tells the broker each plan state (`release`, at the request's end, the last one);
+    `registration` repeats the live plan in every heartbeat, so a restarted broker rebuilds it.
 """
 from __future__ import annotations
 
@@ -21,18 +22,23 @@ from nats.aio.client import Client
 
 from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanEvent, PlanRegistration, PlanState, Progress, Release,
                      pack_bits, subjects)
-from shared.dataplane import DataPlane, DataPlaneError
+from shared.dataplane import DataPlane, DataPlaneError, Lane
 from shared.runtime.rpc import Backoff, RemoteError, call, publish
-from services.decode.background import read_blocks, read_ranked
+from services.decode.presence import read_chunks
+from services.decode.remote import RemoteKv
 from services.decode.request import DecodeRequest
 
 log = structlog.get_logger()
 RELEASE_TIMEOUT_S = 30.0  # a frame still landing under a revoked ticket gets this long before we give up on it
 RELEASE_RETRY_S = 15.0  # a `release` nobody answered (its prefill worker is between NATS servers) is asked again this long
 CONTROL_TIMEOUT_S = 5.0  # release, progress: bookkeeping calls
-BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
 BACKGROUND_RETRY_S = (0.05, 1.0)  # a failed background batch is read again after this long, doubling up to the cap
 STEP_TIME_WEIGHT = 0.25  # each step's weight in the running step time
+
+
+def is_released(state: DecodeRequest) -> bool:
+    """The prefill node's lease is ended, or ending (there may never have been one)."""
+    return state.progress.ending is not None
 
 
 def background_can_finish(missing_bytes: int, link_gbps: float, steps_left: int, step_s: float) -> bool:
@@ -97,7 +103,7 @@ class RemoteKvLifecycle:
             state.progress.step_s = took if not state.progress.step_s else (1 - STEP_TIME_WEIGHT) * state.progress.step_s + STEP_TIME_WEIGHT * took
         state.progress.last_step_at = now
         remote = state.remote
-        if remote is None or state.is_released:
+        if remote is None or is_released(state):
             return
         if remote.is_all_local:
             await self.all_local(state, step)
@@ -116,7 +122,7 @@ class RemoteKvLifecycle:
         except RemoteError as exc:
             log.warning("broker_progress_failed", error=exc.message)
             return
-        if batch.blocks and not state.is_released:
+        if batch.blocks and not is_released(state):
             state.progress.backlog += len(batch.blocks)
             state.progress.background.put_nowait(batch.blocks)
 
@@ -163,7 +169,7 @@ class RemoteKvLifecycle:
     async def _keep_lease(self, state: DecodeRequest) -> None:
         assert state.req and state.req.source
         source = state.req.source
-        while not state.is_released:
+        while not is_released(state):
             await publish(self.nc, subjects.worker("prefill", source.prefill_worker_id, "keep"),
                           KeepLease(state.request_id))
             await asyncio.sleep(source.lease_s / 3)
@@ -249,8 +255,74 @@ class RemoteKvLifecycle:
                                 self.worker_id, state.num_tokens, lay.num_layers, lay.page_tokens, pack_bits(local))
 
 
-def background_read_bytes(link_gbps: float) -> int:
-    """Background reads occupy the link ~BACKGROUND_READ_S each, so an on-demand read waits at most that long."""
-    if link_gbps <= 0:
-        return 256 << 10
-    return int(min(256 << 10, max(8 << 10, link_gbps * 1e9 / 8 * BACKGROUND_READ_S)))
+# --- path 3's reads --------------------------------------------------------------------------------------
+# The rest of a request's KV, read on the background lane while it decodes (docs/architecture.md, "The three
+# transfer paths"). Two sources of work, both run as event-loop tasks started by `start`: the broker's blocks in
+# profile order (`read_blocks`) and, where path 3 is ranked, each layer's selection under a wider budget for the
+# latest query (`read_ranked`, queued by RemoteKv.rank from the torch thread). Neither ever puts a chunk on the
+# wire while an on-demand read of the same request waits (RemoteKv.wait_on_demand_idle), and one chunk of a
+# request is on the wire at a time.
+
+async def read_blocks(remote: RemoteKv, blocks: list[int]) -> None:
+    """Path 3: move these (layer, page) blocks on the background lane, a small read at a time, never while
+    an on-demand read of this request is waiting."""
+    presence = remote.presence
+    # (layer, head, tokens, its segments: K and V rows, or records): marked present only once all have landed
+    units = []
+    for block in blocks:
+        layer, page = divmod(block, presence.num_pages)
+        tokens = np.arange(page * presence.page_tokens, min(remote.num_tokens, (page + 1) * presence.page_tokens))
+        for h in range(presence.num_kv_heads):
+            if not presence.present[layer, h, tokens].all():
+                units.append((layer, h, tokens, remote.entry_segments(layer, h, tokens)))
+    while units:
+        group, size = [], 0
+        while units and (not group or size + sum(s.length for s in units[0][3]) <= remote.background_read_bytes):
+            group.append(units.pop(0))
+            size += sum(s.length for s in group[-1][3])
+
+        def landed(group=group) -> None:  # reads as codes: the records into the rows, inside the transfer
+            for layer, h, tokens, _ in group:
+                remote.codes_landed(layer, [(h, tokens)])
+        async with remote.background_turn:  # one background chunk of this request on the wire at a time
+            await remote.wait_on_demand_idle()
+            if remote.is_closed:
+                return
+            for layer in {unit[0] for unit in group}:  # (raises, and the batch is read again after a backoff)
+                remote.check_codes_room(layer)
+            await remote.read([s for *_, segs in group for s in segs], Lane.BACKGROUND, landed)
+        for layer, h, tokens, _ in group:
+            presence.mark(layer, h, tokens)
+        remote.bytes_background += size
+
+
+async def read_ranked(remote: RemoteKv) -> None:
+    """(event loop task, while the request has remote KV) Read each queued ranking's remote part, oldest first,
+    in background-lane chunks, never while an on-demand read of this request is waiting. What is remote is
+    decided at read time, so entries an on-demand read brought meanwhile are not read twice. A chunk that fails
+    is dropped (these reads only save later on-demand ones); a failed or closed remote view ends the task."""
+    chunk_tokens = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
+    while not remote.is_closed:
+        if not remote.ranked_queue:
+            remote.ranked_queued.clear()
+            await remote.ranked_queued.wait()
+            continue
+        layer = next(iter(remote.ranked_queue))
+        ranking = remote.ranked_queue.pop(layer)
+        await remote.wait_on_demand_idle()
+        _, heads = remote.presence.remote_part(layer, ranking)
+        for chunk in read_chunks(heads, chunk_tokens):
+            async with remote.background_turn:
+                await remote.wait_on_demand_idle()
+                if remote.is_closed or remote.failure:
+                    return
+                try:
+                    num_bytes = await remote.read_entries(layer, chunk, Lane.BACKGROUND)
+                except Exception as exc:  # noqa: BLE001 (see the docstring)
+                    if remote.is_closed or remote.failure:
+                        return
+                    log.warning("ranked_read_failed", layer=layer, error=str(exc))
+                    break
+            remote.bytes_background += num_bytes
+            remote.bytes_ranked += num_bytes
+            remote.num_ranked_reads += 1

@@ -104,7 +104,7 @@ class RemoteProgress:
     last_step_at: float = 0.0  # loop time of the latest finished step (RemoteKvLifecycle times steps with it)
     step_s: float = 0.0  # the recent decode step time, seconds (an average over the last steps; 0 = unknown)
     background_declined: bool = False  # path 3 was declined at least once: the rest could not arrive in time
-    ending: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller
+    ending: asyncio.Future[None] | None = None  # RemoteKvLifecycle.end's work, awaited by every caller (set: released)
 
 
 @dataclass
@@ -182,8 +182,8 @@ class DecodeRequest:
 
     def claim(self, req: Generate, engine: DecodeEngine, layout: KvLayout) -> None:
         """`generate` runs `req` (checked, its selector loaded): the request holds it and the mode it runs as, and,
-        with a push to wait for, what that push fills of the aux area and delivers in all. ValueError saying why
-        the reservation cannot hold it (a 400); the request is then left as it was."""
+        with a push to wait for, what that push fills of the aux area and delivers in all; it is RUNNING. ValueError
+        saying why the reservation cannot hold it (a 400); the request is then left as it was."""
         mode = mode_of(req.transfer_mode)
         if self.grant is not None:
             self.push.aux_filled = self._aux_to_fill(req, mode, engine)
@@ -194,6 +194,7 @@ class DecodeRequest:
             push.expected_bytes = pushed_bytes(mode, req.plan, layout, self.num_tokens, push.aux_filled,
                                                req.query_entries, push.bits, self.cached_tokens)
             self.check_landed()
+        self.advance(Phase.RUNNING)
 
     def _aux_to_fill(self, req: Generate, mode: TransferMode, engine: DecodeEngine) -> int:
         """The part of the slab's aux area the prefill fills for the mode that runs: all of it, but for `auto`,
@@ -210,11 +211,6 @@ class DecodeRequest:
             raise ValueError(f"{req.transfer_mode} with kv_bits {req.kv_bits} needs {needed} aux bytes; the "
                              f"reservation for {self.mode.name} has {self.slab.aux_bytes}")
         return needed
-
-    @property
-    def is_released(self) -> bool:
-        """The prefill node's lease is ended, or ending (there may never have been one)."""
-        return self.progress.ending is not None
 
     def on_landed(self, num_bytes: int) -> None:
         """Data plane: bytes of a push landed in the slab."""

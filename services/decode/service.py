@@ -146,7 +146,6 @@ class DecodeService(Admission, ModelWorkerService):
         except ValueError as exc:
             await self._refuse(state, ErrorCode.BAD_REQUEST, str(exc))
         self.streaming.add(req.request_id)
-        state.advance(Phase.RUNNING)
         state.task = asyncio.create_task(tracing.in_span("decode.generation", self._run(state)))
         return Accepted(req.request_id, self.worker_id)
 

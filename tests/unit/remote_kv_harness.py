@@ -12,7 +12,7 @@ import torch
 
 from schemas import NO_FLOOR, KvSource, Sampling, entry_region_bytes
 from shared.compute.decode_engine import DecodeEngine
-from services.decode.background import read_blocks, read_ranked
+from services.decode.remote_lifecycle import read_blocks, read_ranked
 from services.decode.remote import RemoteKv
 from shared.compute.prefill_engine import PrefillEngine, QueryPush
 from shared.compute.sampling import sample

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from schemas import KvSource
-from services.decode.background import read_blocks
+from services.decode.remote_lifecycle import read_blocks
 from services.decode.remote import RemoteKv
 from shared.compute.kvstore import layout_for
 from shared.dataplane import DataPlaneError, Lane

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from schemas import KvSource, entry_record_bytes
-from services.decode.background import read_blocks
+from services.decode.remote_lifecycle import read_blocks
 from services.decode.remote import RemoteKv, RemoteReadError
 from shared.compute.entry_codes import EntryCodes, every_entry
 from shared.compute.kvstore import KvStore, layout_for

@@ -16,6 +16,7 @@ from schemas import (KV_BITS, MODES, SELECTIVE_MODES, TRANSFER_MODES, KvLayout, 
                      kv_budget_problem, mode_of, modes_where, pack_bits, plan_problem, pushed_bytes, pushed_runs)
 from schemas.modes import Aux, Push
 from services.broker.planner import LinkEstimate, choose_mode
+from services.decode.remote_lifecycle import is_released
 from services.decode.request import DecodeRequest, Phase, PhaseError
 from shared.compute.kvstore import KvStore, layout_for
 from shared.runtime.rpc import subscriber
@@ -111,7 +112,7 @@ def test_a_plan_for_another_prompt_is_refused():
 
 def test_decode_request_phases_move_only_forward_along_the_life_cycle():
     state = DecodeRequest("r", mode_of("smartgen"))
-    assert state.phase is Phase.RESERVED and not state.is_released
+    assert state.phase is Phase.RESERVED and not is_released(state)
     state.advance(Phase.PREPARING)
     with pytest.raises(PhaseError, match="preparing → finishing"):
         state.advance(Phase.FINISHING)

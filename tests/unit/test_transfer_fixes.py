@@ -14,7 +14,7 @@ from services.broker.profiles import ChosenProfile, ProfileCache
 from services.decode import remote_lifecycle
 from services.decode.remote import RemoteKv
 from services.decode.remote_lifecycle import RemoteKvLifecycle
-from services.decode.background import read_blocks
+from services.decode.remote_lifecycle import read_blocks
 from services.decode.request import DecodeRequest
 from shared.compute.kvstore import layout_for
 from shared.dataplane import Lane
