@@ -25,4 +25,5 @@ async def test_normal_streams_are_served_alongside_hostile_clients(clean_stack):
     assert lorises["num_closed"] == 20 and 8 < lorises["closed_after_max_s"] < 13, lorises
     # the never-reading clients hung up at the end: their 4,000-token streams end at the gateway's next write and
     # the workers are told, the waiting ones leave the queue (then the fixture's leak check finds nothing held)
-    assert result["never_read_drained_s"] is not None, "requests of clients that hung up kept running"
+    drained_s = result["never_read_drained_s"]
+    assert drained_s is not None and drained_s < 5, f"requests of clients that hung up kept running ({drained_s} s)"
