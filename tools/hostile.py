@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -73,28 +74,30 @@ def _headers(cfg: HostileConfig) -> dict[str, str]:
 async def normal_stream(session, cfg: HostileConfig) -> Stream:
     """One streaming completion, read as it comes: ok when it ends with [DONE] and carried no error."""
     body = {"prompt": PROMPT, "max_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-    times, error = [], ""
+    times, error, done = [], "", False
     try:
         async with session.post(cfg.url + "/v1/completions", json=body, headers=_headers(cfg)) as response:
             if response.status != 200:
                 return Stream(False, f"http {response.status}: {(await response.text())[:200]}", [])
-            async for line in response.content:
-                if line.startswith(b"data: [DONE]"):
-                    gaps = [b - a for a, b in zip(times, times[1:])]
-                    return Stream(not error and len(times) >= cfg.max_tokens, error, gaps)
-                if line.startswith(b"data: "):
+            async for line in response.content:  # NOTE: to its end, past [DONE], as a client that keeps its connection
+                done = done or line.startswith(b"data: [DONE]")
+                if line.startswith(b"data: ") and not done:
                     chunk = json.loads(line[6:])
                     error = error or (json.dumps(chunk["error"])[:200] if "error" in chunk else "")
                     if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
                         times.append(time.monotonic())
-        return Stream(False, "the stream ended without [DONE]", [])
+        if not done:
+            return Stream(False, "the stream ended without [DONE]", [])
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return Stream(not error and len(times) >= cfg.max_tokens, error, gaps)
     except Exception as exc:  # every failure is an outcome
         return Stream(False, f"{type(exc).__name__}: {exc}", [])
 
 
 def summary(streams: list[Stream]) -> dict:
     return {"num": len(streams), "num_ok": sum(s.ok for s in streams), "errors": [s.error for s in streams if not s.ok],
-            "itl_p99_s": p99([g for s in streams for g in s.token_gaps_s])}
+            "itl_p99_s": p99([g for s in streams for g in s.token_gaps_s]),
+            "itl_p50_s": statistics.median([g for s in streams for g in s.token_gaps_s] or [0.0])}
 
 
 def _local_addr(cfg: HostileConfig) -> tuple[str, int] | None:
