@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, client_of
 from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.errors import error_response as _error
 from services.gateway.logprobs import chat_logprobs, completion_logprobs, echo_problem
@@ -117,7 +117,7 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream, **job.noted)
         try:
-            async with gw.admission.slot() as queue_s:
+            async with gw.admission.slot(_client(gw, request)) as queue_s:
                 return await _run(gw, request, job, queue_s)
         except ApiError as exc:  # the admission queue is full, or the wait ran out
             log.info("request_not_admitted", status=exc.status, reason=exc.message)
@@ -195,7 +195,7 @@ async def _serve_several(gw: Gateway, request: web.Request, jobs: list[Completio
         with structlog.contextvars.bound_contextvars(request_id=job.request_id), _traced(request, job):
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                      transfer_mode=job.transfer_mode, stream=False, batch=len(jobs), **job.noted)
-            async with gw.admission.slot() as queue_s:
+            async with gw.admission.slot(_client(gw, request)) as queue_s:
                 run = _new_run(gw, job, queue_s)
                 runs.append(run)
                 try:
@@ -231,7 +231,7 @@ async def _stream_several(gw: Gateway, request: web.Request, jobs: list[Completi
                      max_tokens=run.job.max_tokens, transfer_mode=run.job.transfer_mode, stream=True, batch=len(jobs),
                      **run.job.noted)
             try:
-                async with gw.admission.slot() as run.queue_s:
+                async with gw.admission.slot(_client(gw, request)) as run.queue_s:
                     yield
             finally:
                 await run.close()
@@ -244,6 +244,11 @@ async def _stream_several(gw: Gateway, request: web.Request, jobs: list[Completi
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = batch_id
     return response
+
+
+def _client(gw: Gateway, request: web.Request) -> str:
+    """Who sent `request`, for the admission queue's turns (admission.py)."""
+    return client_of(request.remote, request.headers.get("X-Forwarded-For"), gw.config.trust_forwarded_for)
 
 
 def _traced(request: web.Request, job: CompletionJob) -> contextlib.AbstractContextManager:

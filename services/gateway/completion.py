@@ -178,8 +178,10 @@ class CompletionRun(Dispatch, Migration):
         while True:
             also = [self.prefill] if self._watch_prefill and self.prefill else []
             try:
-                msg = await asyncio.wait_for(self._wait(self._sub.next_msg(timeout=None), self.decode, "decoding", also),
-                                             self.timeout_s)
+                # NOTE: not wait_for: on Python 3.11 it returns the result, and drops the cancellation, when a token
+                # arrives as the request is cancelled (a client that left): the run went on to max_tokens
+                async with asyncio.timeout(self.timeout_s):
+                    msg = await self._wait(self._sub.next_msg(timeout=None), self.decode, "decoding", also)
             except asyncio.TimeoutError:
                 raise RequestFailed(f"no token from decode worker {self.decode.worker_id} within {self.timeout_s:g} s") from None
             except EventsLost as exc:  # the last events (the final one at least) never came

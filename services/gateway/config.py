@@ -20,6 +20,12 @@ class GatewayConfig(ServiceConfig):
     max_running: int = 0
     max_waiting: int = 64
     queue_timeout_s: float = 30.0
+    # the most requests one client (its IP address) runs at once; more wait their turn, clients taking turns for
+    # freed slots (-1 = half the capacity, at least 1; 0 = no cap)
+    max_running_per_client: int = -1
+    # behind a proxy you run: a request's client is the last X-Forwarded-For address (the one the proxy saw), not
+    # the proxy's. Off, the header is ignored: a client could name itself anything there
+    trust_forwarded_for: bool = False
     # The OpenAI API's key: "" = open; set, every /v1 request needs `Authorization: Bearer <api_key>` (the openai
     # SDK's api_key) or gets OpenAI's 401. api_key_file: a file holding it (docker secrets), as the other secrets.
     api_key: str = field(default="", repr=False)
@@ -40,6 +46,9 @@ class GatewayConfig(ServiceConfig):
             raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
         if self.max_running < 0 or self.max_waiting < 0 or self.queue_timeout_s <= 0:
             raise ConfigError("max_running and max_waiting must be ≥ 0 and queue_timeout_s positive")
+        if self.max_running_per_client < -1:
+            raise ConfigError(f"max_running_per_client {self.max_running_per_client}: use a number of requests, 0 for "
+                              "no cap, or -1 for half the capacity")
         if self.cache_route_slack < 0:
             raise ConfigError(f"cache_route_slack {self.cache_route_slack} must be ≥ 0")
         if self.max_body_mb <= 0:

@@ -62,7 +62,8 @@ class GatewayService(Service):
         self.local_share = self.metrics.histogram(
             "smartgen_local_share", "Share of the selected KV entries already on the decode node, per request",
             ["transfer_mode"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0))
-        self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics)
+        self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics,
+                                   config.max_running_per_client)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
@@ -73,7 +74,7 @@ class GatewayService(Service):
         self.is_started = False  # NATS connected and the registry following heartbeats: requests can be routed
         self.num_http_in_progress = 0  # HTTP requests whose handler has not returned (a stream: until its last byte)
         self.vllm = VllmMetrics(self.metrics, self.model_id, lambda: float(self.admission.running),
-                                lambda: float(len(self.admission.waiting)), self._kv_usage) if config.vllm_metrics else None
+                                lambda: float(self.admission.num_waiting), self._kv_usage) if config.vllm_metrics else None
 
     def http_port(self) -> int:
         return self.config.gateway_port
@@ -177,4 +178,6 @@ class GatewayService(Service):
     def stats(self) -> dict[str, Any]:
         return {"model": self.model_id, "workers": {r: len(self.registry.alive(r)) for r in ("prefill", "decode", "broker", "kvprofile")},
                 "requests_done": self.latency.requests.by_first_label(), "capacity": self.capacity(),
-                "running": self.admission.running, "waiting": len(self.admission.waiting)}
+                "running": self.admission.running, "waiting": self.admission.num_waiting,
+                "waiting_client_cap": self.admission.num_waiting_at_cap(),
+                "clients_running": len(self.admission.running_by_client)}

@@ -138,7 +138,8 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
     is dropped, as one that left: the stream ends, the workers are told, and its admission slot is free again.
     NOTE: the slot covers generation, not a slow reader."""
     try:
-        await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
+        async with asyncio.timeout(WRITE_TIMEOUT_S):  # NOTE: not wait_for, which can drop a cancellation (completion.py)
+            await response.write(data)
     except asyncio.TimeoutError:
         raise ConnectionResetError(f"the client took no data for {WRITE_TIMEOUT_S:g} s") from None
 

@@ -1,23 +1,25 @@
 """The gateway's admission queue (services/gateway/admission.py) on its own: who runs, who waits in what order,
-and who is told to come back, with what status."""
+and who is told to come back, with what status; with several clients, who gets a freed slot and how many one
+client may hold."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from services.gateway.admission import Admission
+from services.gateway.admission import HALF_THE_CAPACITY, NO_CAP, Admission, client_of
 from services.gateway.requests import ApiError
 from shared.runtime.metrics import Registry
 
 
-def admission(capacity: int, max_waiting: int = 4, queue_timeout_s: float = 5.0) -> tuple[Admission, dict]:
+def admission(capacity: int, max_waiting: int = 4, queue_timeout_s: float = 5.0,
+              per_client: int = HALF_THE_CAPACITY) -> tuple[Admission, dict]:
     box = {"capacity": capacity}
-    return Admission(lambda: box["capacity"], max_waiting, queue_timeout_s, Registry()), box
+    return Admission(lambda: box["capacity"], max_waiting, queue_timeout_s, Registry(), per_client), box
 
 
-async def hold(gate: Admission, order: list[str], name: str, release: asyncio.Event) -> float:
-    async with gate.slot() as waited:
+async def hold(gate: Admission, order: list[str], name: str, release: asyncio.Event, client: str = "") -> float:
+    async with gate.slot(client) as waited:
         order.append(name)
         await release.wait()
     return waited
@@ -31,7 +33,7 @@ async def test_beyond_capacity_requests_wait_and_start_in_arrival_order():
     for name in "abc":
         tasks[name] = asyncio.create_task(hold(gate, order, name, releases[name]))
         await asyncio.sleep(0.01)
-    assert order == ["a"] and gate.running == 1 and len(gate.waiting) == 2
+    assert order == ["a"] and gate.running == 1 and gate.num_waiting == 2
     for name in "abc":
         releases[name].set()
         await asyncio.sleep(0.02)
@@ -61,7 +63,7 @@ async def test_a_full_queue_answers_429_at_once_and_a_long_wait_503():
 
 
 async def test_a_client_that_leaves_while_waiting_leaves_the_queue_and_a_new_worker_admits_waiters():
-    gate, box = admission(capacity=1)
+    gate, box = admission(capacity=1, per_client=NO_CAP)
     release = asyncio.Event()
     running = asyncio.create_task(hold(gate, [], "a", release))
     leaver = asyncio.create_task(hold(gate, [], "b", asyncio.Event()))
@@ -71,7 +73,7 @@ async def test_a_client_that_leaves_while_waiting_leaves_the_queue_and_a_new_wor
     await asyncio.sleep(0.01)
     leaver.cancel()
     await asyncio.gather(leaver, return_exceptions=True)
-    assert len(gate.waiting) == 1
+    assert gate.num_waiting == 1
     box["capacity"] = 2  # a decode worker joined: the waiter starts without anyone finishing
     await asyncio.sleep(0.7)
     assert stayer_order == ["c"] and gate.running == 2
@@ -105,3 +107,115 @@ def test_capacity_is_what_both_sides_take():
 
     assert capacity([8, 8], [8]) == 8 and capacity([8], [8, 8]) == 8 and capacity([4, 4], [16]) == 8
     assert capacity([8, 8], []) == 16 and capacity([8, 8], [8], max_running=3) == 3
+
+
+def test_a_client_is_its_address_and_a_forwarded_one_only_when_trusted():
+    """X-Forwarded-For counts only when the setting trusts it, and then its last entry (the proxy's own peer)."""
+    assert client_of("10.0.0.5", "1.2.3.4", trust_forwarded_for=False) == "10.0.0.5"
+    assert client_of("10.0.0.5", "6.6.6.6, 1.2.3.4", trust_forwarded_for=True) == "1.2.3.4"
+    assert client_of("10.0.0.5", " ", trust_forwarded_for=True) == "10.0.0.5"
+    assert client_of(None, None, trust_forwarded_for=False) == "unknown"
+
+
+class Clients:
+    """Requests held open by name (`a1` is client a's first) until released; `order` is the order they started."""
+
+    def __init__(self, gate: Admission):
+        self.gate, self.order, self.releases, self.tasks = gate, [], {}, {}
+
+    async def send(self, *names: str) -> None:
+        for name in names:
+            self.releases[name] = asyncio.Event()
+            self.tasks[name] = asyncio.create_task(hold(self.gate, self.order, name, self.releases[name], name[0]))
+            await asyncio.sleep(0.01)
+
+    async def finish(self, *names: str) -> None:
+        for name in names:
+            self.releases[name].set()
+            await self.tasks[name]
+        await asyncio.sleep(0.01)
+
+
+async def test_one_client_runs_at_most_half_the_capacity_and_the_others_get_the_rest():
+    """A client that sends more than its cap waits with slots free; another client starts at once beside it."""
+    gate, _ = admission(capacity=8, max_waiting=16)
+    clients = Clients(gate)
+    await clients.send(*(f"a{i}" for i in range(6)))
+    assert clients.order == ["a0", "a1", "a2", "a3"] and gate.num_waiting == 2 and gate.num_waiting_at_cap() == 2
+    await clients.send("b0", "b1")
+    assert clients.order[4:] == ["b0", "b1"] and gate.running == 6 and gate.running_of("b") == 2
+    await clients.finish("a0")
+    assert clients.order[6:] == ["a4"]  # its own slot back, to its longest waiter
+    await clients.finish(*(f"a{i}" for i in range(1, 6)), "b0", "b1")
+    assert gate.running == 0 and gate.num_waiting == 0 and not gate.running_by_client and not gate.waiting
+
+
+async def test_a_freed_slot_goes_to_the_client_running_the_fewest_not_the_longest_waiter():
+    """Clients take turns: a's many early waiters do not starve b and c, who came later."""
+    gate, _ = admission(capacity=2, max_waiting=16, per_client=NO_CAP)
+    clients = Clients(gate)
+    await clients.send("a0", "a1", "a2", "a3", "a4", "b0", "b1", "c0")
+    assert clients.order == ["a0", "a1"]
+    await clients.finish("a0")  # running a1: b and c run nothing; b has waited longer
+    assert clients.order[2:] == ["b0"]
+    await clients.finish("a1")  # running b0: a and c run nothing; a's head (a2) has waited longest
+    assert clients.order[3:] == ["a2"]
+    await clients.finish("b0")  # running a2: c runs nothing, b runs nothing; b1 came before c0
+    assert clients.order[4:] == ["b1"]
+    await clients.finish("a2")  # running b1: a and c run nothing; a3 came before c0
+    assert clients.order[5:] == ["a3"]
+    await clients.finish("b1")  # running a3: c runs nothing
+    assert clients.order[6:] == ["c0"]
+    await clients.finish("a3", "c0", "a4")
+    assert clients.order == ["a0", "a1", "b0", "a2", "b1", "a3", "c0", "a4"]
+    assert gate.running == 0 and not gate.waiting and not gate.running_by_client
+
+
+async def test_a_client_at_its_cap_waits_then_gets_a_503_that_says_so_while_others_still_start():
+    """Over its cap a client waits, not refused at once; past queue_timeout_s the 503 names the per-client cap."""
+    gate, _ = admission(capacity=4, max_waiting=4, queue_timeout_s=0.3, per_client=1)
+    clients = Clients(gate)
+    await clients.send("a0", "a1", "b0")
+    assert clients.order == ["a0", "b0"] and gate.num_waiting == 1
+    with pytest.raises(ApiError) as late:
+        await clients.tasks["a1"]
+    assert late.value.status == 503 and "max_running_per_client" in late.value.message
+    assert gate.num_waiting == 0 and not gate.waiting
+    await clients.finish("a0", "b0")
+    assert gate.running == 0 and not gate.running_by_client
+
+
+async def test_a_full_queue_is_a_429_for_a_request_that_would_wait_but_not_for_one_that_starts():
+    """max_waiting counts every client's waiters; a request with a free slot under its cap starts all the same."""
+    gate, _ = admission(capacity=2, max_waiting=2, per_client=1)
+    clients = Clients(gate)
+    await clients.send("a0", "a1", "a2")  # a0 runs, two wait at a's cap: the queue is full, a slot is free
+    await clients.send("b0")
+    assert clients.order == ["a0", "b0"] and gate.num_waiting == 2
+    with pytest.raises(ApiError) as full:
+        async with gate.slot("c"):
+            pass
+    assert full.value.status == 429 and full.value.code == "overloaded" and gate.num_waiting == 2
+    await clients.finish("b0", "a0", "a1", "a2")
+    assert gate.running == 0 and not gate.waiting
+
+
+async def test_an_admitted_waiter_that_leaves_at_once_passes_its_slot_on():
+    """The slot freed by a cancelled request (a client that left) goes to the next waiter; nothing is counted twice."""
+    gate, _ = admission(capacity=1, max_waiting=4, per_client=NO_CAP)
+    clients = Clients(gate)
+    await clients.send("a0", "b0", "c0")
+    clients.tasks["b0"].cancel()
+    await asyncio.gather(clients.tasks["b0"], return_exceptions=True)
+    await clients.finish("a0")
+    assert clients.order == ["a0", "c0"] and gate.running == 1 and gate.running_of("c") == 1
+    await clients.finish("c0")
+    assert gate.running == 0 and not gate.waiting and not gate.running_by_client
+
+
+def test_the_cap_follows_the_capacity():
+    gate, box = admission(capacity=8)
+    assert gate.client_cap(8) == 4 and gate.client_cap(1) == 1 and gate.client_cap(3) == 1
+    assert gate.client_cap(0) == float("inf")  # no decode worker: nothing waits here
+    assert admission(capacity=8, per_client=NO_CAP)[0].client_cap(8) == float("inf")
+    assert admission(capacity=8, per_client=6)[0].client_cap(8) == 6
