@@ -117,9 +117,10 @@ async def slowloris(host: str, port: int, cfg: HostileConfig) -> float | None:
             await writer.drain()
             i += 1
             try:
-                if await asyncio.wait_for(reader.read(1024), HEADER_LINE_EVERY_S) == b"":
-                    return time.monotonic() - started
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(HEADER_LINE_EVERY_S):  # NOTE: not wait_for, which can drop a Ctrl-C's cancel
+                    if await reader.read(1024) == b"":
+                        return time.monotonic() - started
+            except TimeoutError:
                 continue
         return None
     except ConnectionError:

@@ -85,8 +85,11 @@ class StepBatcher:
             while not self._members <= self._asks.keys() and loop.time() < deadline:
                 self._asked.clear()
                 try:
-                    await asyncio.wait_for(self._asked.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
+                    # NOTE: not wait_for, which on Python 3.11 drops a cancellation (close) that lands as a step is
+                    # asked for: the loop went on, and close waited for it forever
+                    async with asyncio.timeout_at(deadline):
+                        await self._asked.wait()
+                except TimeoutError:
                     break
             if not self._asks:
                 continue

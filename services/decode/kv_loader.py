@@ -141,8 +141,11 @@ class KvLoader:
         started = loop.time()
         source = f"prefill worker {state.req.prefill_worker_id}" if state.req and state.req.prefill_worker_id else "the prefill"
         try:
-            await asyncio.wait_for((until or state.push.landed).wait(), self.config.kv_timeout_s)
-        except asyncio.TimeoutError:
+            # NOTE: not wait_for, which on Python 3.11 returns, dropping the cancellation, when an abort lands as
+            # the KV does: the aborted request then decoded on to max_tokens
+            async with asyncio.timeout(self.config.kv_timeout_s):
+                await (until or state.push.landed).wait()
+        except TimeoutError:
             raise TransferError(f"the KV from {source} did not arrive within {self.config.kv_timeout_s:g} s") from None
         if state.push.failure:
             raise TransferError(f"the KV from {source} did not arrive: {state.push.failure}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any, Protocol
 
 import structlog
@@ -28,7 +27,7 @@ from services.gateway.structured import tool_calls
 from services.gateway.requests import ApiError, CompletionJob, parse_jobs
 from services.gateway.config import GatewayConfig
 from services.gateway.textstream import TextStream
-from services.gateway.utility import utility_routes
+from services.gateway.utility import read_json, utility_routes
 from shared.runtime import tracing
 from shared.runtime.registry import WorkerRegistry
 from services.gateway.routing import PrefixRoutes
@@ -56,7 +55,6 @@ class Gateway(Protocol):
         """Count a finished request in /metrics."""
 
 log = structlog.get_logger()
-BODY_TIMEOUT_S = 30.0  # a request body that has not fully arrived after this long: 408 (a slow sender holds no slot)
 # REQUEST_ID_HEADER: a client's id for its request, used as the request id and echoed in the reply
 
 
@@ -89,12 +87,9 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
     if not gw.is_started:  # the HTTP server is up before NATS (its address is registered there)
         return _error(ApiError(503, "this gateway is starting; try again shortly", code="starting", retry_after_s=1))
     try:
-        # NOTE: JSON is UTF-8 (json.loads detects UTF-16/32): a made-up charset must not become a 500
-        body = json.loads(await asyncio.wait_for(request.read(), BODY_TIMEOUT_S))
-    except asyncio.TimeoutError:
-        return _error(ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"))
-    except (ValueError, RecursionError):  # not JSON, not text, or nested deeper than the parser goes
-        return _error(ApiError(400, "the request body is not valid JSON"))
+        body = await read_json(request)
+    except ApiError as exc:
+        return _error(exc)
     try:
         default_max = gw.config.max_tokens_default if kind == "completion" else gw.config.chat_max_tokens_default
         jobs = parse_jobs(body, kind, gw.tokenizer, gw.max_positions, gw.model_id, gw.config.transfer_mode,

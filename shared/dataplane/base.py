@@ -259,15 +259,19 @@ class DataPlane(abc.ABC):
         if grant is None:
             return
         try:
-            await asyncio.wait_for(grant.wait_idle(), timeout_s)
+            # NOTE: not wait_for (here and below), which on Python 3.11 returns, dropping the cancellation, when the
+            # caller (a request's task, aborted) is cancelled as the pages go idle: the request went on
+            async with asyncio.timeout(timeout_s):
+                await grant.wait_idle()
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         cut = self.cut_links_holding(ticket, f"held revoked ticket {ticket} past {timeout_s:g} s")
         log.warning("dataplane_retire_cut", ticket=ticket, timeout_s=timeout_s, links_cut=cut, busy=grant.num_busy)
         try:
-            await asyncio.wait_for(grant.wait_idle(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await grant.wait_idle()
+        except TimeoutError:
             raise DataPlaneError(f"ticket {ticket} still has {grant.num_busy} frame(s) on its pages "
                                  f"{2 * timeout_s:g} s after it was revoked") from None
 

@@ -183,7 +183,10 @@ class RdmaDataPlane(DataPlane):
                 return self.links[peer]
             qp, psn = self._new_qp(), random.getrandbits(24)
             try:
-                answer = await asyncio.wait_for(self.rendezvous(peer, self._offer(qp, psn)), 10)
+                # NOTE: asyncio.timeout, not wait_for (here and below), which on Python 3.11 drops a cancellation
+                # that lands as the awaited thing ends: an aborted request went on, and a closed plane kept polling
+                async with asyncio.timeout(10):
+                    answer = await self.rendezvous(peer, self._offer(qp, psn))
                 self._to_rts(qp, psn, answer)
             except Exception as exc:
                 qp.close()
@@ -281,8 +284,9 @@ class RdmaDataPlane(DataPlane):
                     waits.append(done)
                 link.submit(lane, chunk)
         try:
-            results = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.op_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.op_timeout_s):
+                results = await asyncio.gather(*waits, return_exceptions=True)
+        except TimeoutError:
             error = DataPlaneError(f"RDMA transfer with {link.peer}: no completion within {self.op_timeout_s:g} s")
             self.fail_link(link, error)
             raise error from None
@@ -326,8 +330,9 @@ class RdmaDataPlane(DataPlane):
             if not self._pending and idle > 100:
                 self._poll_wakeup.clear()
                 try:  # nothing of ours in flight: wake for new work, or look for notifications every 2 ms
-                    await asyncio.wait_for(self._poll_wakeup.wait(), 0.002)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(0.002):
+                        await self._poll_wakeup.wait()
+                except TimeoutError:
                     pass
             else:
                 await asyncio.sleep(0.0002 if idle > 20 else 0)

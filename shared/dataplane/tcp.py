@@ -183,9 +183,14 @@ class TcpDataPlane(DataPlane):
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), self.handshake_timeout_s)
-                channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=False), self.handshake_timeout_s)
-                await asyncio.wait_for(self._prove_to_listener(channel), self.handshake_timeout_s)
+                # NOTE: asyncio.timeout, not wait_for, which on Python 3.11 drops a cancellation of the caller (a
+                # request's task, aborted) that lands as a step ends: the aborted request went on
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    await loop.sock_connect(sock, (host, int(port)))
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    channel = await open_channel(sock, self.tls, server_side=False)
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    await self._prove_to_listener(channel)
             except (handshake.PeerRefused, ssl.SSLError) as exc:
                 sock.close()
                 self.num_peers_refused += 1
@@ -247,8 +252,9 @@ class TcpDataPlane(DataPlane):
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.handshake_timeout_s
-        try:
-            channel = await asyncio.wait_for(open_channel(sock, self.tls, server_side=True), self.handshake_timeout_s)
+        try:  # NOTE: asyncio.timeout, not wait_for, here and below: a close() that cancels this must not be dropped
+            async with asyncio.timeout(self.handshake_timeout_s):
+                channel = await open_channel(sock, self.tls, server_side=True)
         except (OSError, ConnectionError, asyncio.TimeoutError) as exc:  # ssl.SSLError too: a subclass of OSError
             self.num_peers_refused += 1  # only TLS can fail here: no certificate from the cluster's CA, or not TLS
             log.warning("dataplane_peer_refused", error=f"TLS handshake: {exc or type(exc).__name__}",
@@ -257,7 +263,8 @@ class TcpDataPlane(DataPlane):
             return
         try:
             challenge = handshake.new_nonce()
-            hello = await asyncio.wait_for(_challenge(channel, challenge), max(0.0, deadline - loop.time()))
+            async with asyncio.timeout_at(deadline):
+                hello = await _challenge(channel, challenge)
             try:
                 nonce, address = handshake.check_hello(self.cluster_key, challenge, hello)
             except handshake.PeerRefused:
