@@ -333,7 +333,8 @@ def _own_stack(cfg: LoadConfig) -> AbstractContextManager[Stack]:
           file=sys.stderr, flush=True)
     # NOTE: no per-client cap: the load test is one client measuring the whole server
     spec = StackSpec(cfg.num_prefill, cfg.num_decode, cfg.model, (cfg.transfer_modes or ["full"])[0], free_port(),
-                     log_file=log_file, env={"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0"})
+                     log_file=log_file,
+                     env={"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0", "SMARTGEN_MAX_WAITING_PER_CLIENT": "0"})
     return started_stack(spec, 300)
 
 

@@ -1,5 +1,5 @@
-"""The gateway's admission queue: how many requests run at once, how many of them one client may hold, and who
-gets a freed slot.
+"""The gateway's admission queue: how many requests run at once and wait, how many of each one client may hold,
+and who gets a freed slot.
 
 - Capacity is what the decode workers say they take (`WorkerInfo.max_requests`, summed over the live ones), or
   the gateway's `max_running` where set. While fewer requests run, a new one starts at once, unless its client
@@ -11,12 +11,14 @@ gets a freed slot.
   runs the fewest requests, among the clients under their cap (ties: the longest waiter): clients take turns, so
   one that sends many requests, or holds slots with streams it never reads, cannot starve the others. A request
   waits for up to `queue_timeout_s`, then gets a 503 with Retry-After. When `max_waiting` requests already wait
-  (all clients together), a new one gets a 429 with Retry-After at once. A client that leaves while waiting leaves
-  the queue.
+  (all clients together), a new one gets a 429 with Retry-After at once, and so does one whose client already has
+  `max_waiting_per_client` waiting (default half of `max_waiting`, at least 1; 0 = no cap): one client cannot fill
+  the queue and turn every other client away. A client that leaves while waiting leaves the queue.
 - With no decode worker registered (capacity 0) nothing waits here: the request goes on and gets the 503 that
   names the missing role.
 - Queue time is measured (`smartgen_queue_seconds`, and `queue_s` in each response); the running and waiting
-  counts are gauges, and so are the waiters held back only by their client's cap.
+  counts are gauges, and so are the waiters held back only by their client's cap and the most places one client
+  holds in the queue.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from shared.runtime.metrics import Registry
 
 RECHECK_S = 0.5  # a waiter looks at the capacity again this often (a decode worker may have joined)
 HALF_THE_CAPACITY = -1  # max_running_per_client's default: half the capacity, at least 1
+HALF_THE_QUEUE = -1  # max_waiting_per_client's default: half of max_waiting, at least 1
 NO_CAP = 0
 
 
@@ -53,9 +56,11 @@ class Waiter:
 
 class Admission:
     def __init__(self, capacity: Callable[[], int], max_waiting: int, queue_timeout_s: float, metrics: Registry,
-                 max_running_per_client: int = HALF_THE_CAPACITY):
+                 max_running_per_client: int = HALF_THE_CAPACITY, max_waiting_per_client: int = HALF_THE_QUEUE):
         self.capacity, self.max_waiting, self.queue_timeout_s = capacity, max_waiting, queue_timeout_s
         self.max_running_per_client = max_running_per_client
+        self.client_waiting_cap = (max(1, max_waiting // 2) if max_waiting_per_client == HALF_THE_QUEUE else
+                                   float("inf") if max_waiting_per_client == NO_CAP else max_waiting_per_client)
         self.running = 0
         self.running_by_client: dict[str, int] = {}  # only clients running ≥ 1
         self.waiting: dict[str, deque[Waiter]] = {}  # client → its waiters, longest first; only non-empty ones
@@ -66,6 +71,8 @@ class Admission:
         metrics.gauge("smartgen_requests_waiting_client_cap", "Of the waiting requests, those whose client runs its "
                       "max_running_per_client (they would wait with free capacity too)",
                       lambda: float(self.num_waiting_at_cap()))
+        metrics.gauge("smartgen_requests_waiting_client_max", "The most waiting requests one client has (at most "
+                      "max_waiting_per_client)", lambda: float(self.most_waiting_of_one_client()))
 
     @property
     def num_waiting(self) -> int:
@@ -81,6 +88,9 @@ class Admission:
 
     def running_of(self, client: str) -> int:
         return self.running_by_client.get(client, 0)
+
+    def most_waiting_of_one_client(self) -> int:
+        return max((len(queue) for queue in self.waiting.values()), default=0)
 
     def num_waiting_at_cap(self) -> int:
         cap = self.client_cap(self.capacity())
@@ -112,6 +122,11 @@ class Admission:
             self._leave_queue(waiter)
             raise ApiError(429, f"the server is at capacity ({self.running} running, {self.num_waiting} waiting); "
                                 "try again shortly", code="overloaded", retry_after_s=1)
+        if len(self.waiting[waiter.client]) > self.client_waiting_cap:  # room in the queue, not for this client
+            self._leave_queue(waiter)
+            raise ApiError(429, f"your client already has {self.client_waiting_cap:g} requests waiting, the most one "
+                                "client may (max_waiting_per_client); try again when one has started",
+                           code="client_queue_full", retry_after_s=1)
         try:
             while not waiter.turn.done():
                 left = self.queue_timeout_s - (time.monotonic() - waiter.since_s)

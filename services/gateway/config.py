@@ -23,6 +23,9 @@ class GatewayConfig(ServiceConfig):
     # the most requests one client (its IP address) runs at once; more wait their turn, clients taking turns for
     # freed slots (-1 = half the capacity, at least 1; 0 = no cap)
     max_running_per_client: int = -1
+    # the most requests one client may have waiting in the queue (of max_waiting): more get a 429, so one client
+    # cannot fill the queue and turn the others away (-1 = half of max_waiting, at least 1; 0 = no cap)
+    max_waiting_per_client: int = -1
     # behind a proxy you run: a request's client is the last X-Forwarded-For address (the one the proxy saw), not
     # the proxy's. Off, the header is ignored: a client could name itself anything there
     trust_forwarded_for: bool = False
@@ -49,6 +52,9 @@ class GatewayConfig(ServiceConfig):
         if self.max_running_per_client < -1:
             raise ConfigError(f"max_running_per_client {self.max_running_per_client}: use a number of requests, 0 for "
                               "no cap, or -1 for half the capacity")
+        if self.max_waiting_per_client < -1:
+            raise ConfigError(f"max_waiting_per_client {self.max_waiting_per_client}: use a number of requests, 0 for "
+                              "no cap, or -1 for half of max_waiting")
         if self.cache_route_slack < 0:
             raise ConfigError(f"cache_route_slack {self.cache_route_slack} must be ≥ 0")
         if self.max_body_mb <= 0:

@@ -63,7 +63,7 @@ class GatewayService(Service):
             "smartgen_local_share", "Share of the selected KV entries already on the decode node, per request",
             ["transfer_mode"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0))
         self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics,
-                                   config.max_running_per_client)
+                                   config.max_running_per_client, config.max_waiting_per_client)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
@@ -180,4 +180,5 @@ class GatewayService(Service):
                 "requests_done": self.latency.requests.by_first_label(), "capacity": self.capacity(),
                 "running": self.admission.running, "waiting": self.admission.num_waiting,
                 "waiting_client_cap": self.admission.num_waiting_at_cap(),
+                "waiting_client_max": self.admission.most_waiting_of_one_client(),
                 "clients_running": len(self.admission.running_by_client)}

@@ -1,21 +1,25 @@
 """The gateway's admission queue (services/gateway/admission.py) on its own: who runs, who waits in what order,
-and who is told to come back, with what status; with several clients, who gets a freed slot and how many one
-client may hold."""
+and who is told to come back, with what status; with several clients, who gets a freed slot and how many running
+slots and places in the queue one client may hold."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from services.gateway.admission import HALF_THE_CAPACITY, NO_CAP, Admission, client_of
+from services.gateway.admission import HALF_THE_CAPACITY, HALF_THE_QUEUE, NO_CAP, Admission, client_of
+from services.gateway.config import GatewayConfig
 from services.gateway.requests import ApiError
+from shared.runtime.config import ConfigError
 from shared.runtime.metrics import Registry
 
 
 def admission(capacity: int, max_waiting: int = 4, queue_timeout_s: float = 5.0,
-              per_client: int = HALF_THE_CAPACITY) -> tuple[Admission, dict]:
+              per_client: int = HALF_THE_CAPACITY, waiting_per_client: int = NO_CAP) -> tuple[Admission, dict]:
+    """NOTE: no cap on one client's waiters unless a test asks (the gateway's default is HALF_THE_QUEUE)."""
     box = {"capacity": capacity}
-    return Admission(lambda: box["capacity"], max_waiting, queue_timeout_s, Registry(), per_client), box
+    return Admission(lambda: box["capacity"], max_waiting, queue_timeout_s, Registry(), per_client,
+                     waiting_per_client), box
 
 
 async def hold(gate: Admission, order: list[str], name: str, release: asyncio.Event, client: str = "") -> float:
@@ -219,3 +223,53 @@ def test_the_cap_follows_the_capacity():
     assert gate.client_cap(0) == float("inf")  # no decode worker: nothing waits here
     assert admission(capacity=8, per_client=NO_CAP)[0].client_cap(8) == float("inf")
     assert admission(capacity=8, per_client=6)[0].client_cap(8) == 6
+
+
+async def test_one_client_holds_at_most_half_the_queue_and_the_others_still_wait():
+    """By default a client has at most half of max_waiting waiting; more get a 429 naming max_waiting_per_client,
+    while another client still queues behind it, and only a queue full of every client's waiters is `overloaded`."""
+    gate, _ = admission(capacity=1, max_waiting=4, per_client=NO_CAP, waiting_per_client=HALF_THE_QUEUE)
+    clients = Clients(gate)
+    await clients.send("a0", "a1", "a2")  # a0 runs; a1, a2 wait: a's half of the queue
+    assert gate.client_waiting_cap == 2 and gate.most_waiting_of_one_client() == 2
+    with pytest.raises(ApiError) as refused:
+        async with gate.slot("a"):
+            pass
+    assert refused.value.status == 429 and refused.value.code == "client_queue_full"
+    assert "max_waiting_per_client" in refused.value.message and refused.value.retry_after_s == 1
+    await clients.send("b0", "b1")  # the queue still has room for another client
+    assert gate.num_waiting == 4 and gate.running_of("b") == 0
+    with pytest.raises(ApiError) as full:
+        async with gate.slot("c"):
+            pass
+    assert full.value.status == 429 and full.value.code == "overloaded"
+    await clients.finish("a0")  # a1 starts: a has a place in the queue again
+    await clients.send("a3")
+    assert not clients.tasks["a3"].done() and len(gate.waiting["a"]) == 2
+    await clients.finish("a1", "a2", "b0", "b1", "a3")  # each slot to the longest waiter (both run none)
+    assert clients.order == ["a0", "a1", "a2", "b0", "b1", "a3"]
+    assert gate.running == 0 and not gate.waiting and not gate.running_by_client
+
+
+async def test_without_a_cap_on_waiters_one_client_fills_the_queue_and_turns_the_others_away():
+    """max_waiting_per_client 0: what the cap prevents, a client's flood leaves no place for another client."""
+    gate, _ = admission(capacity=1, max_waiting=4, per_client=NO_CAP, waiting_per_client=NO_CAP)
+    clients = Clients(gate)
+    await clients.send("a0", "a1", "a2", "a3", "a4")
+    assert gate.most_waiting_of_one_client() == 4
+    with pytest.raises(ApiError) as full:
+        async with gate.slot("b"):
+            pass
+    assert full.value.status == 429 and full.value.code == "overloaded"
+    await clients.finish("a0", "a1", "a2", "a3", "a4")
+    assert gate.running == 0 and not gate.waiting
+
+
+def test_the_waiting_cap_is_half_the_queue_a_number_or_none():
+    assert admission(capacity=1, max_waiting=64, waiting_per_client=HALF_THE_QUEUE)[0].client_waiting_cap == 32
+    assert admission(capacity=1, max_waiting=1, waiting_per_client=HALF_THE_QUEUE)[0].client_waiting_cap == 1
+    assert admission(capacity=1, max_waiting=64, waiting_per_client=5)[0].client_waiting_cap == 5
+    assert admission(capacity=1, max_waiting=64, waiting_per_client=NO_CAP)[0].client_waiting_cap == float("inf")
+    assert GatewayConfig().max_waiting_per_client == HALF_THE_QUEUE
+    with pytest.raises(ConfigError, match="max_waiting_per_client"):
+        GatewayConfig(max_waiting_per_client=-2).validate()

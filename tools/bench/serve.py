@@ -352,7 +352,8 @@ def gateway_for(url: str, model: str, out: Path,
     # find the prompt cached by the one before. The decode side's is always off: full mode would move only what the
     # decode worker lacks, where the paper's setting has the decode node receive the whole prompt's KV
     # NOTE: no per-client cap: the benchmark is one client measuring the whole server (--concurrency C: C in flight)
-    env = {"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0", "SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
+    env = {"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0", "SMARTGEN_MAX_WAITING_PER_CLIENT": "0",
+           "SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
            "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", "SMARTGEN_PREFIX_CACHE_MB": "0",
            "SMARTGEN_DECODE_PREFIX_CACHE_MB": "0", **(extra_env or {})}
     spec = StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)
