@@ -1,6 +1,7 @@
 """docker-compose.yml is valid Compose (checked by the real Compose v2 binary, no engine needed), every
-service's command, environment and ports match what the code's config accepts, and NATS wants a token that
-every service is given."""
+service's command, environment and ports match what the code's config accepts, NATS wants a token that every
+service is given, and the secrets (NATS token, admin token, cluster secret, route password, route TLS) travel as
+compose `secrets:` files, never in an environment."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,8 @@ def compose_binary() -> Path:
 
 
 TEST_TOKEN = "compose-test-token-0123abcd"
+TEST_ADMIN_TOKEN = "compose-test-admin-token-4567ef"
+TEST_ROUTE_PASSWORD = "compose-test-route-password-89ab"
 WORKERS = ("prefill", "decode")  # scale with --scale: no host ports, no fixed advertise host, the cluster secret
 
 
@@ -48,11 +51,14 @@ def services() -> dict:
 
 
 def required_env(tmp_path: Path) -> dict[str, str]:
-    """The settings compose refuses to start without: the NATS token's and the cluster secret's files."""
-    secret, token = tmp_path / "cluster_secret", tmp_path / "nats_token"
+    """The settings compose refuses to start without: the NATS token's, the cluster secret's and the admin token's
+    files."""
+    secret, token, admin = tmp_path / "cluster_secret", tmp_path / "nats_token", tmp_path / "admin_token"
     secret.write_text("compose-test-cluster-secret\n")
     token.write_text(TEST_TOKEN + "\n")
-    return {"SMARTGEN_NATS_TOKEN_FILE": str(token), "SMARTGEN_CLUSTER_SECRET_FILE": str(secret)}
+    admin.write_text(TEST_ADMIN_TOKEN + "\n")
+    return {"SMARTGEN_NATS_TOKEN_FILE": str(token), "SMARTGEN_CLUSTER_SECRET_FILE": str(secret),
+            "SMARTGEN_ADMIN_TOKEN_FILE": str(admin)}
 
 
 def test_compose_file_is_valid(tmp_path):
@@ -63,11 +69,12 @@ def test_compose_file_is_valid(tmp_path):
     assert result.stderr == ""
 
 
-def test_compose_refuses_to_start_without_the_cluster_secret(tmp_path):
-    """The data plane's key is required: without SMARTGEN_CLUSTER_SECRET_FILE Compose stops, naming it."""
-    env = {k: v for k, v in required_env(tmp_path).items() if k != "SMARTGEN_CLUSTER_SECRET_FILE"}
+@pytest.mark.parametrize("missing", ["SMARTGEN_CLUSTER_SECRET_FILE", "SMARTGEN_ADMIN_TOKEN_FILE"])
+def test_compose_refuses_to_start_without_the_cluster_secret_or_the_admin_token(tmp_path, missing):
+    """The data plane's key and the admin token are required: without either file Compose stops, naming it."""
+    env = {k: v for k, v in required_env(tmp_path).items() if k != missing}
     result = run_compose(tmp_path, "config", "-q", **env)
-    assert result.returncode != 0 and "SMARTGEN_CLUSTER_SECRET_FILE" in result.stderr
+    assert result.returncode != 0 and missing in result.stderr
 
 
 def test_workers_scale(tmp_path):
@@ -83,7 +90,7 @@ def test_workers_scale(tmp_path):
         assert "container_name" not in service and not service.get("ports"), role
         env = service["environment"]
         assert "SMARTGEN_ADVERTISE_HOST" not in env, role
-        assert [s["source"] for s in service["secrets"]] == ["nats_token", "cluster_secret"], role
+        assert sorted(s["source"] for s in service["secrets"]) == ["admin_token", "cluster_secret", "nats_token"], role
         assert env["SMARTGEN_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
         assert float(service["cpus"]) == float(env["SMARTGEN_TORCH_THREADS"]), role
     assert resolved["secrets"]["cluster_secret"]["file"].endswith("cluster_secret")
@@ -113,15 +120,17 @@ def test_compose_refuses_to_start_without_a_nats_token(tmp_path):
     assert result.returncode != 0 and "SMARTGEN_NATS_TOKEN_FILE" in result.stderr
 
 
-def test_every_service_gets_the_nats_token(tmp_path):
+def test_every_service_gets_the_nats_token_and_the_admin_token_as_files(tmp_path):
     """In the file as Compose resolves it, NATS and all five services mount the token as the `nats_token` secret
-    (the services read it from SMARTGEN_NATS_TOKEN_FILE) and no environment holds it; each service also has
-    SMARTGEN_ADMIN_TOKEN (empty unless set: admin routes that change state stay off)."""
+    (the services read it from SMARTGEN_NATS_TOKEN_FILE) and no environment holds it; each service also mounts the
+    `admin_token` secret (SMARTGEN_ADMIN_TOKEN_FILE), never SMARTGEN_ADMIN_TOKEN itself."""
     result = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path))
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)
     assert resolved["secrets"]["nats_token"]["file"].endswith("nats_token")
+    assert resolved["secrets"]["admin_token"]["file"].endswith("admin_token")
     assert TEST_TOKEN not in result.stdout  # the token itself is in no environment, command or label
+    assert TEST_ADMIN_TOKEN not in result.stdout
     services = resolved["services"]
     assert "nats_token" in [s["source"] for s in services["nats"]["secrets"]]
     assert "/run/secrets/nats_token" in " ".join(services["nats"]["entrypoint"])
@@ -130,11 +139,8 @@ def test_every_service_gets_the_nats_token(tmp_path):
         env = resolved[role]["environment"]
         assert "nats_token" in [s["source"] for s in resolved[role]["secrets"]], role
         assert env["SMARTGEN_NATS_TOKEN_FILE"] == "/run/secrets/nats_token" and "SMARTGEN_NATS_TOKEN" not in env, role
-        assert env.get("SMARTGEN_ADMIN_TOKEN", None) in ("", None), role
-    admin = run_compose(tmp_path, "config", "--format", "json", **required_env(tmp_path),
-                        SMARTGEN_ADMIN_TOKEN="admin-test")
-    assert all(json.loads(admin.stdout)["services"][r]["environment"]["SMARTGEN_ADMIN_TOKEN"] == "admin-test"
-               for r in CONFIG_CLASSES)
+        assert "admin_token" in [s["source"] for s in resolved[role]["secrets"]], role
+        assert env["SMARTGEN_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token" and "SMARTGEN_ADMIN_TOKEN" not in env, role
 
 
 def test_nats_conf_requires_the_token():
@@ -179,10 +185,13 @@ def test_service_matches_its_config(services, role, tmp_path):
         env["SMARTGEN_CLUSTER_SECRET_FILE"] = str(secret)
     assert env["SMARTGEN_NATS_TOKEN_FILE"] == "/run/secrets/nats_token", "the NATS token: a secret's file"
     assert "nats_token" in service["secrets"]
-    token = tmp_path / "nats_token"
+    assert env["SMARTGEN_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token", "the admin token: a secret's file"
+    token, admin = tmp_path / "nats_token", tmp_path / "admin_token"
     token.write_text("t0ken")
-    env["SMARTGEN_NATS_TOKEN_FILE"] = str(token)
+    admin.write_text("adm1n")
+    env["SMARTGEN_NATS_TOKEN_FILE"], env["SMARTGEN_ADMIN_TOKEN_FILE"] = str(token), str(admin)
     config = load_config(cls, [], env)
+    assert config.admin_token == "adm1n"
     port = config.gateway_port if role == "gateway" else config.admin_port
     assert str(port) in " ".join(service["healthcheck"]["test"])
     assert config.nats_url == "nats://nats:4222"
@@ -193,7 +202,6 @@ def test_service_matches_its_config(services, role, tmp_path):
     assert port in published, f"{role}: config port {port} is not published ({published})"
     assert all(p.startswith("127.0.0.1:") for p in service["ports"]), "publish on loopback only"
     assert config.advertise_host == role
-    assert "SMARTGEN_ADMIN_TOKEN" in env
 
 
 def test_every_service_is_in_the_stack(services):
@@ -212,7 +220,7 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
     from tools.nats_server import nats_server_binary
 
     result = run_compose(tmp_path, "-f", str(ROOT / "compose" / "nats-cluster.yml"), "config", "--format", "json",
-                         **required_env(tmp_path), SMARTGEN_NATS_ROUTE_PASSWORD="route-pw")
+                         **required_env(tmp_path), **route_password_env(tmp_path))
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
     members = ["nats", "nats-2", "nats-3"]
@@ -229,22 +237,77 @@ def test_the_nats_cluster_override_gives_every_service_three_servers(tmp_path):
         if "SMARTGEN_CLUSTER_SECRET_FILE" in env:
             env["SMARTGEN_CLUSTER_SECRET_FILE"] = required_env(tmp_path)["SMARTGEN_CLUSTER_SECRET_FILE"]
         env["SMARTGEN_NATS_TOKEN_FILE"] = required_env(tmp_path)["SMARTGEN_NATS_TOKEN_FILE"]  # the secret's file here
+        env["SMARTGEN_ADMIN_TOKEN_FILE"] = required_env(tmp_path)["SMARTGEN_ADMIN_TOKEN_FILE"]
         config = load_config(config_class(role), [], env)
         assert config.nats_url.split(",") == [f"nats://{m}:4222" for m in members], role
     assert load_config(config_class("kvprofile"), [], {
         **{k: str(v) for k, v in resolved["kvprofile"]["environment"].items()},
-        "SMARTGEN_NATS_TOKEN_FILE": required_env(tmp_path)["SMARTGEN_NATS_TOKEN_FILE"]}).bucket_replicas == 3
+        **required_env(tmp_path)}).bucket_replicas == 3
 
-    conf = ROOT / "compose" / "nats-cluster.conf"
-    routes = {k: str(v) for k, v in resolved["nats"]["environment"].items() if k.startswith("NATS_ROUTE_")}
-    assert sorted(routes.values()) == sorted(f"nats://route:route-pw@{m}:6222" for m in members)  # the password in each
-    assert all(str(resolved[m]["environment"]["SMARTGEN_NATS_ROUTE_PASSWORD"]) == "route-pw" for m in members)
-    clean = {k: v for k, v in os.environ.items() if k != "SMARTGEN_NATS_TOKEN"}
-    member_env = {**clean, **routes, "SMARTGEN_NATS_TOKEN": TEST_TOKEN, "NATS_SERVER_NAME": "nats-1",
-                  "SMARTGEN_NATS_ROUTE_PASSWORD": "route-pw"}
-    checked = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
-                             env=member_env)
+    assert all(sorted(s["source"] for s in resolved[m]["secrets"]) == ["nats_route_password", "nats_token"]
+               for m in members)  # the route password: a file, as the token
+    assert TEST_ROUTE_PASSWORD not in result.stdout
+    assert not any(k.startswith("NATS_ROUTE_") or k == "SMARTGEN_NATS_ROUTE_PASSWORD"
+                   for m in members for k in resolved[m]["environment"])
+    # the members' entrypoint, run here on the secrets' files: the real nats-server accepts the config it makes
+    # (routes carrying the password), and refuses it without the password
+    checked = run_member_entrypoint(tmp_path, resolved["nats"], "-c", str(ROOT / "compose" / "nats-cluster.conf"))
     assert checked.returncode == 0, checked.stderr
+    conf = ROOT / "compose" / "nats-cluster.conf"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SMARTGEN_NATS", "NATS_ROUTE"))}
     refused = subprocess.run([nats_server_binary(), "-c", conf, "-t"], capture_output=True, text=True, timeout=30,
-                             env={k: v for k, v in member_env.items() if k != "SMARTGEN_NATS_ROUTE_PASSWORD"})
+                             env={**clean, "SMARTGEN_NATS_TOKEN": TEST_TOKEN, "NATS_SERVER_NAME": "nats-1",
+                                  **{f"NATS_ROUTE_{i}": f"nats://route:x@nats-{i}:6222" for i in (1, 2, 3)}})
     assert refused.returncode != 0 and "SMARTGEN_NATS_ROUTE_PASSWORD" in refused.stderr
+
+
+def route_password_env(tmp_path: Path) -> dict[str, str]:
+    """What compose/nats-cluster.yml adds to required_env: the route password's file."""
+    password = tmp_path / "nats_route_password"
+    password.write_text(TEST_ROUTE_PASSWORD + "\n")
+    return {"SMARTGEN_NATS_ROUTE_PASSWORD_FILE": str(password)}
+
+
+def run_member_entrypoint(tmp_path: Path, member: dict, *args: str) -> subprocess.CompletedProcess:
+    """A NATS member's entrypoint as Compose resolved it, with /run/secrets/<name> read from the files Compose
+    was given and `nats-server … -t` (check the config, start nothing) as the server it execs."""
+    from tools.nats_server import nats_server_binary
+
+    secrets = tmp_path / "run-secrets"
+    secrets.mkdir(exist_ok=True)
+    files = {"nats_token": tmp_path / "nats_token", "nats_route_password": tmp_path / "nats_route_password"}
+    for name, path in files.items():
+        (secrets / name).write_text(path.read_text())
+    script = member["entrypoint"][2].replace("$$", "$").replace("/run/secrets/", f"{secrets}/")
+    assert "exec nats-server " in script
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SMARTGEN_", "NATS_ROUTE"))}
+    env = {**clean, **{k: str(v) for k, v in member["environment"].items()},
+           "PATH": f"{Path(nats_server_binary()).parent}:{os.environ['PATH']}"}
+    return subprocess.run(["sh", "-c", script, "nats", *args, "-t"], capture_output=True, text=True, timeout=30, env=env)
+
+
+def test_the_route_tls_override_mounts_the_tls_settings_and_their_files(tmp_path):
+    """compose/nats-route-tls.yml on top of the cluster override: every member mounts nats-route-tls.conf where
+    nats-cluster.conf includes the routes' TLS settings, and the CA, certificate and key as secrets' files named
+    by the variables that file reads; without the files Compose stops, naming what to set."""
+    tls = {}
+    for name in ("CA", "CERT", "KEY"):
+        (tmp_path / name).write_text(f"pem {name}\n")
+        tls[f"SMARTGEN_NATS_ROUTE_TLS_{name}_FILE"] = str(tmp_path / name)
+    overrides = ("-f", str(ROOT / "compose" / "nats-cluster.yml"), "-f", str(ROOT / "compose" / "nats-route-tls.yml"))
+    env = {**required_env(tmp_path), **route_password_env(tmp_path)}
+    result = run_compose(tmp_path, *overrides, "config", "--format", "json", **env, **tls)
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)["services"]
+    settings = (ROOT / "compose" / "nats-route-tls.conf").read_text()
+    assert "include ./route-tls.conf" in (ROOT / "compose" / "nats-cluster.conf").read_text()
+    for member in ("nats", "nats-2", "nats-3"):
+        mounts = {v["target"]: v["source"] for v in resolved[member]["volumes"]}
+        assert mounts["/etc/nats/route-tls.conf"].endswith("compose/nats-route-tls.conf"), member
+        secrets = {s["source"] for s in resolved[member]["secrets"]}
+        for name in ("CA", "CERT", "KEY"):
+            path = resolved[member]["environment"][f"NATS_ROUTE_TLS_{name}"]
+            assert path == f"/run/secrets/nats_route_tls_{name.lower()}" and path.rsplit("/", 1)[1] in secrets
+            assert f"$NATS_ROUTE_TLS_{name}" in settings
+    missing = run_compose(tmp_path, *overrides, "config", "-q", **env)
+    assert missing.returncode != 0 and "SMARTGEN_NATS_ROUTE_TLS_" in missing.stderr

@@ -89,8 +89,10 @@ def test_deployment_matches_its_config(role, tmp_path):
 
 def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path):
     """The StatefulSet runs three servers; their config (from the ConfigMap) clusters them over routes that need
-    the route password (each route URL carries it, from the Secret), with JetStream on; the real nats-server
-    accepts it with the token and the route password set, and refuses it without either."""
+    the route password, with JetStream on. The token and the password are the Secret's files, mounted, and the
+    container's command sets them (and each route URL, carrying the password) for the server process only: no env
+    value holds them. That command, run here on such files, makes a config the real nats-server accepts; the
+    config without the token or the route password is refused."""
     from tools.nats_server import nats_server_binary
 
     docs = documents()
@@ -98,12 +100,25 @@ def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path)
     assert statefulset["spec"]["replicas"] == 3 and statefulset["spec"]["serviceName"] == "nats"
     conf_text = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
     assert "jetstream" in conf_text and "password: $SMARTGEN_NATS_ROUTE_PASSWORD" in conf_text
-    env = {e["name"]: e for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["SMARTGEN_NATS_ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "nats-route-password"
-    for i in range(3):  # every route names the password (k8s expands $(VAR) from the variable set above it)
-        assert env[f"NATS_ROUTE_{i}"]["value"] == f"nats://route:$(SMARTGEN_NATS_ROUTE_PASSWORD)@nats-{i}.nats:6222"
+    pod = statefulset["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {e["name"] for e in container["env"]} == {"POD_NAME"}  # nothing secret in the pod's environment
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "secrets")
+    volume = next(v for v in pod["volumes"] if v["name"] == "secrets")["secret"]
+    assert mount["mountPath"] == "/run/secrets/nats" and mount["readOnly"]
+    assert {i["key"] for i in volume["items"]} == {"nats-token", "nats-route-password"}
     conf = tmp_path / "nats.conf"
     conf.write_text(conf_text.replace("/data/jetstream", str(tmp_path / "js")))
+    files = tmp_path / "secrets"
+    files.mkdir()
+    (files / "nats-token").write_text("k8s-test-token")
+    (files / "nats-route-password").write_text("pw")
+    script = container["command"][2].replace("/run/secrets/nats/", f"{files}/")
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("SMARTGEN_", "NATS_ROUTE"))}
+    started = subprocess.run(["sh", "-c", script, "nats", "-c", str(conf), "-t"], capture_output=True, text=True,
+                             timeout=30, env={**clean_env, "POD_NAME": "nats-0",
+                                              "PATH": f"{Path(nats_server_binary()).parent}:{os.environ['PATH']}"})
+    assert started.returncode == 0, started.stderr
     clean = {k: v for k, v in os.environ.items() if k not in ("SMARTGEN_NATS_TOKEN", "POD_NAME")}
     routes = {f"NATS_ROUTE_{i}": f"nats://route:pw@nats-{i}.nats:6222" for i in range(3)}
     full = {**clean, **routes, "SMARTGEN_NATS_TOKEN": "k8s-test-token", "SMARTGEN_NATS_ROUTE_PASSWORD": "pw",

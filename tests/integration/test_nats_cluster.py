@@ -1,6 +1,7 @@
 """Past one NATS server: the whole stack on a three-node NATS cluster (JetStream, the profiles bucket at three
 replicas) rides out the loss of the server a worker is connected to, mid-stream, and of the JetStream meta
-leader; and two stacks share one NATS server in namespaces of their own without hearing each other."""
+leader; two stacks share one NATS server in namespaces of their own without hearing each other; and routes over
+compose's TLS settings join members of one CA and refuse another's."""
 from __future__ import annotations
 
 import time
@@ -11,6 +12,7 @@ from tools.client import DONE, Gateway, open_stream
 from tools.nats_server import NatsCluster, NatsServer, free_port
 from tools.stack import StackSpec, started_stack
 
+ROUTE_TLS = Path(__file__).resolve().parents[2] / "compose" / "nats-route-tls.conf"
 PROMPT = "The history of the city begins with a small settlement on the river, where traders met. " * 8
 BODY = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "transfer_mode": "smartgen",
         "selector": "quest", "kv_budget": 0.25}
@@ -126,3 +128,81 @@ def test_two_stacks_share_one_nats_in_their_own_namespaces(tiny_model_path: Path
             assert not seen_a & seen_b
             buckets = {get_json(Gateway(s.gateway_url, s.admin_token).kvprofile_url() + "/stats")["bucket"] for s in (a, b)}
             assert buckets == {"smartgen_team-a_profiles", "smartgen_team-b_profiles"}
+
+
+def route_tls_member(tmp_path: Path, name: str, route_ports: list[int], i: int, password: str) -> NatsServer:
+    """A NATS member clustered over loopback routes that need `password` and run through compose's route TLS
+    settings (compose/nats-route-tls.conf, included as compose/nats-cluster.conf does; its files from
+    $NATS_ROUTE_TLS_*). No JetStream store of note: the routes are the point."""
+    conf = tmp_path / f"{name}.conf"
+    (tmp_path / "route-tls.conf").write_text(ROUTE_TLS.read_text())  # NOTE: nats-server includes beside the config
+    routes = ", ".join(f"nats://route:{password}@127.0.0.1:{p}" for p in route_ports)
+    conf.write_text(f"""cluster {{
+  name: smartgen
+  listen: 127.0.0.1:{route_ports[i]}
+  authorization {{
+    user: route
+    password: $SMARTGEN_NATS_ROUTE_PASSWORD
+  }}
+  include ./route-tls.conf
+  routes: [{routes}]
+}}
+""")
+    return NatsServer(token="", args=["-n", name, "-c", str(conf)])
+
+
+def routed_to(server: NatsServer) -> set[str]:
+    """The server names `server` has a route to now (NOTE: nats-server pools several connections per peer)."""
+    routes = get_json(f"http://127.0.0.1:{server.monitor_port}/routez", timeout=5)["routes"] or []
+    return {r.get("remote_name", "") for r in routes}
+
+
+def test_routes_over_tls_join_members_of_the_ca_and_refuse_a_stranger(tmp_path: Path, monkeypatch):
+    """Two servers whose routes use compose's route TLS settings (certificates of one CA) and the route password
+    form a cluster: a message published on one reaches a subscriber on the other. A third server with the right
+    password but a certificate of another CA gets no route to them."""
+    import asyncio
+
+    import nats
+
+    from tests.certificates import make_certificates
+
+    (ours := tmp_path / "ca").mkdir()
+    (theirs := tmp_path / "other-ca").mkdir()
+    certs, strange = make_certificates(ours), make_certificates(theirs)
+    route_ports = [free_port() for _ in range(3)]
+    monkeypatch.setenv("SMARTGEN_NATS_ROUTE_PASSWORD", "route-pw")
+    for name, path in (("CA", "ca.pem"), ("CERT", "peer.pem"), ("KEY", "peer.key")):
+        monkeypatch.setenv(f"NATS_ROUTE_TLS_{name}", str(certs[path]))
+    members = [route_tls_member(tmp_path, f"m{i}", route_ports[:2], i, "route-pw") for i in range(2)]
+    with members[0], members[1]:
+        deadline = time.monotonic() + 15
+        while not (routed_to(members[0]) == {"m1"} and routed_to(members[1]) == {"m0"}):
+            assert time.monotonic() < deadline, ("the two members did not route to each other over TLS: "
+                                                 + members[0].log_path.read_text(errors="replace")[-1500:])
+            time.sleep(0.2)
+
+        async def across() -> bytes:
+            sub_nc, pub_nc = await nats.connect(members[1].url), await nats.connect(members[0].url)
+            try:
+                sub = await sub_nc.subscribe("route.tls.check")
+                await sub_nc.flush()
+                for _ in range(50):  # NOTE: the interest crosses the route a moment after the flush
+                    await pub_nc.publish("route.tls.check", b"over tls")
+                    await pub_nc.flush()
+                    try:
+                        return (await sub.next_msg(timeout=0.2)).data
+                    except nats.errors.TimeoutError:
+                        continue
+                raise AssertionError("no message crossed the route")
+            finally:
+                await sub_nc.close()
+                await pub_nc.close()
+
+        assert asyncio.run(across()) == b"over tls"
+        for name, path in (("CA", "ca.pem"), ("CERT", "peer.pem"), ("KEY", "peer.key")):
+            monkeypatch.setenv(f"NATS_ROUTE_TLS_{name}", str(strange[path]))
+        with route_tls_member(tmp_path, "stranger", [route_ports[0], route_ports[2]], 1, "route-pw") as stranger:
+            time.sleep(3)  # several tries of its route to m0
+            assert not routed_to(stranger) and routed_to(members[0]) == {"m1"}
+            assert "certificate" in stranger.log_path.read_text(errors="replace")  # refused at the TLS handshake
