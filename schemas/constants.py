@@ -32,8 +32,10 @@ DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes
 # the three paths, `query` (the query-aware part of the proactive push), `ahead` (reading a layer's predicted selection
 # while the layer before it runs: InfiniGen's speculation) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
 # without it, decode waits for the whole push first), `exact` (where a layer's push would leave after the prefill
-# anyway, the prefill node runs step 1 first and pushes its exact selection); a request may `ablate` any
-SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact")
+# anyway, the prefill node runs step 1 first and pushes its exact selection), `stall` (after step 1, a step waits for
+# the selected entries that are not here; without it, it attends to the best local entries instead and reads the
+# missed ones without waiting: services/decode/read_behind.py); a request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact", "stall")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
 # an error naming what failed, or `recompute` the prefill itself and carry on.
 FAILURE_POLICIES = ("fail", "recompute")

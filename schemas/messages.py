@@ -164,6 +164,7 @@ class TransferPlan:
     exact_push: bool = False
     read_ahead: bool = True  # decode reads a layer's predicted selection while the one before runs (False: ablate "ahead")
     early_start: bool = True  # decode starts step 1 while the push lands, a layer at a time (False: ablate "early")
+    stall: bool = True  # after step 1, a step waits for selected entries not yet here (False: ablate "stall")
     # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
     # request's kv_bits, except where auto resolved to a mode that moves exact KV
     kv_bits: int = 0
@@ -322,6 +323,8 @@ class TokenEvent:
     speculative_reads: int = 0  # reads of a layer's predicted selection, issued while the layer before it ran
     ranked_reads: int = 0  # path 3's reads of what a wider selection for the latest query adds (background lane)
     ranked_bytes: int = 0  # their bytes, part of kv_bytes["background"]
+    behind_reads: int = 0  # (ablate "stall") reads of selected entries that were not here, nobody waiting on them
+    substituted: int = 0  # … the selected entries a step replaced by the best local ones instead of waiting
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # colocated, token 0 with Sampling.echo
 

@@ -124,7 +124,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     base = dict(request_id=req.request_id, transfer_mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
                 link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
                 parallel="parallel" not in req.ablate, read_ahead="ahead" not in req.ablate,
-                early_start="early" not in req.ablate, selector=selector,
+                early_start="early" not in req.ablate, stall="stall" not in req.ablate, selector=selector,
                 kv_bits=kv_bits)
     if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])

@@ -195,7 +195,8 @@ class KvLoader:
                         self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                         self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
                         self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req),
-                        ranked=req.plan.background, codes_at=codes_at, region=self.store.region)
+                        ranked=req.plan.background, stalls=req.plan.stall, codes_at=codes_at,
+                        region=self.store.region)
 
     def starts_while_pushing(self, state: DecodeRequest) -> bool:
         """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own

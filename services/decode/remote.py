@@ -29,6 +29,7 @@ import torch
 from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
 from services.decode.presence import Presence, mean_run
+from services.decode.read_behind import ReadBehind
 from services.decode.read_codes import ReadCodes
 from services.decode.reads import (GATHER_BELOW_RUN, RANK_WHEN_WAITING_BELOW, SPECULATE_WHEN_READING,
                                    WAIT_SHARE_WEIGHT, Pending, RemoteReadError, settled)
@@ -54,6 +55,7 @@ class RemoteKv:
     gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
     speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
     ranked: bool = False  # path 3 by the latest query (`rank`, `read_ranked`)
+    stalls: bool = True  # after step 1 a step waits for its selected entries that are not here (False: `read_behind`)
     # reads as codes (source.codes_bits): the byte, in this process's `region`, where the slab's codes region starts
     codes_at: int = -1
     region: memoryview | None = None
@@ -82,6 +84,7 @@ class RemoteKv:
                 raise ValueError("the prefill serves reads as codes: the remote view needs the slab's codes region")
             self.codes = ReadCodes(self.layout, self.source, self.num_tokens, self.codes_at, self.region,
                                    self.presence.dst_rows, self.presence.token_bytes)
+        self.behind = None if self.stalls else ReadBehind(self)
         self._step_local = self._step_remote = 0
         self._in_flight: set[asyncio.Future[None]] = set()  # data-plane transfers not settled yet (`read`)
         # NOTE: counted when `fetch` issues a read (torch thread), not when the loop starts it, so a background
@@ -174,12 +177,14 @@ class RemoteKv:
             return None
         self.num_fetch_reads += 1
         self._step_read_layers.add(layer)
-        future = self._start_read(layer, heads)
+        future = self.start_read(layer, heads)
         return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
 
     def wants_speculation(self, layer: int) -> bool:
-        return self._speculating and layer < len(self.presence.missing_per_layer) and bool(self.presence.missing_per_layer[layer]) \
-            and layer not in self._ahead
+        """Speculating is on, the step stalls on misses (one that does not has nothing to wait less for), and `layer`
+        still has remote entries."""
+        return self._speculating and self.behind is None and layer < len(self.presence.missing_per_layer) \
+            and bool(self.presence.missing_per_layer[layer]) and layer not in self._ahead
 
     def speculate(self, layer: int, idx: torch.Tensor) -> None:
         """The speculative part of path 2, each step: start reading the remote part of `idx`, a prediction of
@@ -194,14 +199,18 @@ class RemoteKv:
         if heads:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
-            self._ahead[layer] = self._start_read(layer, heads)
+            self._ahead[layer] = self.start_read(layer, heads)
 
-    def _start_read(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> concurrent.futures.Future[None]:
+    def start_read(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> concurrent.futures.Future[None]:
         """Issue one read of these entries of `layer` on the event loop (from any thread); counted as pending at
         once, so a background read cannot slip in before it starts."""
         with self._pending_lock:
             self._on_demand_pending += 1
         return asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
+
+    def read_behind(self, layer: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """(torch thread) See RemoteEntries.read_behind and read_behind.py; None where the request stalls."""
+        return self.behind.absent_if_missed(layer, idx) if self.behind is not None else None
 
     def wants_ranking(self, layer: int) -> bool:
         """(torch thread) Rank `layer` again when path 3 is on, it read this step and it still has remote
@@ -258,7 +267,7 @@ class RemoteKv:
             self.check_codes_room(layer)
             gather = self.codes.gather(layer, heads)
             use_gather = self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN
-            await self.read(gather if use_gather else gather.segments(), lane, lambda: self.codes_landed(layer, heads))
+            await self.read(gather if use_gather else gather.segments(), lane, lambda: self.codes.land(layer, heads))
             num_bytes = gather.num_bytes
         elif self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN:
             gather = self.presence.gather(layer, heads)
@@ -300,11 +309,6 @@ class RemoteKv:
         Path 3 runs after step 1, which prepares every layer: one that asks earlier is retried or dropped."""
         if self.codes is not None and not self.has_codes_room(layer):
             raise RemoteReadError(f"layer {layer}'s pushed codes are not dequantized yet")
-
-    def codes_landed(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
-        """(event loop, inside the read's transfer) The records of these entries landed: into the slab's rows."""
-        if self.codes is not None:
-            self.codes.land(layer, heads)
 
     @property
     def entry_bytes(self) -> int:
@@ -371,16 +375,6 @@ class RemoteKv:
     @property
     def num_missing(self) -> int:
         return self.presence.num_missing
-
-    @property
-    def token_bytes(self) -> int:
-        """One token of one head's K (or V), bytes."""
-        return self.presence.token_bytes
-
-    @property
-    def present(self) -> np.ndarray:
-        """(num_layers, num_kv_heads, num_tokens) bool: entries on this node."""
-        return self.presence.present
 
     def local_blocks(self) -> np.ndarray:
         """(num_layers, num_pages) bool: blocks wholly on this node."""

@@ -283,7 +283,8 @@ async def read_blocks(remote: RemoteKv, blocks: list[int]) -> None:
 
         def landed(group=group) -> None:  # reads as codes: the records into the rows, inside the transfer
             for layer, h, tokens, _ in group:
-                remote.codes_landed(layer, [(h, tokens)])
+                if remote.codes is not None:
+                    remote.codes.land(layer, [(h, tokens)])
         async with remote.background_turn:  # one background chunk of this request on the wire at a time
             await remote.wait_on_demand_idle()
             if remote.is_closed:

@@ -287,7 +287,9 @@ class DecodeRequest:
                           fetch_reads=remote.num_fetch_reads if remote else 0,
                           speculative_reads=remote.num_speculative_reads if remote else 0,
                           ranked_reads=remote.num_ranked_reads if remote else 0,
-                          ranked_bytes=remote.bytes_ranked if remote else 0)
+                          ranked_bytes=remote.bytes_ranked if remote else 0,
+                          behind_reads=remote.behind.num_reads if remote and remote.behind else 0,
+                          substituted=remote.behind.num_substituted if remote and remote.behind else 0)
 
 
 def selection_stats(req: Generate, selection: Selection, runner: ModelRunner | None) -> SelectionStats | None:

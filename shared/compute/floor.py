@@ -54,14 +54,17 @@ def _mask_indices(mask: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, k: int, n: int,
-                      floor: BudgetFloor) -> torch.Tensor:
+                      floor: BudgetFloor, absent: torch.Tensor | None = None) -> torch.Tensor:
     """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
     budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
     window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
-    mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it."""
+    mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it. `absent`
+    (H_kv, N ≤ n) bool, for selectors that rank tokens (`token_scores`): entries not on this node, picked (best first)
+    only where a row has fewer other candidates than picks (a step that does not stall, services/decode/read_behind.py)."""
     kept = min(n, floor.sinks + floor.recent)
     picks = max(1, k - kept)
-    scored = selector.token_scores(layer, state, probe, picks) if floor.stick and state.picked is not None else None
+    remembers = floor.stick and state.picked is not None
+    scored = selector.token_scores(layer, state, probe, picks) if remembers or absent is not None else None
     if not kept and scored is None:
         return selector.select(layer, state, probe, picks)
     mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
@@ -69,7 +72,11 @@ def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: 
         selector.mark(layer, state, probe, picks, mask)
     else:
         scores, picks = scored
-        prefer_picked(scores, state.picked, floor.stick)
+        if remembers:
+            prefer_picked(scores, state.picked, floor.stick)
+        if absent is not None:  # below every other entry of its row, in their own order
+            span = scores.amax(dim=1, keepdim=True) - scores.amin(dim=1, keepdim=True) + 1
+            scores[:, :absent.shape[1]].sub_(absent * span)
         mask.scatter_(1, top_k_unsorted(scores, picks), True)
     return _mask_indices(mask, n)
 

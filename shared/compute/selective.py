@@ -28,6 +28,12 @@ is taken again under RANKED_READ_FACTOR × the budget, and what that adds and is
 remote view (`RemoteEntries.rank`), which reads it on the background lane between on-demand reads: the entries
 the next steps are most likely to select, ranked by the latest query rather than by a static profile.
 
+Read-behind (a request that ablates "stall", selectors that rank tokens): after step 1, where a layer's selection
+picks entries that are not local, the remote view starts reading them with nobody waiting (`RemoteEntries.
+read_behind`) and the layer attends to its best local entries instead, so a step never waits on the link; a later
+step finds the picks here. The tokens may then differ from an all-local run's: the measured trade is in
+services/decode/read_behind.py.
+
 NOTE: the step's context (`STEP`) is a module global set around one forward pass. Only the engine's single
 torch thread runs the model, so there is never more than one step in flight.
 """
@@ -36,7 +42,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,6 +56,7 @@ from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 from shared.compute.floor import remember_picks, select_with_floor
 from shared.compute.gather import gather_pair
 from shared.compute.queries import speculated_query
+from shared.compute.remote_entries import PendingRead, RemoteEntries
 
 ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
@@ -65,53 +71,6 @@ RANKED_READ_FACTOR = 2
 # CPU and fp32 compute only (the CPU default): torch.set_num_threads also clears oneDNN's primitive cache, which
 # bf16 compute on CPU would then rebuild every layer.
 SERIAL_SELECTIVE = True
-
-
-class PendingRead(Protocol):
-    """A read of remote KV entries in flight; once `wait()` returns, their bytes are in the slab."""
-
-    remote: torch.Tensor | None  # (H_kv, k) bool: which of the selected entries it brings (None: a whole layer)
-
-    def wait(self) -> None:
-        """Block the torch thread until the read has landed; raise if it failed."""
-
-
-class RemoteEntries(Protocol):
-    """The KV entries of one request that are still on another node, as attention sees them. The decode
-    service implements it over its data plane (services/decode/remote.py); the compute package only asks."""
-
-    parallel: bool  # gather the local entries while the remote read is in flight (path 2)
-
-    def begin_step(self) -> None:
-        """A decode step starts (per-step counters)."""
-
-    def ready(self, layer: int) -> None:
-        """Block until `layer`'s pushed KV (and its metadata) has landed: step 1 may start while the prefill's push
-        is still arriving, a layer at a time. Raises if it cannot land."""
-
-    def is_ready(self, layer: int) -> bool:
-        """Whether `layer`'s pushed KV has landed (never blocks)."""
-
-    def end_step(self) -> None:
-        """The decode step is over."""
-
-    def fetch(self, layer: int, idx: torch.Tensor | None) -> PendingRead | None:
-        """Start reading the entries of `layer` that attention needs and that are not local: `idx` (H_kv, k)
-        selected token indices, or None for every token. None when all are local."""
-
-    def wants_speculation(self, layer: int) -> bool:
-        """Whether predicting `layer`'s selection could save a read: speculation is on and entries are remote."""
-
-    def speculate(self, layer: int, idx: torch.Tensor) -> None:
-        """Start reading the remote part of `idx` (H_kv, k), a prediction of `layer`'s selection; `fetch(layer,
-        …)` waits for it, then reads only what it missed."""
-
-    def wants_ranking(self, layer: int) -> bool:
-        """Whether to rank `layer` again under a wider budget this step (it read, and path 3 is on)."""
-
-    def rank(self, layer: int, idx: torch.Tensor) -> None:
-        """`idx` (H_kv, k'), `layer`'s selection for this step's query under a wider budget: read its remote part on
-        the background lane (never blocks)."""
 
 
 @dataclass
@@ -306,6 +265,10 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         remember_picks(state, row.idx, n, sel.budget.floor)
         if sel.picks is not None:
             sel.picks[layer] = row.idx
+        if sel.remote is not None and sel.selector.ranks_tokens:
+            absent = sel.remote.read_behind(layer, row.idx)
+            if absent is not None:  # some picks are not here and the step does not stall: the best local ones instead
+                row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor, absent)
         row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
         if sel.remote is not None and sel.remote.wants_ranking(layer):  # path 3 by the latest query
             wide = min(n, RANKED_READ_FACTOR * k)

@@ -46,7 +46,8 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                         gather: bool = True, calls: dict[str, int] | None = None, speculative: bool = True,
                         land_every_s: float = 0.0, ranked: bool = False, kv_bits: int = 0, read_codes: bool = True,
                         kv_dtype: str = "", slabs: dict[str, torch.Tensor] | None = None,
-                        forced: list[int] | None = None, logits: list[torch.Tensor] | None = None):
+                        forced: list[int] | None = None, logits: list[torch.Tensor] | None = None,
+                        stalls: bool = True):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
     The decode slab starts as NaN, so any entry used before it arrived would poison the output. `land_every_s`:
@@ -55,7 +56,8 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     as records of codes, dequantized on the decode side as they land, and with `read_codes` the reads move records
     too (KvSource.codes_bits; without it they move exact rows). `kv_dtype`: the stores' ("" = the model's).
     `slabs`, if given, gets both sides' prompt rows at the end ("src", "dst": (L, K|V, H, N, d)). `forced`: feed
-    these tokens (teacher forcing) instead of the ones sampled; `logits`, if given, gets each step's."""
+    these tokens (teacher forcing) instead of the ones sampled; `logits`, if given, gets each step's. `stalls`
+    False: the request ablates "stall" (services/decode/read_behind.py)."""
     layout = runner.kv_layout(16, kv_dtype)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 7)  # different offsets on the two sides
@@ -116,7 +118,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
         source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     codes_at = dst.aux_offset(dst_slab) + engine.entry_codes(selector, n, kv_bits).offset if source.codes_bits else -1
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
-                      pushed, parallel, gather_reads=gather, speculative=speculative, ranked=ranked,
+                      pushed, parallel, gather_reads=gather, speculative=speculative, ranked=ranked, stalls=stalls,
                       codes_at=codes_at, region=dst.region)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)

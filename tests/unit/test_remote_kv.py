@@ -69,9 +69,9 @@ async def test_token_level_reads_go_as_one_gather_per_layer(runner, selector):
     plain_tokens, plain = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, gather=False,
                                               calls=by_segments, speculative=False)
     assert tokens == plain_tokens
-    assert remote.bytes_on_demand == plain.bytes_on_demand > 0 and (remote.present == plain.present).all()
+    assert remote.bytes_on_demand == plain.bytes_on_demand > 0 and (remote.presence.present == plain.presence.present).all()
     assert "read_gather" not in by_segments and "read" not in by_gather
-    selective_layers, steps = remote.present.shape[0] - 2, STEPS - 1
+    selective_layers, steps = remote.presence.present.shape[0] - 2, STEPS - 1
     assert 0 < by_gather["read_gather"] == by_segments["read"] <= selective_layers * steps
 
 

@@ -46,12 +46,12 @@ async def test_with_kv_bits_on_demand_reads_move_records_and_land_as_their_dequa
     assert remote.codes is not None and exact.codes is None and remote.num_speculative_reads > 0
     record, row = entry_record_bytes(16, bits), exact.entry_bytes  # the tiny model: 16 channels per head
     assert remote.entry_bytes == record < row  # 40 or 32 bytes against 64 (bf16) or 128 (fp32)
-    read, exact_read = remote.present.copy(), exact.present.copy()  # (L, H, N): layers 0–1 pushed, the rest read
+    read, exact_read = remote.presence.present.copy(), exact.presence.present.copy()  # (L, H, N): layers 0–1 pushed, the rest read
     read[:2] = exact_read[:2] = False
     assert remote.bytes_on_demand == int(read.sum()) * record > 0 and calls.get("read_gather", 0) > 0
     assert exact.bytes_on_demand == int(exact_read.sum()) * row
     reference = dequantized(codes_slabs["src"], bits)
-    local = torch.from_numpy(remote.present)[:, None, :, :, None].expand_as(reference)
+    local = torch.from_numpy(remote.presence.present)[:, None, :, :, None].expand_as(reference)
     assert torch.equal(codes_slabs["dst"][local], reference[local])  # pushed and read: each its codes' value
     assert codes_slabs["dst"][~local].isnan().all()  # nothing else was touched
     exact_read = torch.from_numpy(exact_read)[:, None, :, :, None].expand_as(reference)
@@ -98,7 +98,7 @@ async def test_with_kv_bits_background_and_ranked_reads_move_records_too(runner,
                                     kv_dtype="bfloat16", ranked=True, slabs=slabs)
     assert ranked.num_ranked_reads > 0 and ranked.bytes_ranked == ranked.bytes_background > 0
     assert ranked.bytes_ranked % record == 0
-    local = torch.from_numpy(ranked.present)[:, None, :, :, None].expand_as(slabs["dst"])
+    local = torch.from_numpy(ranked.presence.present)[:, None, :, :, None].expand_as(slabs["dst"])
     assert torch.equal(slabs["dst"][local], dequantized(slabs["src"], bits)[local])
 
 
@@ -113,9 +113,9 @@ async def test_with_kv_bits_step_one_reads_a_layer_only_once_its_pushed_records_
     barrier_tokens, _ = await remote_tokens(runner, ids, "quest", 0.1, 4, True, background=False, kv_bits=8,
                                             kv_dtype="bfloat16")
     assert tokens == barrier_tokens and remote.landing_wait_s > 0.02 and remote.num_speculative_reads > 0
-    local = torch.from_numpy(remote.present)[:, None, :, :, None].expand_as(slabs["dst"])
+    local = torch.from_numpy(remote.presence.present)[:, None, :, :, None].expand_as(slabs["dst"])
     assert torch.equal(slabs["dst"][local], dequantized(slabs["src"], 8)[local])
-    assert remote.bytes_on_demand == int(remote.present[4:].sum()) * entry_record_bytes(16, 8)
+    assert remote.bytes_on_demand == int(remote.presence.present[4:].sum()) * entry_record_bytes(16, 8)
 
 
 async def test_a_layer_is_read_as_codes_only_once_its_pushed_records_are_dequantized():
@@ -168,8 +168,8 @@ async def test_a_layer_is_read_as_codes_only_once_its_pushed_records_are_dequant
     assert prepared == [2]
     pending = await loop.run_in_executor(None, remote.fetch, 2, torch.tensor([[20], [21]]))
     assert pending is None  # the speculative read brought both
-    local = torch.from_numpy(remote.present[2])[None, :, :, None].expand(2, 2, n, 16)
-    assert int(remote.present[2].sum()) == 34 and remote.bytes_on_demand == 2 * codes.record_bytes
+    local = torch.from_numpy(remote.presence.present[2])[None, :, :, None].expand(2, 2, n, 16)
+    assert int(remote.presence.present[2].sum()) == 34 and remote.bytes_on_demand == 2 * codes.record_bytes
     assert torch.equal(rows[2, :, :, :n][local], reference[2][local])
     await remote.close()
 

@@ -43,11 +43,12 @@ ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized-4
 def quality_config(mode: str, selector: str) -> str | None:
     """The configuration of `eval accuracy --paired` whose answers a benchmark mode decodes (tools/eval/paired.py):
     dense for colocated and full; quantized-Nbit for the quantized rows; the selector for the selective ones (a
-    smartgen-Nbit row's low-bit push adds its own error on top: docs/results push-codes). None for auto."""
+    smartgen-Nbit row's low-bit push adds its own error on top: docs/results push-codes). None for auto, and for a
+    smartgen mode that does not stall (what it attends to depends on when reads land: docs/results/read-behind-*)."""
     body = mode_body(mode, selector, DEFAULT_KV_BUDGET)
     transfer = body.get("transfer_mode")
     if transfer == "quantized":
         return f"quantized-{body['kv_bits']}bit"
-    if transfer == "auto":
+    if transfer == "auto" or "stall" in body.get("ablate", []):
         return None
     return body["selector"] if body.get("selector") else "dense"

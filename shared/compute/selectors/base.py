@@ -92,6 +92,7 @@ class LayerState:
 
 class Selector(abc.ABC):
     name: str = ""
+    ranks_tokens: bool = False  # `token_scores` scores every token (the selection's memory and read-behind use it)
 
     def __init__(self, geometry: Geometry):
         self.geometry = geometry

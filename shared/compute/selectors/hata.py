@@ -40,6 +40,7 @@ class HataState(LayerState):
 
 class HataSelector(Selector):
     name = "hata"
+    ranks_tokens = True
 
     def __init__(self, geometry: Geometry, weights: dict[int, torch.Tensor] | None = None, num_bits: int = NUM_BITS):
         super().__init__(geometry)

@@ -33,6 +33,7 @@ class InfiniGenState(LayerState):
 
 class InfiniGenSelector(Selector):
     name = "infinigen"
+    ranks_tokens = True
     speculates = True  # asks the engine for layer i's query speculated from layer i-1's input
 
     def __init__(self, geometry: Geometry, skew: dict[int, torch.Tensor], channels: dict[int, torch.Tensor],
