@@ -2,11 +2,13 @@
 
 On the prefill node's side of a link, ON_DEMAND holds the replies to the reads a running request's decode step
 waits on, and PUSH holds a new request's prefill push, which its step 1 waits on. Strict priority between the two
-let one request's reads starve another's push: two requests on one R = 6.5 link at 2K, the second's TTST was
-6–7 s against a 1.7 s single-request bound, spent waiting for its push (docs/results/serve-2k-concurrency-link).
-So while both lanes have frames queued, the push gets `push_share` of the bytes sent (by a byte-count deficit,
-whatever the frames' sizes) and the reads the rest; a lane alone has the whole link. Nothing is banked: a lane
-that was alone earns no credit for later. `push_share` 0 is the strict priority of before.
+let one request's reads hold another's push off for as long as they kept coming (two requests on one R = 6.5
+link at 2K: the second's TTST 6–7 s against a 1.7 s bound, docs/results/serve-2k-concurrency-link). So while
+both lanes have frames queued, the push gets `push_share` of the bytes sent (by a byte-count deficit, whatever
+the frames' sizes) and the reads the rest; a lane alone has the whole link. Nothing is banked: a lane that was
+alone earns no credit for later. `push_share` 0 is the strict priority of before, 1 puts pushes first.
+Measured (docs/results/serve-2k-concurrency-link-2026-12-06): where the two fill the link, any share only moves
+the wait between the requests; 0.5 bounds both.
 
 NOTE: pushes keep their FIFO order within the PUSH lane (decode counts a layer as landed by the bytes before it),
 and CONTROL (acks) still goes first and BACKGROUND last; only the order between the two lanes here changes.
