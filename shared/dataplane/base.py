@@ -7,8 +7,9 @@ Vocabulary:
 - segment: (src offset, dst offset, length); `push` copies local src → peer dst, `read` copies peer src → local dst.
 - gather: many scattered entries of one size (`Gather`), read with one descriptor instead of one segment each:
   token-level KV selections name thousands of single-token entries a step.
-- lane: the sending side of every link serves ON_DEMAND strictly before BACKGROUND, one chunk at a time,
-  so an urgent transfer never waits behind more than one background chunk.
+- lane: the sending side of every link serves ON_DEMAND and PUSH before BACKGROUND, one chunk at a time,
+  so an urgent transfer never waits behind more than one background chunk; between ON_DEMAND and PUSH, TCP
+  shares the link while both wait (lane_share.py), RDMA serves ON_DEMAND first.
 - link lost: a connection to a peer failed; every transfer on it has failed, and `on_link_lost` (if set)
   hears the peer's address, so a service waiting on bytes from that peer can stop waiting at once.
 - faults: test-only switches (`Faults`) that a transport honours to let fault-injection tests break it.
@@ -33,8 +34,8 @@ class Lane(IntEnum):
     """Priority of a transfer on the sending side of a link (lower value goes first)."""
 
     ON_DEMAND = 1  # what a decode step is waiting on now: on-demand reads
-    PUSH = 2  # full, quantized and proactive pushes during prefill: below on-demand, so one request's multi-MB
-    #           push never holds up another's on-demand read by more than one chunk (a read may ask for it too)
+    PUSH = 2  # full, quantized and proactive pushes during prefill: on TCP they share the link with on-demand
+    #           reads while both wait (lane_share.py), so neither starves the other (a read may ask for it too)
     BACKGROUND = 3  # speculative transfer of what remains; preemptible, can be paused
 
 

@@ -1,8 +1,9 @@
 """One TCP data-plane link: the frames both ends of one connection exchange, and the two tasks that move them.
 
 Each end of a connection (a `Link`, owned by tcp.py's TcpDataPlane) has:
-  - a writer task, the only one that sends: it takes the next frame by strict priority
-    (CONTROL acks, then ON_DEMAND, then PUSH, then BACKGROUND unless paused), waits for the link's Pacer, sends;
+  - a writer task, the only one that sends: it takes the next frame by priority (CONTROL acks first; then
+    ON_DEMAND and PUSH, which share the link while both wait: lane_share.py; then BACKGROUND unless paused),
+    waits for the link's Pacer, sends;
   - a reader task, the only one that receives: requests from the peer (PUSH data lands with `recv_into`
     straight in the registered region; a READ is answered by queueing its data on the lane it names; a GATHER
     likewise, its scattered entries copied with one `np.take` into the writer's stage just before sending) and
@@ -28,6 +29,7 @@ from shared.dataplane import frames
 from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Grant, Lane, Segment, TicketRefused, entries
 from shared.dataplane.channel import Channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
+from shared.dataplane.lane_share import LaneShare
 from shared.dataplane.pacing import Pacer
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class Link:
         self.waiting: dict[int, _Waiting] = {}
         self.seq = itertools.count(1)
         self.pacer = Pacer(plane.link_gbps)
+        self.share = LaneShare()  # ON_DEMAND against PUSH (lane_share.py)
         self.error: DataPlaneError | None = None
         self.background_in_flight = 0  # bytes of BACKGROUND chunks sent and not yet acked
         self.holding: Counter[int] = Counter()  # ticket → frames on its pages being received, queued or sent here
@@ -106,14 +109,18 @@ class Link:
 
     # --- the writer ----------------------------------------------------------------------------
     def _next_frame(self) -> tuple[int, _Frame] | None:
-        for lane in (CONTROL, *Lane):  # strict priority: lower value first
-            queue = self.queues[lane]
-            if lane == Lane.BACKGROUND and queue and (
-                    self.plane.is_background_paused or
-                    self.background_in_flight and self.background_in_flight + queue[0].header.payload_len > BACKGROUND_WINDOW):
-                continue
-            if queue:
-                return lane, queue.popleft()
+        """CONTROL first; then ON_DEMAND and PUSH, shared by `LaneShare` while both wait; BACKGROUND last."""
+        if self.queues[CONTROL]:
+            return CONTROL, self.queues[CONTROL].popleft()
+        on_demand, push = self.queues[Lane.ON_DEMAND], self.queues[Lane.PUSH]
+        lane = self.share.pick(on_demand[0].header.payload_len if on_demand else None,
+                               push[0].header.payload_len if push else None)
+        if lane is not None:
+            return lane, self.queues[lane].popleft()
+        queue = self.queues[Lane.BACKGROUND]
+        if queue and not self.plane.is_background_paused and not (
+                self.background_in_flight and self.background_in_flight + queue[0].header.payload_len > BACKGROUND_WINDOW):
+            return Lane.BACKGROUND, queue.popleft()
         return None
 
     async def _write_loop(self) -> None:
