@@ -119,4 +119,4 @@ async def test_a_failed_speculative_read_falls_back_to_a_fetch():
     pending = await asyncio.to_thread(remote.fetch, 2, idx)  # on another thread, as attention calls it
     assert pending is not None
     await asyncio.to_thread(pending.wait)
-    assert plane.num_reads == 2 and remote.present[2, 0, [0, 1]].all() and remote.present[2, 1, [2, 3]].all()
+    assert plane.num_reads == 2 and remote.presence.present[2, 0, [0, 1]].all() and remote.presence.present[2, 1, [2, 3]].all()
