@@ -293,8 +293,11 @@ def run_under_load(cfg: StreamsConfig, tool: str, disrupt: Disrupt,
         model = cfg.model or str(make_tiny_model(Path(folder) / "tiny", tokenizer_from=prepare_default_model()))
         log_file = Path(cfg.log_file or Path(folder) / "stack.log")
         print(f"{tool}: starting the stack (log: {log_file})", file=sys.stderr, flush=True)
+        # NOTE: no per-client limits: the tool's streams are one client, and every one of them must be in flight
         spec = StackSpec(cfg.num_prefill, cfg.num_decode, model, "full", free_port(), num_gateway=cfg.num_gateway,
-                         log_file=log_file, env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1",
+                         log_file=log_file, env={"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0",
+                                                 "SMARTGEN_MAX_WAITING_PER_CLIENT": "0",
+                                                 "SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1",
                                                  "SMARTGEN_DRAIN_S": str(cfg.drain_s),
                                                  "SMARTGEN_WORKER_TTL_S": str(cfg.worker_ttl_s)})
         names_in_turn = set()
