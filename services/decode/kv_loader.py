@@ -17,7 +17,6 @@ from schemas.modes import Aux
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import KvStore
 from shared.dataplane import DataPlane
-from shared.dataplane.pacing import PACED_BACKGROUND_CHUNK_S
 from shared.runtime.profiles import NUM_BLOCKS
 from services.decode.config import DecodeConfig
 from services.decode.remote import RemoteKv
@@ -31,7 +30,7 @@ log = structlog.get_logger()
 # rate (a step at 2K here is ~0.06 s): its layers then wait for their own bytes inside the step, which holds up
 # the requests batched with it by about this much at most (`_wait_until_nearly_landed`)
 EARLY_START_S = 0.1
-BACKGROUND_READ_S = PACED_BACKGROUND_CHUNK_S  # a background read occupies the link about this long: one frame
+BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
 
 
 def background_read_bytes(link_gbps: float) -> int:

@@ -18,23 +18,14 @@ SLACK_S = 0.002
 # paced links therefore cut transfers into chunks of about this much link time, so that on-demand reads wait
 # behind background traffic about as much (relative to a step) as they would on the real NIC.
 PACED_CHUNK_S = float(os.environ.get("SMARTGEN_PACED_CHUNK_MS", "1")) / 1e3  # 0 = full chunks on every link
-# NOTE: the background lane's frames are longer: each frame wakes the receiving process (and, on these VMs, an
-# inter-processor interrupt), and path 3 moves KV all through a request's decode phase, so its frame rate is
-# paid by the decode steps running beside it. 1 ms frames at 29.5 Mbit/s (~900 a second) made a 2K decode step
-# 1.41x as long, 4 ms frames 1.22x, 16 ms 0.98x (`smartgen bench interference --gbps 0.0296`,
-# docs/results/frame-rate-2026-12-06). A background read is one such frame (services/decode/kv_loader.py
-# BACKGROUND_READ_S), so an on-demand read still waits behind at most one background read, as before.
-PACED_BACKGROUND_CHUNK_S = float(os.environ.get("SMARTGEN_PACED_BACKGROUND_CHUNK_MS", "16")) / 1e3
 MIN_CHUNK_BYTES = 4096
 
 
-def chunk_bytes(gbps: float, max_bytes: int, background: bool = False) -> int:
-    """Payload bytes per frame on a link paced at `gbps` (0 = unpaced: `max_bytes`); `background`: a frame of the
-    background lane (PACED_BACKGROUND_CHUNK_S of link time instead of PACED_CHUNK_S)."""
-    chunk_s = PACED_BACKGROUND_CHUNK_S if background else PACED_CHUNK_S
-    if gbps <= 0 or chunk_s <= 0:
+def chunk_bytes(gbps: float, max_bytes: int) -> int:
+    """Payload bytes per frame on a link paced at `gbps` (0 = unpaced: `max_bytes`)."""
+    if gbps <= 0 or PACED_CHUNK_S <= 0:
         return max_bytes
-    return max(MIN_CHUNK_BYTES, min(max_bytes, int(gbps * 1e9 / 8 * chunk_s)))
+    return max(MIN_CHUNK_BYTES, min(max_bytes, int(gbps * 1e9 / 8 * PACED_CHUNK_S)))
 
 
 class Pacer:

@@ -268,7 +268,7 @@ class RdmaDataPlane(DataPlane):
     async def _run_chunks(self, link: _Link, lane: Lane, segments: Sequence[Segment], opcode: int, imm: int | None):
         loop = asyncio.get_running_loop()
         waits: list[asyncio.Future[None]] = []
-        for piece in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES, lane == Lane.BACKGROUND)):
+        for piece in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES)):
             groups = work_requests(piece, "dst" if imm is not None else "src")
             for first in range(0, len(groups), MAX_CHUNK_WRS):  # scattered tokens: many small WRs per chunk
                 chunk = _Chunk([], 0)

@@ -138,7 +138,7 @@ class TcpDataPlane(DataPlane):
         link = await self._link(peer)
         waits = [link.request(lane, Header(frames.OP_PUSH, ticket=ticket), [(s.dst, s.length) for s in chunk],
                               [self.region[s.src: s.src + s.length] for s in chunk], [])
-                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES, lane == Lane.BACKGROUND))]
+                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
         await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
@@ -148,7 +148,7 @@ class TcpDataPlane(DataPlane):
         flags = frames.LANE_FLAGS[lane]
         waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
-                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES, lane == Lane.BACKGROUND))]
+                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
         await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
 
@@ -161,7 +161,7 @@ class TcpDataPlane(DataPlane):
             await super().read_gather(peer, ticket, gather, lane)
             return
         link = await self._link(peer)
-        per_frame = max(1, chunk_bytes(self.link_gbps, CHUNK_BYTES, lane == Lane.BACKGROUND) // gather.unit)
+        per_frame = max(1, chunk_bytes(self.link_gbps, CHUNK_BYTES) // gather.unit)
         header = Header(frames.OP_GATHER, ticket=ticket, flags=frames.LANE_FLAGS[lane])
         waits = [link.request(lane, header, [], [memoryview(frames.pack_gather(gather.src_base, gather.unit,
                                                                                gather.src_index[at: at + per_frame]))],
