@@ -307,6 +307,8 @@ class TokenEvent:
     on_demand_wait_s: float = 0.0  # decode time spent waiting on on-demand reads, all steps
     step_local_share: list[float] = field(default_factory=list)  # per decode step (token 2 on)
     step_wait_s: list[float] = field(default_factory=list)  # per decode step: waiting on the network
+    # per decode step: the decode worker's torch thread's CPU seconds (its own core's work, whatever else ran there)
+    step_cpu_s: list[float] = field(default_factory=list)
     all_local_step: int = -1  # the step after which every entry was local (-1: never, or no remote KV)
     background_declined: bool = False  # path 3 was held back: the rest could not arrive before the request ended
     recompute_reason: str = ""  # failure_policy recompute: why this worker recomputed the prefill ("" = it did not)

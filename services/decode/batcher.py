@@ -18,6 +18,7 @@ landed yet is not in the batch at all: it joins once its KV is there.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ class StepBatcher:
         self.num_batches = 0
         self.num_rows = 0  # Σ batch sizes: num_rows / num_batches is the mean batch
         self.last_batch = 0
+        # request → the torch thread's CPU seconds for its latest step (the batch's, shared evenly by its rows): what
+        # the step cost this worker's own core, without the time other threads and processes took from it
+        self.step_cpu_s: dict[str, float] = {}
+        self._batch_cpu_s = 0.0  # the latest batch's (torch thread; read on the loop once `_step` has returned)
 
     async def step(self, request_id: str, token: int, sampling: Sampling, index: int, prompt: Sequence[int] = (),
                    completion: Sequence[int] = (), grammar: TokenGrammar | None = None) -> tuple[int, TokenLogprobs | None]:
@@ -74,6 +79,7 @@ class StepBatcher:
     def leave(self, request_id: str) -> None:
         """The request takes no more steps (it ended): the next batch need not wait for it."""
         self._members.discard(request_id)
+        self.step_cpu_s.pop(request_id, None)
         self._asked.set()
 
     async def _loop(self) -> None:
@@ -104,6 +110,8 @@ class StepBatcher:
                 results = await self.in_torch(self._step, [(rid, ask) for rid, ask in batch])
             except Exception as exc:  # noqa: BLE001 (the whole forward failed: every row learns why)
                 results = [exc] * len(batch)
+            for request_id, _ in batch:
+                self.step_cpu_s[request_id] = self._batch_cpu_s / len(batch)
             for (_, ask), result in zip(batch, results):
                 if ask.future.done():  # its request was aborted meanwhile
                     continue
@@ -116,6 +124,7 @@ class StepBatcher:
 
     def _step(self, rows: list[tuple[str, _Ask]]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
         """Torch thread: one batched step, then each row's token sampled from its logits (and scored)."""
+        started = time.thread_time()
         out: list[tuple[int, TokenLogprobs | None] | Exception] = []
         for logits, (_, ask) in zip(self.engine.step_batch([(rid, ask.token) for rid, ask in rows]), rows):
             if isinstance(logits, Exception):
@@ -127,6 +136,7 @@ class StepBatcher:
                     out.append(exc)
                     continue
                 out.append((token, scored(logits, token, ask.sampling)))
+        self._batch_cpu_s = time.thread_time() - started
         return out
 
     async def close(self) -> None:

@@ -115,6 +115,7 @@ class StepReport:
     step1_kv_bytes: int = 0
     step1_compute_s: float = 0.0
     kv_load_s: float = 0.0
+    step_cpu_s: list[float] = field(default_factory=list)  # per decode step (token 2 on): StepBatcher.step_cpu_s
 
 
 @dataclass
@@ -278,6 +279,7 @@ class DecodeRequest:
                           on_demand_wait_s=sum(remote.step_wait) if remote else 0.0,
                           step_local_share=[round(x, 4) for x in remote.step_local_share] if remote else [],
                           step_wait_s=[round(x, 6) for x in remote.step_wait] if remote else [],
+                          step_cpu_s=[round(x, 6) for x in report.step_cpu_s],
                           all_local_step=self.progress.all_local_step,
                           background_declined=self.progress.background_declined,
                           recompute_reason=report.recompute_reason, step1_kv_bytes=report.step1_kv_bytes,

@@ -294,15 +294,18 @@ class DecodeService(Admission, ModelWorkerService):
         index = len(tokens)
         try:
             if index == 1:
-                return await self._first_step(state, tokens)
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens,
-                                            state.grammar)
+                token = await self._first_step(state, tokens)
+            else:
+                token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids,
+                                                tokens, state.grammar)
         except RemoteReadError as exc:
             if req.failure_policy != "recompute" or state.report.recompute_reason:
                 raise
             await self._recompute(state, tokens, str(exc))
-            return await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens,
+            token = await self.batcher.step(req.request_id, tokens[-1], req.sampling, index, req.token_ids, tokens,
                                             state.grammar)
+        state.report.step_cpu_s.append(self.batcher.step_cpu_s.pop(req.request_id, 0.0))
+        return token
 
     async def _first_step(self, state: DecodeRequest, tokens: list[int]) -> tuple[int, TokenLogprobs | None]:
         """Step 1, measured for `ttst_bound_s`: its all-local compute time and the bytes it needed from the link."""

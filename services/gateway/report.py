@@ -53,6 +53,7 @@ def summary(run: CompletionRun) -> dict[str, Any]:
         "on_demand_wait_s": final.on_demand_wait_s if final else None,
         "step_local_share": final.step_local_share if final else [],
         "step_wait_s": final.step_wait_s if final else [],
+        "step_cpu_s": final.step_cpu_s if final else [],
         "all_local_step": final.all_local_step if final and final.all_local_step >= 0 else None,
         "background_declined": bool(final and final.background_declined),
         "plan": {"mode": plan.transfer_mode, "reason": plan.reason, "profile": plan.profile or None,
