@@ -24,7 +24,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -149,11 +149,11 @@ class Gateway:
         text = choice["message"]["content"] if is_chat else choice["text"]
         return {**reply["smartgen"], "text": text, "e2e_s": time.monotonic() - started}
 
-    def stream(self, body: dict, timeout: float = 1800) -> dict:
+    def stream(self, body: dict, timeout: float = 1800, on_token: Callable[[int], None] | None = None) -> dict:
         """The completion streamed and timed on this client's clock: the final chunk's `smartgen` object with
         `token_times_s`, TTFT, TTST and TBT taken from when each token's chunk arrived here (seconds from sending;
         the gateway sends one chunk per token); the gateway's own stamps stay under `gateway_token_times_s`.
-        Plus `text` and `e2e_s`. RuntimeError unless the stream completes."""
+        Plus `text` and `e2e_s`. RuntimeError unless the stream completes. `on_token(i)`: as token i arrives."""
         from shared.runtime.timeline import Timeline
 
         is_chat = "messages" in body
@@ -172,6 +172,8 @@ class Gateway:
                     text.append((choice.get("delta") or {}).get("content") or "" if is_chat else choice.get("text", ""))
                     if choice.get("finish_reason") is None:
                         arrivals.append(time.monotonic() - started)
+                        if on_token is not None:
+                            on_token(len(arrivals) - 1)
                     if "smartgen" in event:
                         final = event["smartgen"]
         except urllib.error.HTTPError as exc:

@@ -27,6 +27,10 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
         assert {"pressure", "link_gbps", "ttft_p50_s", "ttst_p99_s", "e2e_p50_s", "kv_bytes", "local_share", "regime",
                 "ttst_bound_p50_s", "ctl64_mean_s", "step1_local_share", "n", "decode_s_mean", "kl_mean"} <= set(r)
         assert 0 < r["decode_s_mean"] < r["ctl_curve_s"][-1]
+        # the decode worker's own step (its torch thread's CPU + link waits) and what the machine spent meanwhile
+        assert 0 < r["tbt_own_mean_s"] and r["decode_cpu_ms_per_step"]["machine"] > 0
+    for x in report["requests"]:  # one CPU time per decode step (token 2 on), each measured
+        assert len(x["step_cpu_s"]) == len(x["token_ids"]) - 1 and min(x["step_cpu_s"]) > 0
     # prompt-major: every mode served prompt 0 before any served prompt 1
     order = [x["sample"] for x in report["requests"]]
     assert order == sorted(order) and set(order) == {0, 1}

@@ -141,3 +141,25 @@ def test_the_drift_replay_counts_misses_and_what_a_wider_ranking_reads_ahead():
              (2, 2): {1.0: {c, d}, 2.0: {c, d, e}}}
     assert replay(picks, [2], 3, None) == (2, 0)  # c at step 2, d at step 3
     assert replay(picks, [2], 3, 2.0) == (1, 2)  # c read ahead after step 1; d missed, then e read ahead
+
+
+def test_the_own_step_is_cpu_plus_link_waits_and_cpu_is_per_step():
+    """The own step (tbt_own) is the decode worker's torch-thread CPU plus its link waits from token 2 on, whatever
+    the client's clock says; a request without remote KV waits on nothing after its list ends; CPU per step divides
+    a role's decode-phase CPU by the steps from token 2 to the last."""
+    from tools.bench.summary import add_honest_bounds
+
+    t = [1.0, 1.2] + [1.2 + 0.2 * i for i in range(1, 11)]  # 12 tokens, client TBT 0.2 s
+    local = _record("colocated-selective", t, pressure=None, gbps=0.0, step_cpu_s=[0.05] * 11, sample=0,
+                    decode_cpu_s={"decode": 0.5, "prefill": 0.0, "machine": 1.0})
+    remote = _record("smartgen", t, step_cpu_s=[0.07] * 11, step_wait_s=[0.5, 0.01, 0.03], sample=0,  # then local
+                     decode_cpu_s={"decode": 0.7, "prefill": 0.8, "machine": 2.0})
+    records = [local, remote]
+    add_honest_bounds(records)
+    runs = summarize(records)
+    report.add_ratios(runs)
+    sg = next(r for r in runs if r["mode"] == "smartgen")
+    assert sg["tbt_own_mean_s"] == pytest.approx(0.07 + 0.04 / 10)  # step 1 (index 0) is TTST's, not TBT's
+    assert sg["tbt_own_vs_colocated_selective"] == pytest.approx((0.07 + 0.004) / 0.05)
+    assert sg["tbt_mean_s"] == pytest.approx(0.2)  # the client's clock is untouched
+    assert sg["decode_cpu_ms_per_step"] == pytest.approx({"decode": 70.0, "prefill": 80.0, "machine": 200.0})

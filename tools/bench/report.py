@@ -83,8 +83,8 @@ def markdown(report: dict) -> str:
         rows = [r for r in runs if r["prompt_tokens_asked"] == length
                 and ((r["pressure"] == pressure and r.get("regime") == regime) or not r["link_gbps"])]
         lines += [f"## {length} tokens, R = {pressure:g}, {regime}-matched link", "",
-                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | t64 − t1 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective | own step (÷ colocated-selective) | same tokens (prefix) | KL vs dense (agreement) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | n | TTFT p50 | TTST mean / p50 | TTST bound p50 | TBT mean | E2E p50 | CTL 2 / 8 / 32 / 64 | t64 − t1 | MB per path | local share (step 1) | TTST ÷ bound | TTST ÷ full | TTST ÷ colocated-selective | TBT ÷ colocated-selective | own step (÷ colocated-selective) | CPU ms/step: decode / prefill / machine | same tokens (prefix) | KL vs dense (agreement) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ctl = " / ".join(_f(r["ctl_s"].get(str(i)), 2) for i in (2, 8, 32, 64))
             paths = ", ".join(f"{p} {_mb(r['kv_bytes'].get(p))}" for p in PATHS if r["kv_bytes"].get(p))
@@ -93,14 +93,16 @@ def markdown(report: dict) -> str:
                          f"{_f(r.get('ttst_bound_p50_s'))} | {_f(r['tbt_mean_s'])} | {_f(r['e2e_p50_s'], 2)} | {ctl} | "
                          f"{_f(r.get('decode_s_mean'), 2)} | {paths or '—'} | {share} | {_f(r.get('ttst_vs_bound'), 2)} | {_f(r['ttst_vs_full'], 2)} | "
                          f"{_f(r.get('ttst_vs_colocated_selective'), 2)} | {_f(r['tbt_vs_colocated_selective'], 2)} | "
-                         f"{_f(r.get('tbt_own_mean_s'))} ({_f(r.get('tbt_own_vs_colocated_selective'), 2)}) | "
+                         f"{_f(r.get('tbt_own_mean_s'))} ({_f(r.get('tbt_own_vs_colocated_selective'), 2)}) | {_cpu(r)} | "
                          f"{_agreement(r)} | {_quality(r)} |")
         lines.append("")
     lines.append("Times in seconds on the client's clock. n = requests in the row (p99 is reported from 20). "
                  "CTL(i) = time of token i from arrival; TTST = t2 − t1; TBT = mean gap from token 2 on; t64 − t1 = the decode "
                  "phase without TTFT's spread; own step = the decode worker's torch thread's CPU time per step plus its "
                  "waits on the link, from token 2 on: the step without what other processes on this machine's shared "
-                 "cores took from it (tools/bench/summary.py `own_step_s`); TTST bound = colocated-selective's step 1 on the same prompt (colocated's "
+                 "cores took from it (tools/bench/summary.py `own_step_s`); CPU ms/step: what the decode worker, the "
+                 "prefill worker and the whole machine spent per step of the decode phase (tools/bench/cpu_window.py: "
+                 "this machine's vCPUs share one core's compute); TTST bound = colocated-selective's step 1 on the same prompt (colocated's "
                  "for a dense mode) plus the step-1 bytes the prefill could not hide (docs/api.md, `ttst_bound_s`). "
                  "KL vs dense: mean KL(dense ‖ row) per next token in nats, teacher-forced along dense's answer on the "
                  "same prompts, and in brackets the share of positions with dense's top token (a smartgen-Nbit row "
@@ -109,6 +111,11 @@ def markdown(report: dict) -> str:
                  "(colocated-selective for a selective mode, colocated for a dense one, where the run has it), and in "
                  "brackets the mean share of the answer before the first difference.")
     return "\n".join(lines) + "\n"
+
+
+def _cpu(run: dict) -> str:
+    cpu = run.get("decode_cpu_ms_per_step") or {}
+    return " / ".join(_f(cpu.get(role), 0) for role in ("decode", "prefill", "machine")) if cpu else "—"
 
 
 def _quality(run: dict) -> str:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
 from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
+from tools.bench.cpu_window import DecodeCpu, stack_pids
 from tools.bench.modes import ALL_MODES, ONLINE_MODE, UNPACED_MODES, mode_body, quality_config  # noqa: F401
 from tools.bench.summary import REFERENCE_MODES, add_honest_bounds, summarize
 from tools.client import Gateway
@@ -192,7 +193,8 @@ def run(cfg: BenchConfig) -> dict:
                 one = replace(cfg, concurrency=[concurrency], profile_prompts=cfg.profile_prompts if i == 0 else 0,
                               out=str(out / f"c{concurrency}") if len(cfg.concurrency) > 1 else cfg.out,
                               json_path=cfg.json_path if len(cfg.concurrency) == 1 else "")
-                records, calibration, profiles, prompts = _measure(one, gateway, tokenizer)
+                pids = stack_pids(gateway.workers()) if stack is not None else {}  # ours: on this machine
+                records, calibration, profiles, prompts = _measure(one, gateway, tokenizer, pids)
                 quality = measure_quality(one, str(path), tokenizer, prompts, gateway.decode_floor()) if one.quality else {}
                 reports[concurrency] = _report(one, path.name, records, calibration, profiles, quality)
         finally:
@@ -229,15 +231,17 @@ def _report(cfg: BenchConfig, model_name: str, records: list[dict], calibration:
     return report
 
 
-def _measure(cfg: BenchConfig, gateway: Gateway,
-             tokenizer) -> tuple[list[dict], dict[str, dict], dict[str, dict], dict[int, list[str]]]:
+def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer,
+             pids: dict[str, list[int]]) -> tuple[list[dict], dict[str, dict], dict[str, dict], dict[int, list[str]]]:
     """Every request of the run: (one record per request, prompt length → the measured prefill rate and KV bytes
     per token, prompt length → the profiles built for it with --profile-prompts, by bucket, prompt length → the
     prompts served, in the order of the records' `sample`).
 
     Prompt-major: every mode serves prompt 1 (each paced mode at each setting), then prompt 2, …, so the rows
     compared in a ratio ran minutes apart at most, on the same prompts (with concurrency C, C prompts at a time).
-    The all-local references (REFERENCE_MODES) run in every run, unpaced, on every prompt."""
+    The all-local references (REFERENCE_MODES) run in every run, unpaced, on every prompt. Served one at a time, a
+    request records the CPU its stack's processes (`pids`, by role; {} for a gateway we did not start: the machine's
+    only) spent in its decode phase (cpu_window.py)."""
     from tools import workloads
 
     records: list[dict] = []
@@ -282,7 +286,7 @@ def _measure(cfg: BenchConfig, gateway: Gateway,
                     started = time.monotonic()
                     served = [next(questions) for _ in batch] if questions else batch
                     try:
-                        results = _serve(gateway, body, served, group, bar)
+                        results = _serve(gateway, body, served, group, bar, pids)
                     finally:
                         gateway.learn_online(False)
                     wall_s = time.monotonic() - started
@@ -384,9 +388,12 @@ def _calibrate(gateway: Gateway, prompt: str) -> dict:
             "kv_bytes_per_token": res["kv_bytes"]["full"] / n}
 
 
-def _serve(gateway: Gateway, body: dict, samples: list, concurrency: int, bar) -> list[dict]:
+def _serve(gateway: Gateway, body: dict, samples: list, concurrency: int, bar, pids: dict[str, list[int]]) -> list[dict]:
     def one(sample) -> dict:
-        res = gateway.stream({**body, "prompt": sample.prompt})
+        cpu = DecodeCpu(pids) if concurrency == 1 else None  # a window counts whatever ran: one request at a time
+        res = gateway.stream({**body, "prompt": sample.prompt}, on_token=cpu.on_token if cpu else None)
+        if cpu is not None:
+            res["decode_cpu_s"] = cpu.seconds()
         bar.update(1)
         return res
 

@@ -25,6 +25,7 @@ def add_honest_bounds(records: list[dict]) -> None:
         times = r.get("token_times_s") or []
         r["decode_s"] = times[-1] - times[0] if len(times) > 1 else None
         r["tbt_own_s"] = own_step_s(r)
+        r["decode_cpu_ms_per_step"] = cpu_per_step_ms(r)
         plan = r.get("plan") or {}
         rate = (plan.get("link_gbps") or 0.0) * 1e9 / 8
         r["link_bytes_per_s"] = rate
@@ -50,6 +51,13 @@ def own_step_s(record: dict) -> float | None:
         return None
     wait = wait + [0.0] * (len(cpu) - len(wait))  # a request without remote KV waits on nothing
     return statistics.fmean(c + w for c, w in zip(cpu[1:], wait[1:]))
+
+
+def cpu_per_step_ms(record: dict) -> dict[str, float]:
+    """role (and "machine": every process) → CPU milliseconds per step of the decode phase (token 2 to the last:
+    tools/bench/cpu_window.py), {} where the run did not record it."""
+    cpu, steps = record.get("decode_cpu_s") or {}, len(record.get("token_times_s") or []) - 2
+    return {role: 1e3 * s / steps for role, s in cpu.items() if s is not None} if steps > 0 else {}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -113,6 +121,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "all_local_step": _mean([x["all_local_step"] for x in rs]),
             "background_declined_share": _mean([float(x.get("background_declined", False)) for x in rs]),
             "concurrency": rs[0].get("concurrency", 1),
+            # what ran during the decode phase, per step: the decode worker, the prefill worker, …, the whole machine
+            "decode_cpu_ms_per_step": {role: _mean([x["decode_cpu_ms_per_step"].get(role) for x in rs])
+                                       for role in sorted({k for x in rs for k in x.get("decode_cpu_ms_per_step", {})})},
             # the setting's requests were served `concurrency` at a time (one group per served_in_s): their tokens ÷
             # the groups' wall time
             "output_tokens_per_s": _tokens_per_s(rs),
