@@ -53,31 +53,46 @@ def _mask_indices(mask: torch.Tensor, n: int) -> torch.Tensor:
     return mask.nonzero()[:, 1].view(mask.shape[0], width)  # row-major: each row ascending
 
 
+def floor_scores(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, n: int,
+                 floor: BudgetFloor) -> tuple[torch.Tensor, int] | None:
+    """For selectors that rank tokens (`token_scores`): (scores (H_kv, n) float with the selection's memory applied,
+    the selector's own cap on picks), which `select_with_floor` picks from under any budget, so one scoring serves a
+    step's selection, its wider ranking (path 3) and a read-behind selection; None for the other selectors."""
+    scored = selector.token_scores(layer, state, probe, n)  # NOTE: k = n: the cap is the selector's own (InfiniGen's α)
+    if scored is None:
+        return None
+    scores, cap = scored
+    if floor.stick and state.picked is not None:
+        prefer_picked(scores, state.picked, floor.stick)
+    return scores, cap
+
+
 def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: torch.Tensor, k: int, n: int,
-                      floor: BudgetFloor, absent: torch.Tensor | None = None) -> torch.Tensor:
+                      floor: BudgetFloor, absent: torch.Tensor | None = None,
+                      scored: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The (H_kv, k'') token indices a step with query `probe` (H, d) attends to over `n` cached tokens under a
     budget of `k` tokens per KV head: the selector's top k − (sinks + recent), plus the sinks and the recent
     window (the decode step's rule, shared with the prefill's query-aware push). The selector marks its picks in a
     mask that already holds the floor (`Selector.mark`), and one nonzero reads the indices off it. `absent`
     (H_kv, N ≤ n) bool, for selectors that rank tokens (`token_scores`): entries not on this node, picked (best first)
-    only where a row has fewer other candidates than picks (a step that does not stall, services/decode/read_behind.py)."""
+    only where a row has fewer other candidates than picks (a step that does not stall, services/decode/read_behind.py).
+    `scored`: this step's `floor_scores` at the layer, if the caller has them (never changed here)."""
     kept = min(n, floor.sinks + floor.recent)
     picks = max(1, k - kept)
-    remembers = floor.stick and state.picked is not None
-    scored = selector.token_scores(layer, state, probe, picks) if remembers or absent is not None else None
+    if scored is None and (absent is not None or (floor.stick and state.picked is not None)):
+        scored = floor_scores(selector, layer, state, probe, n, floor)
     if not kept and scored is None:
         return selector.select(layer, state, probe, picks)
     mask = _floor_mask(selector.geometry.num_kv_heads, n, floor.sinks, floor.recent, probe.device)
     if scored is None:
         selector.mark(layer, state, probe, picks, mask)
     else:
-        scores, picks = scored
-        if remembers:
-            prefer_picked(scores, state.picked, floor.stick)
+        scores, cap = scored
         if absent is not None:  # below every other entry of its row, in their own order
             span = scores.amax(dim=1, keepdim=True) - scores.amin(dim=1, keepdim=True) + 1
+            scores = scores.clone()
             scores[:, :absent.shape[1]].sub_(absent * span)
-        mask.scatter_(1, top_k_unsorted(scores, picks), True)
+        mask.scatter_(1, top_k_unsorted(scores, min(picks, cap)), True)
     return _mask_indices(mask, n)
 
 

@@ -53,7 +53,7 @@ from shared.runtime.profiles import token_blocks
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 # NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
 # `selective.select_with_floor` for a run, and the step below calls it through this namespace
-from shared.compute.floor import remember_picks, select_with_floor
+from shared.compute.floor import floor_scores, remember_picks, select_with_floor
 from shared.compute.gather import gather_pair
 from shared.compute.queries import speculated_query
 from shared.compute.remote_entries import PendingRead, RemoteEntries
@@ -261,18 +261,22 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         sel.selector.extend(layer, state, row.keys)
         speculates = getattr(sel.selector, "speculates", False)
         probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
-        row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor)  # (H_kv, k')
-        remember_picks(state, row.idx, n, sel.budget.floor)
+        floor = sel.budget.floor
+        # with remote KV, one scoring serves the selection, a read-behind one and the wider ranking (path 3). NOTE: only
+        # then passed, so an all-local step's call stays the 7-argument one that tools and tests record
+        once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
+        row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, **once)  # (H_kv, k')
+        remember_picks(state, row.idx, n, floor)
         if sel.picks is not None:
             sel.picks[layer] = row.idx
         if sel.remote is not None and sel.selector.ranks_tokens:
             absent = sel.remote.read_behind(layer, row.idx)
             if absent is not None:  # some picks are not here and the step does not stall: the best local ones instead
-                row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, sel.budget.floor, absent)
+                row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, absent, **once)
         row.pending = sel.remote.fetch(layer, row.idx) if sel.remote is not None else None
         if sel.remote is not None and sel.remote.wants_ranking(layer):  # path 3 by the latest query
             wide = min(n, RANKED_READ_FACTOR * k)
-            sel.remote.rank(layer, select_with_floor(sel.selector, layer, state, probe, wide, n, sel.budget.floor))
+            sel.remote.rank(layer, select_with_floor(sel.selector, layer, state, probe, wide, n, floor, **once))
     # the next layer's selection, predicted from this layer's input: from the last dense layer on, while selective
     if layer + 1 >= DENSE_LAYERS and k < n and sel.remote is not None and sel.remote.wants_speculation(layer + 1):
         _speculate_next_layer(module, layer, b, sel, k, n)

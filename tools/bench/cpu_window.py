@@ -15,17 +15,26 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def _process_cpu_s(pid: int) -> float | None:
-    """utime + stime of `pid` in seconds, None if it is gone (or there is no /proc)."""
+    """Seconds `pid`'s threads ran, None if it is gone (or there is no /proc). NOTE: the scheduler's runtime
+    (schedstat, the clock of `time.thread_time`), not utime + stime: those count clock ticks, and on these VMs a
+    vCPU that the host time-shares with the other one still ticks as busy (both busy: each thread's runtime is
+    ~2 s of 3, its ticks 3)."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # NOTE: after the command name, which may hold spaces
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+                continue
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # fields 14 and 15 of proc(5), counted from state (3)
+    return total / 1e9
 
 
 def _machine_busy_s() -> float | None:
-    """CPU seconds the whole machine was busy (every CPU, /proc/stat: all but idle and iowait)."""
+    """vCPU seconds the whole machine was busy (every vCPU, /proc/stat: all but idle and iowait; clock ticks, so two
+    vCPUs busy at once count two seconds a second though they share one core's compute here)."""
     try:
         with open("/proc/stat") as f:
             values = [int(x) for x in f.readline().split()[1:]]

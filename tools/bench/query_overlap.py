@@ -70,8 +70,8 @@ def overlap(num_tokens: int, selector: str, kv_budget: float) -> dict[float, flo
     step1: dict[int, np.ndarray] = {}
     original = selective.select_with_floor
 
-    def spy(*args):
-        idx = original(*args)
+    def spy(*args, **kw):
+        idx = original(*args, **kw)
         step1[args[1]] = idx.cpu().numpy()
         return idx
 

@@ -106,9 +106,9 @@ def run(model: str = "", selector: str = "quest", budget: float = DEFAULT_KV_BUD
         picks: Picks = {}
         step = 0
 
-        def recording(selector_, layer, state, probe, k, n, floor):
+        def recording(selector_, layer, state, probe, k, n, floor, *rest, **kw):
             """The step's selection, and the same query's under each wider budget (prompt entries only)."""
-            chosen = select(selector_, layer, state, probe, k, n, floor)
+            chosen = select(selector_, layer, state, probe, k, n, floor, *rest, **kw)
             for f in (1.0, *factors):
                 idx = chosen if f == 1.0 else select(selector_, layer, state, probe, min(n, int(f * k)), n, floor)
                 picks.setdefault((step, layer), {})[f] = {(h, t) for h in range(idx.shape[0])
