@@ -3,11 +3,11 @@ link too slow for the rest of the KV to arrive before the completion ends, no ba
 fast enough, the request becomes all-local as before."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
+from tools.client import wait_for_broker_pacing
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
 from tools.tiny_model import make_tiny_model
@@ -45,7 +45,7 @@ def test_background_waits_for_a_link_that_can_finish(stack):
     assert slow["plan"]["background"] and slow["background_declined"]
     assert slow["kv_bytes"]["background"] == slow["reads"]["ranked_bytes"] and slow["all_local_step"] is None
     pace(stack, "prefill", 1.0)
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    wait_for_broker_pacing(stack.gateway_url, 1.0, stack.admin_token)
     fast = smartgen(stack, 64)
     assert not fast["background_declined"] and fast["kv_bytes"]["background"] > 0
     assert fast["all_local_step"] is not None

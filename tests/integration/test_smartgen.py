@@ -16,6 +16,7 @@ from schemas import BuildProfile, Profile, ProfileInfo, ProfileKey, ProfileQuery
 from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
 from shared.runtime.rpc import RemoteError, call
+from tools.client import wait_for_broker_pacing
 from tools.stack import Stack, StackSpec, started_stack
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, list_workers, post_json
 
@@ -68,13 +69,14 @@ def paced_to_ratio(stack: Stack, ratio: float) -> Iterator[None]:
     complete(stack, transfer_mode="full")  # so the prefill has measured its rate on this prompt
     rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
     kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
-    admin_post(stack, prefill, "/link", {"gbps": kv_bits_per_token * rate / ratio / 1e9})
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    gbps = kv_bits_per_token * rate / ratio / 1e9
+    admin_post(stack, prefill, "/link", {"gbps": gbps})
+    wait_for_broker_pacing(stack.gateway_url, gbps, stack.admin_token)
     try:
         yield
     finally:
         admin_post(stack, prefill, "/link", {"gbps": LINK_GBPS})
-        time.sleep(1.5)
+        wait_for_broker_pacing(stack.gateway_url, LINK_GBPS, stack.admin_token)
 
 
 @pytest.mark.parametrize("selector", ["quest", "oracle"])
