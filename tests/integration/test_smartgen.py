@@ -13,7 +13,6 @@ import nats
 import pytest
 
 from schemas import BuildProfile, Profile, ProfileInfo, ProfileKey, ProfileQuery, subjects
-from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
 from shared.runtime.rpc import RemoteError, call
 from tools.client import wait_for_broker_pacing
@@ -31,9 +30,9 @@ SMARTGEN_RUNS = [{"transfer_mode": "smartgen", "kv_bits": 0}, {"transfer_mode": 
 
 
 @pytest.fixture(scope="module")
-def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
+def paced(tmp_path_factory: pytest.TempPathFactory, tiny8_model_path: Path):
     """The whole stack on a tiny 8-layer model, every data-plane link paced to 4 Mbit/s."""
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny8"), tokenizer_from=real_model_path, num_layers=8)
+    model = tiny8_model_path
     log_file = tmp_path_factory.mktemp("logs") / "paced.log"
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=log_file,
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
