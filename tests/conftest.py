@@ -25,6 +25,12 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, real_model_path: P
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=real_model_path)
 
 
+@pytest.fixture(scope="session")
+def tiny8_model_path(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> Path:
+    """The same with 8 layers (six of them selective), made once: read-only, like every model folder here."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny8"), tokenizer_from=real_model_path, num_layers=8)
+
+
 @pytest.fixture
 def nats_server():
     from tools.nats_server import NatsServer

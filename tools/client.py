@@ -90,6 +90,24 @@ def list_workers(gateway_url: str, admin_token: str = "", timeout: float = 10.0)
     return reply["workers"]
 
 
+def wait_for_broker_pacing(gateway_url: str, gbps: float, admin_token: str = "", timeout_s: float = 10.0) -> None:
+    """Until every broker has heard every prefill worker report pacing `gbps` (a worker announces itself as its
+    POST /link is answered): from then on, plans use that link rate."""
+    from shared.runtime.admin_auth import admin_headers, admin_token_from_env
+
+    headers = admin_headers(admin_token or admin_token_from_env())
+    brokers = [w for w in list_workers(gateway_url, admin_token) if w["role"] == "broker"]
+    deadline = time.monotonic() + timeout_s
+    for broker in brokers:
+        while True:
+            heard = get_json(broker["admin_url"] + "/stats", 5, headers).get("prefill_link_gbps", {})
+            if heard and all(x == gbps for x in heard.values()):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker {broker['id']} did not hear pacing {gbps} Gbit/s in {timeout_s:g} s: {heard}")
+            time.sleep(0.02)
+
+
 class EventStream:
     """A streamed response that has begun: `status` and `headers` are known. Iterating yields each `data:` item
     as it arrives: a dict per JSON event, then DONE. Other non-blank lines are skipped and kept in `other_lines`."""
@@ -225,13 +243,13 @@ class Gateway:
         return None
 
     def pace(self, gbps: float) -> None:
-        """Pace every model worker's data plane (0 = unpaced); the broker hears it from the next heartbeats."""
+        """Pace every model worker's data plane (0 = unpaced); back once the broker has heard the new pacing."""
         for w in self.workers():
             if w["role"] in ("prefill", "decode"):
                 status, reply = self.post(w["admin_url"] + "/link", {"gbps": gbps}, 10)
                 if status != 200:
                     raise RuntimeError(f"pacing {w['id']} failed: {reply}")
-        time.sleep(1.5)
+        wait_for_broker_pacing(self.url, gbps, self.admin_token)
 
 
 # --- asynchronous: one streamed completion as an Outcome ------------------------------------------------------

@@ -209,7 +209,9 @@ class BrokerService(Service):
                 "transfers_by_state": {s: sum(p.state == s for p in live) for s in PlanState if not s.is_final},
                 "transfers_finished": dict(self.book.num_by_final_state),
                 "profile_fallbacks": self.profiles.num_fallbacks,
-                "speculative_ratio": self.config.speculative_ratio}
+                "speculative_ratio": self.config.speculative_ratio,
+                # the pacing each prefill worker's last heartbeat reported (10⁹ bit/s; 0 = unpaced): what plans use
+                "prefill_link_gbps": {w.worker_id: w.link_gbps for w in alive if w.role == "prefill"}}
 
 
 def _registration_problem(reg: PlanRegistration) -> str:

@@ -168,6 +168,10 @@ class ModelWorkerService(Service):
                 return web.json_response({"error": "the data plane has not started"}, status=503)
             self.dataplane.set_link_gbps(float(gbps))
             log.info("link_paced", link_gbps=gbps)
+            try:  # the broker plans with the new pacing from now, not from the next heartbeat
+                await self.publish_heartbeat()
+            except Exception as exc:  # the pacing is set either way; the heartbeat loop announces it
+                log.warning("heartbeat_failed", error=str(exc))
             return web.json_response({"link_gbps": self.dataplane.link_gbps})
 
         routes = [web.post("/link", link)]

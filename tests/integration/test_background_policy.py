@@ -3,14 +3,13 @@ link too slow for the rest of the KV to arrive before the completion ends, no ba
 fast enough, the request becomes all-local as before."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
+from tools.client import wait_for_broker_pacing
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
-from tools.tiny_model import make_tiny_model
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, post_json
 from tests.integration.fault_helpers import pace
 
@@ -19,8 +18,8 @@ PROMPT = "The history of the city begins with a small settlement on the river, w
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny8"), tokenizer_from=real_model_path, num_layers=8)
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny8_model_path: Path):
+    model = tiny8_model_path
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=tmp_path_factory.mktemp("logs") / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
                           "SMARTGEN_LINK_GBPS": "0.004", "SMARTGEN_BACKGROUND_IF_IT_CAN_FINISH": "true"})
@@ -45,7 +44,7 @@ def test_background_waits_for_a_link_that_can_finish(stack):
     assert slow["plan"]["background"] and slow["background_declined"]
     assert slow["kv_bytes"]["background"] == slow["reads"]["ranked_bytes"] and slow["all_local_step"] is None
     pace(stack, "prefill", 1.0)
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    wait_for_broker_pacing(stack.gateway_url, 1.0, stack.admin_token)
     fast = smartgen(stack, 64)
     assert not fast["background_declined"] and fast["kv_bytes"]["background"] > 0
     assert fast["all_local_step"] is not None

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tools.nats_server import free_port
 from tools.stack import StackSpec, started_stack
-from tools.tiny_model import make_tiny_model
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, model_workers, post_json
 from tests.integration.test_smartgen import LINK_GBPS, PROMPT
 
@@ -29,8 +28,8 @@ def is_running(pid: int) -> bool:
     return True
 
 
-def test_transfer_agents_move_the_kv_and_go_with_their_workers(tmp_path: Path, real_model_path: Path):
-    model = make_tiny_model(tmp_path / "tiny8", tokenizer_from=real_model_path, num_layers=8)
+def test_transfer_agents_move_the_kv_and_go_with_their_workers(tmp_path: Path, tiny8_model_path: Path):
+    model = tiny8_model_path
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=tmp_path / "stack.log",
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
                           "SMARTGEN_LINK_GBPS": str(LINK_GBPS), "SMARTGEN_DATAPLANE_AGENT": "true",

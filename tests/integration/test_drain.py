@@ -63,7 +63,10 @@ def test_a_decode_worker_told_to_stop_finishes_its_stream_and_the_other_takes_ne
     assert serving, "the stream ended before the worker could be told to stop"
     assert reason == "length" and tokens == reference["smartgen"]["token_ids"]  # every token, the same ones
     assert stack.processes[serving["name"]].wait(30) == 0  # then it stopped cleanly
-    time.sleep(2.5)  # its last heartbeat (draining) has expired
+    deadline = time.monotonic() + 10
+    while serving["id"] in {w["id"] for w in list_workers(url, stack.admin_token)}:  # its last heartbeat has expired
+        assert time.monotonic() < deadline, "the gateway still lists the stopped decode worker"
+        time.sleep(0.1)
     status, body = post_json(url + "/v1/completions", {**BODY, "max_tokens": 4})
     assert status == 200 and body["smartgen"]["decode_worker_id"] != serving["id"]
     assert_no_leaks(stack)

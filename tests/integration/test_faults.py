@@ -186,6 +186,25 @@ def test_lease_expires_when_decode_stops_keeping_it(fstack):
                  outcome_of(stream, stopped)])
 
 
+def test_the_lease_starts_when_the_last_push_has_left(fstack):
+    """The prefill's lease on a selective request's KV runs from when its last push has left, not from its prefill's
+    end: the decode node can keep the lease only once its steps run, which wait for the push. Here every push frame
+    is held 2 s (fault injection: a push per layer) and the lease is 1 s: the request completes (on the old rule the
+    lease expired while the push was still leaving, the prefill freed the KV, and the decode waited for a push that
+    never came)."""
+    prefill = worker(fstack, "prefill")
+    admin_post(fstack, prefill, "/fault", {"kind": "delay", "delay_s": 2 * LEASE_S, "lanes": ["push"]})
+    try:
+        status, reply, _ = complete(fstack, transfer_mode="smartgen", selector="quest", kv_budget=0.1,
+                                    ablate=["background"])
+    finally:
+        admin_post(fstack, prefill, "/fault", {"kind": "clear"})
+    assert status == 200, reply
+    assert len(reply["smartgen"]["token_ids"]) == 16 and not reply["smartgen"]["recomputed"]
+    check_after(fstack, "every push frame held twice the lease",
+                [(f"200, completed: {len(reply['smartgen']['token_ids'])} tokens", None)])
+
+
 def test_nats_restart_mid_request(fstack):
     """NATS killed and restarted on the same port while a request streams: the request completes or fails
     clearly (never hangs), every service reconnects, and the next request works."""

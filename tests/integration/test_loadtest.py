@@ -6,9 +6,9 @@ from tools.loadtest import LoadConfig, run
 
 
 def test_loadtest_serves_streams_measures_memory_and_leaves_nothing_behind(clean_stack, monkeypatch):
-    """4 streams for 8 s, cut off at the deadline: all finished requests succeed, RSS is measured, nothing leaks."""
+    """4 streams for 4 s, cut off at the deadline: all finished requests succeed, RSS is measured, nothing leaks."""
     monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)  # as `smartgen loadtest` gets it: /workers needs it
-    result = run(LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=8, max_tokens=8, prompt_tokens=64,
+    result = run(LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=4, max_tokens=8, prompt_tokens=64,
                             transfer_modes=["full", "smartgen"], grace_s=0, progress=False))
     assert result["num_ok"] > 0 and result["num_errors"] == 0, result["errors"]
     assert result["num_aborted"] <= 4  # at most one request per client was cut off
@@ -32,7 +32,7 @@ def test_loadtest_holds_every_completion_to_its_reference(clean_stack, monkeypat
     from tools import loadtest
 
     monkeypatch.setenv("SMARTGEN_ADMIN_TOKEN", clean_stack.admin_token)
-    cfg = LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=6, max_tokens=12, prompt_tokens=64,
+    cfg = LoadConfig(url=clean_stack.gateway_url, concurrency=4, duration_s=3, max_tokens=12, prompt_tokens=64,
                      transfer_modes=["full", "smartgen"], grace_s=5, progress=False, check_tokens=3)
     result = run(cfg)
     assert result["num_checked"] >= 4 and result["num_errors"] == 0, result["errors"]

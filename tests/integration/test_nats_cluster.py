@@ -203,6 +203,8 @@ def test_routes_over_tls_join_members_of_the_ca_and_refuse_a_stranger(tmp_path: 
         for name, path in (("CA", "ca.pem"), ("CERT", "peer.pem"), ("KEY", "peer.key")):
             monkeypatch.setenv(f"NATS_ROUTE_TLS_{name}", str(strange[path]))
         with route_tls_member(tmp_path, "stranger", [route_ports[0], route_ports[2]], 1, "route-pw") as stranger:
-            time.sleep(3)  # several tries of its route to m0
+            deadline = time.monotonic() + 15
+            while "certificate" not in stranger.log_path.read_text(errors="replace"):  # refused at the TLS handshake
+                assert time.monotonic() < deadline, "the stranger's route to m0 was not refused over its certificate"
+                time.sleep(0.1)
             assert not routed_to(stranger) and routed_to(members[0]) == {"m1"}
-            assert "certificate" in stranger.log_path.read_text(errors="replace")  # refused at the TLS handshake

@@ -9,6 +9,7 @@ import pytest
 
 from shared.runtime.admin_auth import admin_headers
 from tools.nats_server import free_port
+from tools.client import wait_for_broker_pacing
 from tools.stack import Stack, StackSpec
 from tests.integration.conftest import assert_no_leaks, get_json, model_workers, post_json
 from tests.reference import greedy_tokens, prompt_ids
@@ -116,7 +117,7 @@ def check_smartgen_on_a_slow_link(stack: Stack, prompt: str) -> None:
     for w in model_workers(stack):
         status, _ = post_json(w["admin_url"] + "/link", {"gbps": gbps}, headers=admin_headers(stack.admin_token))
         assert status == 200
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    wait_for_broker_pacing(stack.gateway_url, gbps, stack.admin_token)
     body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "selector": "quest", "kv_budget": 0.1}
     _, local = post_json(stack.gateway_url + "/v1/completions", body | {"transfer_mode": "colocated"}, timeout=300)
     status, smart = post_json(stack.gateway_url + "/v1/completions", body | {"transfer_mode": "smartgen", "kv_bits": 0},

@@ -13,9 +13,9 @@ import nats
 import pytest
 
 from schemas import BuildProfile, Profile, ProfileInfo, ProfileKey, ProfileQuery, subjects
-from tools.tiny_model import make_tiny_model
 from tools.nats_server import free_port
 from shared.runtime.rpc import RemoteError, call
+from tools.client import wait_for_broker_pacing
 from tools.stack import Stack, StackSpec, started_stack
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, get_json, list_workers, post_json
 
@@ -30,9 +30,9 @@ SMARTGEN_RUNS = [{"transfer_mode": "smartgen", "kv_bits": 0}, {"transfer_mode": 
 
 
 @pytest.fixture(scope="module")
-def paced(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path):
+def paced(tmp_path_factory: pytest.TempPathFactory, tiny8_model_path: Path):
     """The whole stack on a tiny 8-layer model, every data-plane link paced to 4 Mbit/s."""
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny8"), tokenizer_from=real_model_path, num_layers=8)
+    model = tiny8_model_path
     log_file = tmp_path_factory.mktemp("logs") / "paced.log"
     spec = StackSpec(model=str(model), gateway_port=free_port(), log_file=log_file,
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", **NO_FLOOR_ENV,
@@ -68,13 +68,14 @@ def paced_to_ratio(stack: Stack, ratio: float) -> Iterator[None]:
     complete(stack, transfer_mode="full")  # so the prefill has measured its rate on this prompt
     rate = get_json(prefill["admin_url"] + "/stats")["prefill_tokens_per_s"]
     kv_bits_per_token = 8 * 2 * 2 * 16 * 2 * 8  # 8 layers × K,V × 2 KV heads × 16 dims × bf16, in bits
-    admin_post(stack, prefill, "/link", {"gbps": kv_bits_per_token * rate / ratio / 1e9})
-    time.sleep(1.5)  # the broker hears the new pacing from the next heartbeats
+    gbps = kv_bits_per_token * rate / ratio / 1e9
+    admin_post(stack, prefill, "/link", {"gbps": gbps})
+    wait_for_broker_pacing(stack.gateway_url, gbps, stack.admin_token)
     try:
         yield
     finally:
         admin_post(stack, prefill, "/link", {"gbps": LINK_GBPS})
-        time.sleep(1.5)
+        wait_for_broker_pacing(stack.gateway_url, LINK_GBPS, stack.admin_token)
 
 
 @pytest.mark.parametrize("selector", ["quest", "oracle"])

@@ -20,16 +20,15 @@ from shared.compute.selectors.metadata import MetadataLayout
 from shared.dataplane import Grant, make_dataplane
 from shared.compute.kvstore import KvStore
 from shared.compute.modeling import ModelRunner
-from tools.tiny_model import make_tiny_model
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 6
 STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory, real_model_path) -> ModelRunner:
+def runner(tiny8_model_path) -> ModelRunner:
     """A tiny 8-layer random Llama: six selective layers."""
-    return ModelRunner(make_tiny_model(tmp_path_factory.mktemp("tiny8"), real_model_path, num_layers=8))
+    return ModelRunner(tiny8_model_path)
 
 
 def colocated_tokens(runner: ModelRunner, ids: list[int], selector: str, budget: float) -> list[int]:
