@@ -134,7 +134,8 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     t_prefill = PUSH_MARGIN * req.num_tokens / link.prefill_tokens_per_s
     bytes_per_s = link.gbps * 1e9 / 8
     metadata_bytes = pushed_aux_bytes(lay, req.num_tokens, req.aux_bytes, bits)  # the codes region is room only
-    layer_metadata = metadata_bytes / (lay.num_layers - DENSE_LAYERS)  # layers ≥ 2 each push their own
+    # layers ≥ 2 each push their own (a model of DENSE_LAYERS layers or fewer has none: no metadata, no division)
+    layer_metadata = metadata_bytes / max(1, lay.num_layers - DENSE_LAYERS)
     entry_bytes = lay.num_kv_heads * wire_entry_bytes(lay, bits)  # one token of every KV head, K and V
     by_query = spec.orders_by_profile and spec.pushes_by_query and not {"proactive", "query"} & set(req.ablate)
     query_tail = step_one_tokens(req) if by_query else 0  # tokens per KV head; 0: none

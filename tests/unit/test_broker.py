@@ -283,3 +283,13 @@ def test_a_decode_node_that_wants_no_background_gets_none():
     assert book.next_batch("r", 0, wanted=False) == ([], 95)
     batch, remaining = book.next_batch("r", 0)
     assert len(batch) == 10 and remaining == 85
+
+
+def test_a_model_without_selective_layers_is_planned_without_metadata():
+    """A model of DENSE_LAYERS (2) layers attends densely at every layer: smartgen plans its push with no metadata
+    (found as a ZeroDivisionError and a 502 for smartgen on a 2-layer tiny model)."""
+    two = replace(LAYOUT, num_layers=2)
+    req = replace(request("smartgen"), layout=two, aux_bytes=0)
+    planned = plan_transfer(req, "smartgen", positional_importance(2), link_for_ratio(2.5), "b")
+    assert planned.plan.transfer_mode == "smartgen"
+    assert unpack_bits(planned.plan.push_blocks, (2, planned.plan.num_pages)).all()  # layers 0–1 lead, always

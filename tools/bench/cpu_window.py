@@ -1,8 +1,6 @@
 """CPU seconds the stack's processes spent during one request's decode phase (from its second token to its last),
-read from /proc: on a machine where the prefill worker, the decode worker and the rest share the cores, what the
-decode steps competed with. The benchmark's machine has two vCPUs that give one core's compute between them
-(docs/results/one-core-2026-12-06), so a second of CPU the prefill worker spends serving reads during the decode
-phase is about a second the decode steps wait; separate prefill and decode nodes would not share it.
+read from /proc: on a machine where the prefill worker, the decode worker and the rest share the cores (the
+benchmark's: two), what the decode steps competed with; separate prefill and decode nodes would not share them.
 
 Linux only (elsewhere every figure is None). Valid for requests served one at a time: a window counts whatever ran.
 """
@@ -15,10 +13,8 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def _process_cpu_s(pid: int) -> float | None:
-    """Seconds `pid`'s threads ran, None if it is gone (or there is no /proc). NOTE: the scheduler's runtime
-    (schedstat, the clock of `time.thread_time`), not utime + stime: those count clock ticks, and on these VMs a
-    vCPU that the host time-shares with the other one still ticks as busy (both busy: each thread's runtime is
-    ~2 s of 3, its ticks 3)."""
+    """Seconds `pid`'s threads ran, None if it is gone (or there is no /proc): the scheduler's runtime (schedstat,
+    the clock of `time.thread_time`, to the nanosecond), not utime + stime, which count whole clock ticks."""
     total = 0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -33,8 +29,8 @@ def _process_cpu_s(pid: int) -> float | None:
 
 
 def _machine_busy_s() -> float | None:
-    """vCPU seconds the whole machine was busy (every vCPU, /proc/stat: all but idle and iowait; clock ticks, so two
-    vCPUs busy at once count two seconds a second though they share one core's compute here)."""
+    """CPU seconds the whole machine was busy (every CPU, /proc/stat: all but idle and iowait; clock ticks): what
+    ran besides the stack (another job on the machine) shows here and in no role."""
     try:
         with open("/proc/stat") as f:
             values = [int(x) for x in f.readline().split()[1:]]

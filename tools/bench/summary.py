@@ -43,9 +43,8 @@ def own_step_s(record: dict) -> float | None:
     """The request's mean step from token 2 on as its decode node's own core saw it: the torch thread's CPU time
     (`step_cpu_s`) plus its waits on the link (`step_wait_s`), without the time other threads and processes on the
     same cores took from it. On this benchmark's machine the prefill worker, the gateway, the broker and the data
-    plane share the decode worker's cores (measured: the machine's two vCPUs give one core's compute between
-    them), which a deployment of separate prefill and decode nodes does not; TBT on the client's clock keeps it.
-    None where the decode worker did not report its steps' CPU time."""
+    plane share the decode worker's two cores, which a deployment of separate prefill and decode nodes does not;
+    TBT on the client's clock keeps what they take. None where the decode worker did not report its steps' CPU."""
     cpu, wait = record.get("step_cpu_s") or [], record.get("step_wait_s") or []
     if len(cpu) < 2:
         return None

@@ -1,7 +1,7 @@
 """How much compute this machine's vCPUs give: a busy loop's iterations in 3 s alone on vCPU 0, then two busy loops
 at once on vCPU 0 and vCPU 1; and a 1-thread matmul's time on vCPU 0 alone and beside a busy loop on vCPU 1.
 
-    python3 docs/results/one-core-2026-12-06/cores.py
+    python3 docs/results/decode-cpu-2026-12-06/cores.py
 """
 import multiprocessing as mp
 import os
