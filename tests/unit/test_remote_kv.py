@@ -89,7 +89,7 @@ async def test_speculation_reads_the_next_layer_ahead_and_never_changes_tokens(r
     assert remote.num_read_remote < plain.num_read_remote and remote.num_fetch_reads <= plain.num_fetch_reads
 
 
-@pytest.mark.parametrize("selector", ["quest", "oracle"])
+@pytest.mark.parametrize("selector", ["quest", "oracle", "hata_untrained"])  # HATA's ranking reuses its step's scores
 async def test_ranked_reads_bring_what_a_wider_selection_adds_and_never_change_tokens(runner, selector):
     """Path 3 by the latest query: a layer that read this step ranks again under twice its budget, and what that
     adds is read on the background lane before the next step. The tokens stay those of every entry local; later
