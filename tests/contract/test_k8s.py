@@ -109,6 +109,7 @@ def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path)
     assert {i["key"] for i in volume["items"]} == {"nats-token", "nats-route-password"}
     conf = tmp_path / "nats.conf"
     conf.write_text(conf_text.replace("/data/jetstream", str(tmp_path / "js")))
+    (tmp_path / "route-tls.conf").write_text(route_tls_conf(docs))  # NOTE: nats-server includes beside the config
     files = tmp_path / "secrets"
     files.mkdir()
     (files / "nats-token").write_text("k8s-test-token")
@@ -132,6 +133,81 @@ def test_nats_is_a_three_server_jetstream_cluster_that_wants_the_token(tmp_path)
     for missing in ("SMARTGEN_NATS_TOKEN", "SMARTGEN_NATS_ROUTE_PASSWORD"):
         refused = check({k: v for k, v in full.items() if k != missing})
         assert refused.returncode != 0 and missing in refused.stderr
+
+
+def route_tls_conf(docs: list[dict]) -> str:
+    """The nats-config ConfigMap's route-tls.conf, which its nats.conf includes inside the `cluster` block."""
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")
+    assert "include ./route-tls.conf" in config["data"]["nats.conf"]
+    return config["data"]["route-tls.conf"]
+
+
+def with_overlay(name: str) -> list[dict]:
+    """The base's objects with an overlay's patches applied as kustomize's strategic merge does for these: a
+    ConfigMap's data keys replaced, a StatefulSet's containers merged by name and their volume mounts and the pod's
+    volumes appended (by name)."""
+    docs = documents()
+    overlay = OVERLAYS / name
+    for entry in yaml.safe_load((overlay / "kustomization.yaml").read_text())["patches"]:
+        patch = yaml.safe_load((overlay / entry["path"]).read_text())
+        target = next(d for d in docs if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"])
+        if patch["kind"] == "ConfigMap":
+            target["data"].update(patch["data"])
+            continue
+        pod, extra = target["spec"]["template"]["spec"], patch["spec"]["template"]["spec"]
+        for container in extra.get("containers", []):
+            into = next(c for c in pod["containers"] if c["name"] == container["name"])
+            into["volumeMounts"] = into["volumeMounts"] + container.get("volumeMounts", [])
+        pod["volumes"] = pod["volumes"] + extra.get("volumes", [])
+    return docs
+
+
+def test_the_route_tls_overlay_puts_the_routes_under_mutual_tls(tmp_path):
+    """deploy/k8s/overlays/route-tls: every NATS server mounts the nats-route-tls Secret's CA, certificate and key
+    as files, and the included route-tls.conf (empty in the base) turns on verified TLS with them; the patched
+    objects are valid Kubernetes, and the real nats-server accepts the patched config with real certificates (and
+    refuses it when the certificate's file is missing)."""
+    import kubernetes_validate
+
+    from tests.certificates import make_certificates
+    from tools.nats_server import nats_server_binary
+
+    assert "tls {" not in route_tls_conf(documents())  # the base: no TLS on the routes
+    docs = with_overlay("route-tls")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    statefulset = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "route-tls")
+    volume = next(v for v in pod["volumes"] if v["name"] == "route-tls")["secret"]
+    assert mount == {"name": "route-tls", "mountPath": "/run/secrets/nats-route-tls", "readOnly": True}
+    assert volume["secretName"] == "nats-route-tls" and volume["defaultMode"] == 0o440
+    settings = route_tls_conf(docs)
+    files = {i["path"] for i in volume["items"]}
+    assert files == {"ca.pem", "cert.pem", "key.pem"} and "verify: true" in settings
+    assert all(f"/run/secrets/nats-route-tls/{f}" in settings for f in files)
+    pem = make_certificates(tmp_path)
+    secrets = tmp_path / "route-tls"
+    secrets.mkdir()
+    for name, source in (("ca.pem", "ca.pem"), ("cert.pem", "peer.pem"), ("key.pem", "peer.key")):
+        (secrets / name).write_bytes(pem[source].read_bytes())
+    conf_text = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["nats.conf"]
+    conf = tmp_path / "nats.conf"
+    conf.write_text(conf_text.replace("/data/jetstream", str(tmp_path / "js")))
+    (tmp_path / "route-tls.conf").write_text(settings.replace("/run/secrets/nats-route-tls", str(secrets)))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SMARTGEN_", "NATS_ROUTE"))},
+           "SMARTGEN_NATS_TOKEN": "t", "SMARTGEN_NATS_ROUTE_PASSWORD": "pw", "POD_NAME": "nats-0",
+           **{f"NATS_ROUTE_{i}": f"nats://route:pw@nats-{i}.nats:6222" for i in range(3)}}
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True,
+                              timeout=30, env=env)
+
+    accepted = check()
+    assert accepted.returncode == 0, accepted.stderr
+    (secrets / "cert.pem").unlink()
+    refused = check()
+    assert refused.returncode != 0 and "cert.pem" in refused.stderr
 
 
 def test_pods_run_as_non_root_behind_network_policies_and_disruption_budgets():
@@ -173,3 +249,7 @@ def test_kustomizations_name_what_exists():
         overlay = yaml.safe_load(path.read_text())
         assert "../../base" in overlay["resources"]
         assert {r["name"] for r in overlay.get("replicas", [])} <= names
+        for entry in overlay.get("patches", []):  # each patch is a file beside it, naming an object of the base
+            patch = yaml.safe_load((path.parent / entry["path"]).read_text())
+            assert any(d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"]
+                       for d in documents()), entry["path"]
