@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import socket
+import sys
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -308,9 +309,8 @@ def config_main(config_cls: type[C], role: str) -> C:
 
 
 def run_main(service: Service) -> None:
-    """A service's `__main__`, second half: run it until SIGINT/SIGTERM, then exit 0."""
-    import sys
-
+    """A service's `__main__`, second half: run it until SIGINT/SIGTERM, then exit 0 (a failure raises out of
+    `asyncio.run` first, with its traceback and a non-zero status)."""
     asyncio.run(run_service(service))
     # NOTE: everything is undone by now (NATS drained, spans written, service_stopped logged): the interpreter's own
     # teardown of torch and transformers only frees memory (~1.4 s of CPU a model worker), so it is skipped
