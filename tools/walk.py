@@ -314,26 +314,27 @@ async def _one_request(model: str, mode: str, max_tokens: int, env: dict[str, st
     from shared.runtime.config import resolve_config
     from shared.runtime.service import run_service
     from tools.client import get_json, post_json
-    from tools.nats_server import NatsServer, free_port
+    from tools.nats_server import NatsServer
 
     tracer = Tracer()
     saved = _install(tracer)
-    gateway_port = free_port()
     with NatsServer() as nats_server:
         base = {**os.environ, **nats_server.client_env(), "SMARTGEN_MODEL": model, "SMARTGEN_KV_CACHE_MB": "64",
                 "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_ADMIN_TOKEN": secrets.token_urlsafe(16),
-                "SMARTGEN_CLUSTER_SECRET": secrets.token_urlsafe(16), "SMARTGEN_GATEWAY_PORT": str(gateway_port),
+                "SMARTGEN_CLUSTER_SECRET": secrets.token_urlsafe(16), "SMARTGEN_GATEWAY_PORT": "0",
                 **NO_FLOOR_ENV, **env}
         services = [cls(resolve_config(config_cls, [], base, role)[0]) for cls, config_cls, role in (
             (BrokerService, BrokerConfig, "broker"), (KvProfileService, KvProfileConfig, "kvprofile"),
             (PrefillService, PrefillConfig, "prefill"), (DecodeService, DecodeConfig, "decode"),
             (GatewayService, GatewayConfig, "gateway"))]
-        url = f"http://127.0.0.1:{gateway_port}"
         tasks: list[asyncio.Task] = []
         try:
             for service in services:  # NOTE: one at a time: transformers cannot load two models at once in a process
                 tasks.append(asyncio.create_task(run_service(service)))
                 await _started(service, tasks[-1])
+            # NOTE: the gateway binds port 0 and says which it got: a port picked free before the other services
+            # started could be handed to one of their sockets meanwhile (it was, once: EADDRINUSE)
+            url = services[-1].admin_url
             for _ in range(600):
                 if any(task.done() for task in tasks):
                     raise RuntimeError(f"a service stopped during start-up: {[t.exception() for t in tasks if t.done()]}")
