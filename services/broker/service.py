@@ -11,6 +11,8 @@ Life of a plan here:
   3. `event` (decode): `all_local` when every entry is on the decode node (the prefill's lease ends),
      `released` when the request is over; `failed` from either side. Untouched plans expire.
   4. Decode heartbeats repeat every live plan with what is local, so a restarted broker rebuilds its table.
+  5. A plan whose decode worker is gone (its heartbeats stop, or a new process took its id) fails: the worker can
+     die after the answer's last token but before its `released` event, where nobody else ends the plan.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class BrokerService(Service):
         self.profiles = ProfileCache(self.registry, config.profile_ttl_s)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.ended_unplanned: deque[str] = deque(maxlen=NUM_ENDED_REMEMBERED)  # final events before their plan
+        self.decode_processes: dict[str, tuple[str, int, float]] = {}  # decode worker id → (host, pid, started_unix)
         self.plans_opened = self.metrics.counter("smartgen_transfer_plans_total", "Transfer plans opened", ["mode"])
         self.plans_restored = self.metrics.counter("smartgen_transfer_plans_restored_total",
                                                    "Plans rebuilt from decode heartbeats")
@@ -146,11 +149,16 @@ class BrokerService(Service):
         return LinkEstimate(self.config.default_link_gbps, rate, "default")
 
     def _on_heartbeat(self, info: WorkerInfo) -> None:
+        if info.role == "decode":
+            process = (info.host, info.pid, info.started_unix)
+            if self.decode_processes.setdefault(info.worker_id, process) != process:
+                self.decode_processes[info.worker_id] = process
+                self._fail_plans_of(info.worker_id, "its decode worker restarted")
         for reg in info.plans:
             plan = self.book.get(reg.plan.request_id)
             if plan is not None:
                 plan.touched = time.monotonic()  # a plan its decode node still registers does not expire
-            elif not reg.state.is_final:
+            elif not reg.state.is_final and not self._has_ended(reg.plan.request_id):
                 problem = _registration_problem(reg)
                 if problem:
                     log.warning("bad_plan_registration", worker_id=info.worker_id, error=problem)
@@ -161,7 +169,7 @@ class BrokerService(Service):
         """Rebuild a plan this broker does not know (it restarted): its queue is the profile order minus what
         the decode node already holds."""
         p = reg.plan
-        if self.book.get(p.request_id) is not None:
+        if self.book.get(p.request_id) is not None or self._has_ended(p.request_id):
             return
         queue: list[int] = []
         if p.background:
@@ -169,7 +177,7 @@ class BrokerService(Service):
             order = smartgen_order(profile.importance, reg.num_tokens, reg.page_tokens)
             local = unpack_bits(reg.local_blocks, (reg.num_layers * p.num_pages,))
             queue = [int(b) for b in order if not local[b]]
-        if self.book.get(p.request_id) is not None:
+        if self.book.get(p.request_id) is not None or self._has_ended(p.request_id):  # while the profile came
             return
         plan = self.book.add(Plan(p, reg.prefill_worker_id, reg.decode_worker_id, reg.num_tokens, deque(queue),
                                   state=reg.state))
@@ -177,11 +185,29 @@ class BrokerService(Service):
         self.plans_restored.inc()
         log.info("plan_restored", request_id=p.request_id, state=reg.state, queue=len(queue))
 
+    def _has_ended(self, request_id: str) -> bool:
+        """The request's plan ended here, or its final event came before any plan: a heartbeat built before
+        that (it may arrive after it) must not bring the plan back."""
+        return self.book.has_ended(request_id) or request_id in self.ended_unplanned
+
+    def _fail_plans_of(self, decode_worker_id: str, why: str) -> None:
+        for plan in self.book.of_decode(decode_worker_id):
+            self.book.advance(plan.request_id, PlanState.FAILED, why)
+            log.warning("plan_failed", request_id=plan.request_id, decode_worker_id=decode_worker_id, error=why)
+
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
             for rid in self.book.expire():
                 log.warning("plan_expired", request_id=rid)
+            now = time.monotonic()
+            # NOTE: a plan younger than the heartbeat TTL may name a decode worker this broker has not heard yet
+            # (it has just started); the worker reserved the request's slab, so it was alive then
+            gone = {p.decode_worker_id for p in self.book.live.values()
+                    if now - p.created > self.config.worker_ttl_s and not self.registry.is_alive(p.decode_worker_id)}
+            for worker_id in gone:
+                self._fail_plans_of(worker_id, f"its decode worker sent no heartbeat for {self.config.worker_ttl_s:g} s")
+                self.decode_processes.pop(worker_id, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
