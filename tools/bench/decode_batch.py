@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--selector", default="", help="also with this selector at a 10%% budget (e.g. quest)")
     bench.add_argument("--steps", type=int, default=12, help="timed steps per configuration (the first 2 are warm-up)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
+    bench.add_argument("--model", default="", help="a transformers model folder (default: the cached SmolLM2)")
+    bench.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, …")
+    bench.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     bench.set_defaults(run=command)
 
 
@@ -34,13 +37,14 @@ def command(args: argparse.Namespace) -> None:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    run(context=args.context, batches=[int(b) for b in args.batch.split(",")], selector=args.selector,
-        steps=args.steps, json_path=args.json)
+    run(model=args.model, context=args.context, batches=[int(b) for b in args.batch.split(",")],
+        selector=args.selector, steps=args.steps, json_path=args.json, device=args.device, dtype=args.dtype)
 
 
 def run(model: str = "", context: int = 512, batches: list[int] | None = None, selector: str = "", steps: int = 12,
-        json_path: str | None = None) -> dict:
+        json_path: str | None = None, device: str = "cpu", dtype: str = "auto") -> dict:
     """Median ms per batched step and tokens/s per batch size; prints the table and returns it."""
+    import torch
     from transformers import AutoTokenizer
 
     from schemas import DEFAULT_KV_BUDGET
@@ -53,7 +57,9 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
 
     batches = batches or [1, 2, 4, 8]
     path = resolve_model(model)
-    runner = ModelRunner(path)
+    runner = ModelRunner(path, device, dtype)
+    # a step's time ends when the device has finished it (kernels run asynchronously on an accelerator)
+    synchronize = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     largest = max(batches)
     layout = runner.kv_layout(16, "bfloat16")
     store = KvStore.with_capacity_mb(layout, (2 * largest + 2) * (context + 2 * steps * len(batches) + 16) * layout.token_bytes // 2**20 + 1)
@@ -75,6 +81,7 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
                 for name in names:  # round-robin: dense and the selector share whatever else runs on the cores
                     started = time.perf_counter()
                     engine.step_batch([(f"{name}{b}", ids[-1]) for b in range(size)])
+                    synchronize()
                     times[name, invariant].append(time.perf_counter() - started)
         for name in names:
             invariant_ms, shared_ms = (statistics.median(times[name, v][2:]) * 1e3 for v in (True, False))
@@ -101,7 +108,8 @@ def run(model: str = "", context: int = 512, batches: list[int] | None = None, s
               f"{r['tokens_per_s'] / b['tokens_per_s']:.2f} | {r['step_ms'] / b['step_ms']:.2f} | "
               f"{r['shared_step_ms']:.1f} | {r['shared_tokens_per_s']:.1f} | "
               f"{r['shared_tokens_per_s'] / b['shared_tokens_per_s']:.2f} |")
-    report = {"context": context, "rows": list(rows.values())}
+    report = {"context": context, "model": runner.name, "device": str(runner.device), "dtype": str(runner.dtype),
+              "rows": list(rows.values())}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
     return report

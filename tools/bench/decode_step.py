@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--threads", default="", help="torch thread counts, comma-separated (default: as is)")
     step.add_argument("--selectors", default=",".join(DEFAULT_SELECTORS), help="selectors to compare with dense")
     step.add_argument("--kv-dtype", default="", help="KV store dtype (default: the model's compute dtype)")
+    step.add_argument("--model", default="", help="a transformers model folder (default: the cached SmolLM2)")
+    step.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, …")
+    step.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     step.add_argument("--profile", type=int, default=0, metavar="N",
                       help="also profile N steps per configuration (torch.profiler, top ops by self CPU time)")
     step.set_defaults(run=command)
@@ -40,17 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> None:
     """`smartgen bench decode-step`: measure and print (and write --json)."""
-    run(context=args.context, budget=args.budget, steps=args.steps, json_path=args.json,
+    run(model=args.model, context=args.context, budget=args.budget, steps=args.steps, json_path=args.json,
         threads=[int(t) for t in args.threads.split(",") if t], selectors=[s for s in args.selectors.split(",") if s],
-        kv_dtype=args.kv_dtype, profile=args.profile)
+        kv_dtype=args.kv_dtype, profile=args.profile, device=args.device, dtype=args.dtype)
 
 
 def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET, steps: int = 20,
         json_path: str | None = None, threads: list[int] | None = None, selectors: list[str] | None = None,
-        kv_dtype: str = "", profile: int = 0) -> dict:
+        kv_dtype: str = "", profile: int = 0, device: str = "cpu", dtype: str = "auto") -> dict:
     """Median ms per decode step at `context` tokens, dense and per selector (a selector whose offline
     preparation is missing is skipped), per thread count; prints the table and returns
-    {"context", "budget", "threads": {n: {"step_ms": {name: ms}, "ratio": {name: ×dense}}}}."""
+    {"context", "budget", "threads": {n: {"step_ms": {name: ms}, "ratio": {name: ×dense}}}}. On an accelerator
+    (`device`) the KV store stays in host memory and each configuration's cache is copied to the device once, as
+    the decode worker does; a step's time includes the synchronisation that reading its token forces."""
     import torch
     from transformers import AutoTokenizer
 
@@ -62,7 +67,7 @@ def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET,
     from tools.workloads import stdlib_files
 
     path = resolve_model(model)
-    runner = ModelRunner(path)
+    runner = ModelRunner(path, device, dtype)
     names = ["dense", *(selectors if selectors is not None else DEFAULT_SELECTORS)]
     threads = threads or [torch.get_num_threads()]
     rounds = len(threads) * steps + profile * len(threads) + 1
@@ -104,7 +109,7 @@ def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET,
         return time.perf_counter() - started
 
     report: dict = {"context": context, "budget": budget, "kv_dtype": str(layout.dtype), "steps": steps,
-                    "model": runner.name, "threads": {}}
+                    "model": runner.name, "device": str(runner.device), "dtype": str(runner.dtype), "threads": {}}
     before = torch.get_num_threads()
     for count in threads:
         torch.set_num_threads(count)
