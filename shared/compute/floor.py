@@ -9,7 +9,7 @@ import torch
 
 from schemas import BudgetFloor
 from shared.compute.selectors import LayerState, Selector
-from shared.compute.selectors.base import top_k_unsorted
+from shared.compute.selectors.base import row_std, top_k_unsorted
 
 
 def _with_sinks_and_recent(idx: torch.Tensor, n: int, sinks: int, recent: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: 
 def prefer_picked(scores: torch.Tensor, picked: torch.Tensor, stick: float) -> None:
     """scores (H_kv, n) += stick × each row's standard deviation at the entries `picked` (H_kv, N + 1) marks."""
     m = min(picked.shape[1] - 1, scores.shape[1])
-    bonus = scores.std(dim=1, keepdim=True).mul_(stick)  # (H_kv, 1), in the selector's own units
+    bonus = row_std(scores).mul_(stick)  # (H_kv, 1), in the selector's own units
     scores[:, :m].addcmul_(picked[:, :m], bonus)
 
 

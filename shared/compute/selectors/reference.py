@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.compute.selectors.base import top_k
+from shared.compute.selectors.base import row_std, top_k
 from shared.compute.selectors.hata import _POPCOUNT, HataSelector, pack_codes
 from shared.compute.selectors.infinigen import InfiniGenSelector
 from shared.compute.selectors.quest import QuestSelector
@@ -86,7 +86,7 @@ def select_with_floor(selector, layer: int, state, probe: torch.Tensor, k: int, 
     if floor.stick and state.picked is not None and scores is not None:  # the selection's memory (floor.py)
         s, picks = scores(selector, layer, state, probe, max(1, k - kept))
         m = min(state.picked.shape[1] - 1, n)
-        s[:, :m] += state.picked[:, :m] * (s.std(dim=1, keepdim=True) * floor.stick)
+        s[:, :m] += state.picked[:, :m] * (row_std(s) * floor.stick)
         idx = top_k(s, picks)
     else:
         idx = select(selector, layer, state, probe, max(1, k - kept))
