@@ -106,6 +106,12 @@ class Stack:
                                   **self.spec.env})
         if self.spec.model:
             base["SMARTGEN_MODEL"] = self.spec.model
+        # NOTE: the gateways first: their ports were picked free before this process spawned anything, and a port
+        # is only theirs once bound; every other service binds port 0 or connects out, which may be handed the same
+        # number meanwhile (an EADDRINUSE seen in CI). The gateway binds first thing, before the others have imported.
+        self._spawn("gateway", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(self.spec.gateway_port)})
+        for i in range(1, self.spec.num_gateway):
+            self._spawn(f"gateway-{i}", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(free_port())})
         # NOTE: stable ids for the singletons, so a restarted broker answers on the subjects live plans name
         self._spawn("broker", "broker", {"SMARTGEN_WORKER_ID": "broker-0", **base})
         self._spawn("kvprofile", "kvprofile", {"SMARTGEN_WORKER_ID": "kvprofile-0", **base,
@@ -114,9 +120,6 @@ class Stack:
             self._spawn(f"prefill-{i}", "prefill", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
         for i in range(self.spec.num_decode):
             self._spawn(f"decode-{i}", "decode", {**base, "SMARTGEN_TORCH_THREADS": base.get("SMARTGEN_TORCH_THREADS", threads)})
-        self._spawn("gateway", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(self.spec.gateway_port)})
-        for i in range(1, self.spec.num_gateway):
-            self._spawn(f"gateway-{i}", "gateway", {**base, "SMARTGEN_GATEWAY_PORT": str(free_port())})
         return self
 
     def _spawn(self, name: str, role: str, env: dict[str, str]) -> None:
