@@ -23,6 +23,12 @@ def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
                         help=help or "a transformers model folder (default: $SMARTGEN_MODEL, else the cached SmolLM2)")
 
 
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype: where and in what a benchmark's model computes (ModelRunner's arguments)."""
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, …")
+    parser.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+
+
 def add_json(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--json PATH: where a tool also writes its results (default None: nowhere)."""
     parser.add_argument("--json", metavar="PATH", help=help or "also write the results as JSON to PATH")

@@ -20,7 +20,9 @@ from typing import Any
 from schemas import PLAN_STATES, PlanState, TransferPlan
 
 HISTORY = 100  # finished plans kept for /transfers
-NUM_ENDED_REMEMBERED = 4096  # request ids whose plan ended: a heartbeat sent before the end must not restore it
+# request ids that ended (their plan, or a final event before any plan): a heartbeat built before the end, or an open
+# still fetching its profile when the gateway gave up, must not make them live again
+NUM_ENDED_REMEMBERED = 4096
 
 
 class PlanStateError(ValueError):
@@ -66,7 +68,7 @@ class PlanBook:
         self.ratio, self.ttl_s = ratio, ttl_s
         self.live: dict[str, Plan] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        self._ended: dict[str, None] = {}  # the latest NUM_ENDED_REMEMBERED request ids whose plan ended, oldest first
+        self._ended: dict[str, None] = {}  # the latest NUM_ENDED_REMEMBERED ended request ids, oldest first
         self.num_by_final_state = {s: 0 for s in PlanState if s.is_final}
 
     def add(self, plan: Plan) -> Plan:
@@ -80,8 +82,14 @@ class PlanBook:
         return self.live.get(request_id)
 
     def has_ended(self, request_id: str) -> bool:
-        """Whether the request's plan ended here lately (it is never live again)."""
+        """Whether the request ended here lately (its plan is never live again)."""
         return request_id in self._ended
+
+    def end(self, request_id: str) -> None:
+        """Remember that the request ended (its plan did, or a final event came before any plan)."""
+        self._ended[request_id] = None
+        if len(self._ended) > NUM_ENDED_REMEMBERED:
+            del self._ended[next(iter(self._ended))]
 
     def of_decode(self, decode_worker_id: str) -> list[Plan]:
         return [p for p in self.live.values() if p.decode_worker_id == decode_worker_id]
@@ -106,9 +114,7 @@ class PlanBook:
             plan.reason = reason
         if state.is_final:
             del self.live[request_id]
-            self._ended[request_id] = None
-            if len(self._ended) > NUM_ENDED_REMEMBERED:
-                del self._ended[next(iter(self._ended))]
+            self.end(request_id)
             self.num_by_final_state[state] += 1
             self.history.append(plan.summary())
         return plan

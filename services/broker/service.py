@@ -42,7 +42,6 @@ EXPIRY_CHECK_S = 1.0
 # NOTE: what a plan may cover (layers × pages): bounds what one request, or one heartbeat, makes the broker
 # allocate. A 128K-token prompt of an 80-layer model in 16-token pages is 655,360 blocks.
 MAX_PLAN_BLOCKS = 1 << 22
-NUM_ENDED_REMEMBERED = 256  # a request can end (client gone) while its plan is still being opened
 
 
 class BrokerService(Service):
@@ -55,7 +54,6 @@ class BrokerService(Service):
         self.book = PlanBook(config.speculative_ratio, config.plan_ttl_s)
         self.profiles = ProfileCache(self.registry, config.profile_ttl_s)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.ended_unplanned: deque[str] = deque(maxlen=NUM_ENDED_REMEMBERED)  # final events before their plan
         self.decode_processes: dict[str, tuple[str, int, float]] = {}  # decode worker id → (host, pid, started_unix)
         self.plans_opened = self.metrics.counter("smartgen_transfer_plans_total", "Transfer plans opened", ["mode"])
         self.plans_restored = self.metrics.counter("smartgen_transfer_plans_restored_total",
@@ -83,7 +81,7 @@ class BrokerService(Service):
             profile = await self.profiles.get(req.model, req.selector, req.num_tokens, req.layout.num_layers)
         planned = plan_transfer(req, mode, profile.importance if profile else None, link, self.worker_id,
                                 profile.label if profile else ("", 0, ""), reason, selector)
-        if req.request_id in self.ended_unplanned:  # its gateway gave up while the profile was fetched
+        if self.book.has_ended(req.request_id):  # its gateway gave up while the profile was fetched
             raise RequestRefused(ErrorCode.NOT_FOUND, f"request {req.request_id} ended before its plan was opened")
         self.book.add(Plan(planned.plan, req.prefill_worker_id, req.decode_worker_id, req.num_tokens,
                            deque(planned.queue)))
@@ -104,7 +102,7 @@ class BrokerService(Service):
             log.warning("bad_plan_event", request_id=ev.request_id, error=str(exc))
             return
         if plan is None and PlanState(ev.state).is_final:
-            self.ended_unplanned.append(ev.request_id)
+            self.book.end(ev.request_id)
         if plan is not None:
             log.info("plan_state", request_id=ev.request_id, state=ev.state, reason=ev.reason or None)
 
@@ -158,7 +156,7 @@ class BrokerService(Service):
             plan = self.book.get(reg.plan.request_id)
             if plan is not None:
                 plan.touched = time.monotonic()  # a plan its decode node still registers does not expire
-            elif not reg.state.is_final and not self._has_ended(reg.plan.request_id):
+            elif not reg.state.is_final and not self.book.has_ended(reg.plan.request_id):
                 problem = _registration_problem(reg)
                 if problem:
                     log.warning("bad_plan_registration", worker_id=info.worker_id, error=problem)
@@ -169,7 +167,7 @@ class BrokerService(Service):
         """Rebuild a plan this broker does not know (it restarted): its queue is the profile order minus what
         the decode node already holds."""
         p = reg.plan
-        if self.book.get(p.request_id) is not None or self._has_ended(p.request_id):
+        if self.book.get(p.request_id) is not None or self.book.has_ended(p.request_id):
             return
         queue: list[int] = []
         if p.background:
@@ -177,18 +175,13 @@ class BrokerService(Service):
             order = smartgen_order(profile.importance, reg.num_tokens, reg.page_tokens)
             local = unpack_bits(reg.local_blocks, (reg.num_layers * p.num_pages,))
             queue = [int(b) for b in order if not local[b]]
-        if self.book.get(p.request_id) is not None or self._has_ended(p.request_id):  # while the profile came
+        if self.book.get(p.request_id) is not None or self.book.has_ended(p.request_id):  # while the profile came
             return
         plan = self.book.add(Plan(p, reg.prefill_worker_id, reg.decode_worker_id, reg.num_tokens, deque(queue),
                                   state=reg.state))
         plan.reason = "restored from a decode heartbeat"
         self.plans_restored.inc()
         log.info("plan_restored", request_id=p.request_id, state=reg.state, queue=len(queue))
-
-    def _has_ended(self, request_id: str) -> bool:
-        """The request's plan ended here, or its final event came before any plan: a heartbeat built before
-        that (it may arrive after it) must not bring the plan back."""
-        return self.book.has_ended(request_id) or request_id in self.ended_unplanned
 
     def _fail_plans_of(self, decode_worker_id: str, why: str) -> None:
         for plan in self.book.of_decode(decode_worker_id):

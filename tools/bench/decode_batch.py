@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.args import add_json
+from tools.args import add_device, add_json, add_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,9 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--selector", default="", help="also with this selector at a 10%% budget (e.g. quest)")
     bench.add_argument("--steps", type=int, default=12, help="timed steps per configuration (the first 2 are warm-up)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
-    bench.add_argument("--model", default="", help="a transformers model folder (default: the cached SmolLM2)")
-    bench.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, …")
-    bench.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    add_model(bench)
+    add_device(bench)
     bench.set_defaults(run=command)
 
 

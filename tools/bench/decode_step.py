@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from schemas import DEFAULT_KV_BUDGET, SELECTORS
-from tools.args import add_json
+from tools.args import add_device, add_json, add_model
 
 DEFAULT_SELECTORS = tuple(s for s in SELECTORS if s != "hata_untrained")  # same cost as hata
 
@@ -33,9 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--threads", default="", help="torch thread counts, comma-separated (default: as is)")
     step.add_argument("--selectors", default=",".join(DEFAULT_SELECTORS), help="selectors to compare with dense")
     step.add_argument("--kv-dtype", default="", help="KV store dtype (default: the model's compute dtype)")
-    step.add_argument("--model", default="", help="a transformers model folder (default: the cached SmolLM2)")
-    step.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, …")
-    step.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    add_model(step)
+    add_device(step)
     step.add_argument("--profile", type=int, default=0, metavar="N",
                       help="also profile N steps per configuration (torch.profiler, top ops by self CPU time)")
     step.set_defaults(run=command)
