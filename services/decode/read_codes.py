@@ -2,8 +2,8 @@
 and their landing. Plain NumPy, no torch: it runs on the event loop (services/decode/remote.py).
 
 The prefill node holds every prompt entry's record, layer by layer, record head·N + token within its layer
-(shared/compute/entry_codes.py, "Read codes"). A read moves records (one gather of `record_bytes` units, or one
-segment per run of a head's consecutive tokens) into the same places of the decode slab's own codes region, the
+(shared/compute/entry_codes.py, "Read codes"). A read moves any entries' records (one gather of `record_bytes`
+units across layers, or one segment per run of consecutive records) into the same places of the decode slab's own codes region, the
 one the proactive push's records landed in: a layer's part of it is free once its pushed records were
 dequantized (RemoteKv keeps that order). Once landed, `land` dequantizes them into the slab's rows, in the
 slab's dtype, before the entries are marked present (presence turns True only once the values are in the rows).
@@ -18,7 +18,8 @@ import numpy as np
 
 from schemas import KvLayout, KvSource, entry_record_bytes
 from shared.compute.entry_codes import STORED_AS, as_stored, records_to_values
-from shared.dataplane import Gather, Segment
+from shared.dataplane import Gather
+from services.decode.presence import Entries
 
 
 class ReadCodes:
@@ -29,9 +30,12 @@ class ReadCodes:
         one token of one head's K (or V)."""
         self.bits, self.head_dim, self.num_tokens = source.codes_bits, layout.head_dim, num_tokens
         self.record_bytes = entry_record_bytes(layout.head_dim, source.codes_bits)
-        self.layer_bytes = layout.num_kv_heads * num_tokens * self.record_bytes
+        self.num_kv_heads = layout.num_kv_heads
         self.src_base, self.dst_base, self.dtype = source.codes_offset, dst_base, layout.dtype
-        self.region = region
+        # the slab's codes region here, one record a row: (layer · H + head) · N + token
+        self.records = np.frombuffer(region, dtype=np.uint8, offset=dst_base,
+                                     count=layout.num_layers * self.num_kv_heads * num_tokens * self.record_bytes,
+                                     ).reshape(-1, self.record_bytes)
         # the slab's values as stored, one (token, head) vector of K or V a row: a slab row starts at a multiple of it
         assert not dst_rows.size or (dst_rows % token_bytes == 0).all()
         values = np.frombuffer(region, dtype=STORED_AS[layout.dtype],
@@ -39,27 +43,15 @@ class ReadCodes:
         self.vectors = values.reshape(-1, layout.head_dim)
         self.k_rows, self.v_rows = dst_rows[:, 0] // token_bytes, dst_rows[:, 1] // token_bytes  # (L, H) in vectors
 
-    @staticmethod
-    def _records(heads: list[tuple[int, np.ndarray]], num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        head = np.concatenate([np.full(tokens.size, h) for h, tokens in heads])
-        token = np.concatenate([tokens for _, tokens in heads])
-        return head, token, head * num_tokens + token
+    def gather(self, entries: Entries) -> Gather:
+        """Reading these entries' records: one gather of `record_bytes` units, index (layer · H + head) · N + token
+        on both sides (layer by layer, record head · N + token within a layer)."""
+        index = (entries.layer * self.num_kv_heads + entries.head) * self.num_tokens + entries.token
+        return Gather(self.src_base, self.dst_base, self.record_bytes, index, index)
 
-    def gather(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> Gather:
-        """These entries of `layer` (per KV head, sorted tokens) as one gather of records: head·N + token, both sides."""
-        *_, index = self._records(heads, self.num_tokens)
-        at = layer * self.layer_bytes
-        return Gather(self.src_base + at, self.dst_base + at, self.record_bytes, index, index)
-
-    def segments(self, layer: int, head: int, tokens: np.ndarray) -> list[Segment]:
-        """Runs of consecutive tokens of one head → one segment of records each."""
-        return self.gather(layer, [(head, tokens)]).segments()
-
-    def land(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
+    def land(self, entries: Entries) -> None:
         """The records of these entries have landed: their K and V into the slab's rows (NumPy, in place)."""
-        head, token, index = self._records(heads, self.num_tokens)
-        layer_records = np.frombuffer(self.region, dtype=np.uint8, count=self.layer_bytes,
-                                      offset=self.dst_base + layer * self.layer_bytes).reshape(-1, self.record_bytes)
-        keys, values = records_to_values(layer_records[index], self.head_dim, self.bits)
-        self.vectors[self.k_rows[layer, head] + token] = as_stored(keys, self.dtype)
-        self.vectors[self.v_rows[layer, head] + token] = as_stored(values, self.dtype)
+        index = (entries.layer * self.num_kv_heads + entries.head) * self.num_tokens + entries.token
+        keys, values = records_to_values(self.records[index], self.head_dim, self.bits)
+        self.vectors[self.k_rows[entries.layer, entries.head] + entries.token] = as_stored(keys, self.dtype)
+        self.vectors[self.v_rows[entries.layer, entries.head] + entries.token] = as_stored(values, self.dtype)

@@ -7,9 +7,10 @@ path 3 in remote_lifecycle.py; docs/architecture.md, "The three transfer paths")
   - the event loop runs every read, marks presence once bytes have landed, and runs path 3, `push_landed`,
     `fail` and `close`.
 
-A read moves segments (one per run of consecutive tokens: whole pages) or one gather (one index per token, for
-token-level selectors: reads.py GATHER_BELOW_RUN); where the prefill serves codes (KvSource.codes_bits), the
-entries' records instead of their rows, dequantized into the rows before they count as present (read_codes.py).
+A read moves a set of entries of any layers (presence.py `Entries`): as one gather (one index per entry), or as
+segments where its runs of consecutive tokens are long (reads.py GATHER_BELOW_RUN); where the prefill serves codes
+(KvSource.codes_bits), the entries' records instead of their rows, dequantized into the rows before they count as
+present (read_codes.py).
 A layer's codes region first holds its pushed records, so no read of it lands before those were dequantized
 (`ready`; path 3 waits: `check_codes_room`).
 """
@@ -28,7 +29,7 @@ import torch
 
 from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
-from services.decode.presence import Presence, mean_run
+from services.decode.presence import Entries, Presence
 from services.decode.read_behind import ReadBehind
 from services.decode.read_codes import ReadCodes
 from services.decode.reads import (GATHER_BELOW_RUN, RANK_WHEN_WAITING_BELOW, SPECULATE_WHEN_READING,
@@ -103,6 +104,7 @@ class RemoteKv:
         self._speculating = self.speculative  # this step: see SPECULATE_WHEN_READING
         self._ranking = self.ranked  # this step: see RANK_WHEN_WAITING_BELOW
         self._step_started, self._landing_before_step = time.perf_counter(), 0.0
+        self._step_rankings: list[tuple[int, torch.Tensor]] = []  # this step's, handed over by `end_step` (torch thread)
         self.ranked_queue: dict[int, torch.Tensor] = {}  # layer → its latest wider selection (H_kv, k'), oldest first
         self.ranked_queued = asyncio.Event()
         self.background_turn = asyncio.Lock()  # ranked reads and `read_blocks` put one chunk on the wire at a time
@@ -130,6 +132,9 @@ class RemoteKv:
         self.read_wait_share = share if len(self.step_wait) == 1 else \
             (1 - WAIT_SHARE_WEIGHT) * self.read_wait_share + WAIT_SHARE_WEIGHT * share
         self._ranking = self.ranked and self.read_wait_share <= RANK_WHEN_WAITING_BELOW
+        if self._step_rankings:
+            self.loop.call_soon_threadsafe(self._queue_rankings, self._step_rankings)
+            self._step_rankings = []
 
     def is_ready(self, layer: int) -> bool:
         landed = self._landed
@@ -221,12 +226,15 @@ class RemoteKv:
 
     def rank(self, layer: int, idx: torch.Tensor) -> None:
         """(torch thread) `idx` (H_kv, k'): `layer`'s selection under a wider budget; `read_ranked` reads its
-        remote part. A layer ranked again replaces its older ranking and goes to the back of the queue."""
-        self.loop.call_soon_threadsafe(self._queue_ranking, layer, idx.cpu())
+        remote part. The step's rankings reach the event loop together when it ends (`end_step`: one wake-up of
+        the loop a step, not one a layer); a layer ranked again replaces its older ranking and goes to the back of
+        the queue."""
+        self._step_rankings.append((layer, idx.cpu()))
 
-    def _queue_ranking(self, layer: int, ranking: torch.Tensor) -> None:
-        self.ranked_queue.pop(layer, None)
-        self.ranked_queue[layer] = ranking
+    def _queue_rankings(self, rankings: list[tuple[int, torch.Tensor]]) -> None:
+        for layer, ranking in rankings:
+            self.ranked_queue.pop(layer, None)
+            self.ranked_queue[layer] = ranking
         self.ranked_queued.set()
 
     # === run on the event loop: the reads themselves, marking presence, the push landing, closing ===
@@ -251,7 +259,7 @@ class RemoteKv:
         try:
             # NOTE: not `self.bytes_on_demand += await …`, which reads the counter before the await: a read landing
             # meanwhile (a speculative one and a fetch are in flight together) would be lost from the count
-            num_bytes = await self.read_entries(layer, heads, Lane.ON_DEMAND)
+            num_bytes = await self.read_entries(Entries.of_layer(layer, heads), Lane.ON_DEMAND)
             self.bytes_on_demand += num_bytes
         finally:
             with self._pending_lock:
@@ -260,26 +268,19 @@ class RemoteKv:
             if is_idle:
                 self._on_demand_idle.set()
 
-    async def read_entries(self, layer: int, heads: list[tuple[int, np.ndarray]], lane: Lane) -> int:
-        """Read these entries of `layer` (per KV head, sorted token indices) on `lane`, as one gather or as segments
+    async def read_entries(self, entries: Entries, lane: Lane) -> int:
+        """Read these entries (of any layers) on `lane`, as one gather or, where their runs are long, as segments
         (module docstring), and mark them present once landed (as codes: once dequantized). Returns the bytes read."""
         if self.codes is not None:
-            self.check_codes_room(layer)
-            gather = self.codes.gather(layer, heads)
-            use_gather = self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN
-            await self.read(gather if use_gather else gather.segments(), lane, lambda: self.codes.land(layer, heads))
-            num_bytes = gather.num_bytes
-        elif self.gather_reads and mean_run(heads) < GATHER_BELOW_RUN:
-            gather = self.presence.gather(layer, heads)
-            await self.read(gather, lane)
-            num_bytes = gather.num_bytes
+            for layer in entries.layers():
+                self.check_codes_room(layer)
+            gather, landed = self.codes.gather(entries), lambda: self.codes.land(entries)
         else:
-            segments = [s for h, tokens in heads for s in self.presence.segments(layer, h, tokens)]
-            await self.read(segments, lane)
-            num_bytes = sum(s.length for s in segments)
-        for h, tokens in heads:
-            self.presence.mark(layer, h, tokens)
-        return num_bytes
+            gather, landed = self.presence.gather(entries), None
+        as_gather = self.gather_reads and entries.mean_run() < GATHER_BELOW_RUN
+        await self.read(gather if as_gather else gather.segments(), lane, landed)
+        self.presence.mark(entries)
+        return gather.num_bytes
 
     @property
     def is_on_demand_busy(self) -> bool:
@@ -292,12 +293,6 @@ class RemoteKv:
         while self.is_on_demand_busy:
             self._on_demand_idle.clear()  # NOTE: no await between the check and the clear: a settle cannot slip in
             await self._on_demand_idle.wait()
-
-    def entry_segments(self, layer: int, head: int, tokens: np.ndarray) -> list[Segment]:
-        """What reading these tokens of one head of `layer` moves: their rows (K and V), or their records."""
-        if self.codes is not None:
-            return self.codes.segments(layer, head, tokens)
-        return self.presence.segments(layer, head, tokens)
 
     def has_codes_room(self, layer: int) -> bool:
         """Records read for `layer` may land in its codes region: its pushed records there were dequantized."""

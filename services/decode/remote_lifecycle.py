@@ -24,7 +24,7 @@ from schemas import (Ack, BackgroundBatch, ErrorCode, KeepLease, KvLayout, PlanE
                      pack_bits, subjects)
 from shared.dataplane import DataPlane, DataPlaneError, Lane
 from shared.runtime.rpc import Backoff, RemoteError, call, publish
-from services.decode.presence import read_chunks
+from services.decode.presence import Entries
 from services.decode.remote import RemoteKv
 from services.decode.request import DecodeRequest
 
@@ -264,66 +264,54 @@ class RemoteKvLifecycle:
 # request is on the wire at a time.
 
 async def read_blocks(remote: RemoteKv, blocks: list[int]) -> None:
-    """Path 3: move these (layer, page) blocks on the background lane, a small read at a time, never while
-    an on-demand read of this request is waiting."""
-    presence = remote.presence
-    # (layer, head, tokens, its segments: K and V rows, or records): marked present only once all have landed
-    units = []
-    for block in blocks:
-        layer, page = divmod(block, presence.num_pages)
-        tokens = np.arange(page * presence.page_tokens, min(remote.num_tokens, (page + 1) * presence.page_tokens))
-        for h in range(presence.num_kv_heads):
-            if not presence.present[layer, h, tokens].all():
-                units.append((layer, h, tokens, remote.entry_segments(layer, h, tokens)))
-    while units:
-        group, size = [], 0
-        while units and (not group or size + sum(s.length for s in units[0][3]) <= remote.background_read_bytes):
-            group.append(units.pop(0))
-            size += sum(s.length for s in group[-1][3])
-
-        def landed(group=group) -> None:  # reads as codes: the records into the rows, inside the transfer
-            for layer, h, tokens, _ in group:
-                if remote.codes is not None:
-                    remote.codes.land(layer, [(h, tokens)])
+    """Path 3: move these (layer, page) blocks' entries that are not here yet on the background lane, one small
+    read at a time (`background_read_bytes`, entries of any layers), never while an on-demand read of this
+    request is waiting."""
+    wanted = remote.presence.missing_in_blocks(blocks)
+    per_read = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
+    for at in range(0, wanted.size, per_read):
         async with remote.background_turn:  # one background chunk of this request on the wire at a time
             await remote.wait_on_demand_idle()
             if remote.is_closed:
                 return
-            for layer in {unit[0] for unit in group}:  # (raises, and the batch is read again after a backoff)
-                remote.check_codes_room(layer)
-            await remote.read([s for *_, segs in group for s in segs], Lane.BACKGROUND, landed)
-        for layer, h, tokens, _ in group:
-            presence.mark(layer, h, tokens)
-        remote.bytes_background += size
+            chunk = remote.presence.missing(wanted[at: at + per_read])  # on-demand reads may have brought some
+            num_bytes = await remote.read_entries(chunk, Lane.BACKGROUND) if chunk.size else 0
+        remote.bytes_background += num_bytes
 
 
 async def read_ranked(remote: RemoteKv) -> None:
-    """(event loop task, while the request has remote KV) Read each queued ranking's remote part, oldest first,
-    in background-lane chunks, never while an on-demand read of this request is waiting. What is remote is
-    decided at read time, so entries an on-demand read brought meanwhile are not read twice. A chunk that fails
-    is dropped (these reads only save later on-demand ones); a failed or closed remote view ends the task."""
-    chunk_tokens = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
+    """(event loop task, while the request has remote KV) Read the queued rankings' remote parts, oldest first,
+    in background-lane chunks, never while an on-demand read of this request is waiting. One chunk may span
+    several layers' rankings; each round takes from the queue only as many rankings as fill one chunk, so the others
+    can still be replaced by newer ones. What is remote is decided at read time, so entries an on-demand read
+    brought meanwhile are not read twice. A chunk that fails is dropped (these reads only save later on-demand
+    ones); a failed or closed remote view ends the task."""
+    per_read = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
     while not remote.is_closed:
         if not remote.ranked_queue:
             remote.ranked_queued.clear()
             await remote.ranked_queued.wait()
             continue
-        layer = next(iter(remote.ranked_queue))
-        ranking = remote.ranked_queue.pop(layer)
         await remote.wait_on_demand_idle()
-        _, heads = remote.presence.remote_part(layer, ranking)
-        for chunk in read_chunks(heads, chunk_tokens):
+        parts: list[Entries] = []
+        while remote.ranked_queue and sum(part.size for part in parts) < per_read:
+            layer = next(iter(remote.ranked_queue))
+            _, heads = remote.presence.remote_part(layer, remote.ranked_queue.pop(layer))
+            parts.append(Entries.of_layer(layer, heads))
+        wanted = Entries.concat(parts)
+        for at in range(0, wanted.size, per_read):  # one chunk, or a few where the last ranking was large
             async with remote.background_turn:
                 await remote.wait_on_demand_idle()
                 if remote.is_closed or remote.failure:
                     return
+                chunk = remote.presence.missing(wanted[at: at + per_read])
                 try:
-                    num_bytes = await remote.read_entries(layer, chunk, Lane.BACKGROUND)
+                    num_bytes = await remote.read_entries(chunk, Lane.BACKGROUND) if chunk.size else 0
                 except Exception as exc:  # noqa: BLE001 (see the docstring)
                     if remote.is_closed or remote.failure:
                         return
-                    log.warning("ranked_read_failed", layer=layer, error=str(exc))
+                    log.warning("ranked_read_failed", layers=chunk.layers(), error=str(exc))
                     break
             remote.bytes_background += num_bytes
             remote.bytes_ranked += num_bytes
-            remote.num_ranked_reads += 1
+            remote.num_ranked_reads += 1 if num_bytes else 0
