@@ -311,7 +311,14 @@ def config_main(config_cls: type[C], role: str) -> C:
 def run_main(service: Service) -> None:
     """A service's `__main__`, second half: run it until SIGINT/SIGTERM, then exit 0 (a failure raises out of
     `asyncio.run` first, with its traceback and a non-zero status)."""
-    asyncio.run(run_service(service))
+    profile_to = os.environ.get("SMARTGEN_PROFILE_LOOP")
+    if profile_to:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.runcall(asyncio.run, run_service(service))
+        profiler.dump_stats(f"{profile_to}.{type(service).__name__}.{os.getpid()}")
+    else:
+        asyncio.run(run_service(service))
     # NOTE: everything is undone by now (NATS drained, spans written, service_stopped logged): the interpreter's own
     # teardown of torch and transformers only frees memory (~1.4 s of CPU a model worker), so it is skipped
     sys.stdout.flush()
