@@ -1,4 +1,4 @@
-"""Everything that crosses NATS: message dataclasses (messages.py), subjects, the one msgpack codec, and the
+"""Everything that crosses NATS: message dataclasses (messages/, one file per protocol), subjects, the one msgpack codec, and the
 transfer contract: shared constants, plan states and error codes (constants.py), the mode table (modes.py) and
 the plan geometry and byte math (geometry.py)."""
 from schemas.codec import SchemaError, decode, encode, from_plain

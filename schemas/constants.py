@@ -1,5 +1,5 @@
 """The constants and defaults every side shares, the plan's states, the error codes on the wire, and the one
-kv_budget rule. Imports nothing of the project: messages.py takes its defaults from here."""
+kv_budget rule. Imports nothing of the project: the messages take their defaults from here."""
 from __future__ import annotations
 
 import math

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from schemas.constants import PUSH_KEY_BITS
-from schemas.messages import KvLayout, TransferPlan
+from schemas.messages.kv import KvLayout, TransferPlan
 from schemas.modes import Aux, Push, TransferMode
 
 

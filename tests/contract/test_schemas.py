@@ -75,7 +75,7 @@ def all_message_types() -> set[type]:
 
 
 def test_examples_cover_every_message():
-    """The round-trip list below holds one example of every message type in schemas/messages.py."""
+    """The round-trip list below holds one example of every message type in schemas/messages/."""
     assert {type(m) for m in EXAMPLES} == all_message_types()
 
 

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the codec: for every message type in schemas/messages.py, decoding anything
+"""Property-based fuzzing of the codec: for every message type in schemas/messages/, decoding anything
 raises SchemaError or gives a message of that type, and every valid message round-trips.
 
 Strategies are built from the dataclasses' type hints, so a new message or field is fuzzed without
