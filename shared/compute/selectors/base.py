@@ -81,6 +81,34 @@ class Rows:
         self.num_rows = n + m
 
 
+class Columns:
+    """A (heads, m, n) tensor that grows along its last dim, one column a token: `Rows` transposed, for metadata a
+    step multiplies by (a query's (heads, g, m) @ this), where n contiguous in each row makes the product a plain
+    matmul instead of one over a transposed view (InfiniGen's partial keys at 8K: ~1.5× faster)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self.num_columns = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        """A view of the columns held so far."""
+        assert self._buf is not None, "no columns yet"
+        return self._buf[:, :, : self.num_columns]
+
+    def append(self, columns: torch.Tensor) -> None:
+        """`columns` (heads, m, k): k more tokens."""
+        n, k = self.num_columns, columns.shape[2]
+        if self._buf is None or n + k > self._buf.shape[2]:
+            capacity = max(n + k, 2 * (self._buf.shape[2] if self._buf is not None else 0), 16)
+            grown = columns.new_empty((*columns.shape[:2], capacity))
+            if self._buf is not None:
+                grown[:, :, :n] = self._buf[:, :, :n]
+            self._buf = grown
+        self._buf[:, :, n: n + k] = columns
+        self.num_columns = n + k
+
+
 class LayerState:
     """A selector's metadata for one layer of one request; grows as tokens are cached."""
 

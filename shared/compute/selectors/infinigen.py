@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
+from shared.compute.selectors.base import Columns, Geometry, LayerState, MetadataSpec, Selector, top_k, top_k_unsorted
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
@@ -28,7 +28,9 @@ def _power_of_two(x: float) -> bool:
 
 class InfiniGenState(LayerState):
     def __init__(self) -> None:
-        self.partial_keys = Rows()  # (num_kv_heads, n, c) float32: skewed keys, partial channels
+        # (num_kv_heads, c, n) float32: skewed keys' partial channels, a column a token (metadata on the wire is
+        # (num_kv_heads, n, c): `export` and `restore` transpose)
+        self.partial_keys = Columns()
 
 
 class InfiniGenSelector(Selector):
@@ -74,15 +76,15 @@ class InfiniGenSelector(Selector):
         return got
 
     def extend(self, layer: int, state: InfiniGenState, keys: torch.Tensor) -> None:
-        state.partial_keys.append(self._partial(layer, keys[:, state.num_tokens:], per_query_head=False))
+        state.partial_keys.append(self._partial(layer, keys[:, state.num_tokens:], per_query_head=False).transpose(1, 2))
         state.num_tokens = keys.shape[1]
 
     def export(self, state: InfiniGenState) -> list[torch.Tensor]:
-        return [state.partial_keys.data]
+        return [state.partial_keys.data.transpose(1, 2).contiguous()]
 
     def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> InfiniGenState:
         state = InfiniGenState()
-        state.partial_keys.append(tensors[0])
+        state.partial_keys.append(tensors[0].transpose(1, 2))
         state.num_tokens = num_tokens
         return state
 
@@ -92,9 +94,9 @@ class InfiniGenSelector(Selector):
         q = self._partial(layer, query[:, None, :], per_query_head=True).view(g.num_kv_heads, g.group, -1)
         scale = g.head_dim ** 0.5
         if _power_of_two(scale):  # dividing q instead of the logits is the same floats (d = 64: / 8) and n× fewer ops
-            logits = (q / scale) @ state.partial_keys.data.transpose(1, 2)  # (kv, G, n)
+            logits = (q / scale) @ state.partial_keys.data  # (kv, G, n)
         else:
-            logits = q @ state.partial_keys.data.transpose(1, 2) / scale
+            logits = q @ state.partial_keys.data / scale
         rel = logits.sub_(logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
         count = int((rel >= -self.alpha).sum(-1).max())  # the α rule, widest head decides the row length
         return rel, max(1, min(k, count))

@@ -46,7 +46,7 @@ def infinigen_scores(sel: InfiniGenSelector, layer: int, state, query: torch.Ten
     skew, cols = (t.repeat_interleave(g.group, dim=0) for t in (skew, cols))
     skewed = torch.einsum("hnd,hde->hne", query[:, None, :].float(), skew)
     q = torch.gather(skewed, 2, cols[:, None, :].expand(-1, skewed.shape[1], -1)).view(g.num_kv_heads, g.group, -1)
-    logits = q @ state.partial_keys.data.transpose(1, 2) / g.head_dim ** 0.5  # (kv, G, n)
+    logits = q @ state.partial_keys.data / g.head_dim ** 0.5  # (kv, G, n): the keys are held (kv, c, n)
     rel = (logits - logits.amax(dim=-1, keepdim=True)).amax(1)  # (kv, n): best over the group
     count = int((rel >= -sel.alpha).sum(-1).max())
     return rel, max(1, min(k, count))
