@@ -310,7 +310,8 @@ def config_main(config_cls: type[C], role: str) -> C:
 
 def run_main(service: Service) -> None:
     """A service's `__main__`, second half: run it until SIGINT/SIGTERM, then exit 0 (a failure raises out of
-    `asyncio.run` first, with its traceback and a non-zero status)."""
+    `asyncio.run` first, with its traceback and a non-zero status). With SMARTGEN_PROFILE_LOOP set, the event-loop
+    thread runs under cProfile and its stats go to `<that path>.<Service>.<pid>` (docs/operations.md)."""
     profile_to = os.environ.get("SMARTGEN_PROFILE_LOOP")
     if profile_to:
         import cProfile
