@@ -56,57 +56,34 @@ class Geometry:
 
 
 class Rows:
-    """A (heads, n, …) tensor that grows along dim 1. Capacity doubles, so appending one decoded token's
-    metadata per step costs O(1) amortized instead of a copy of everything held."""
+    """A tensor that grows along dim `dim` (1: (heads, n, …), a row a token; 2: (heads, m, n), a column a token, for
+    metadata a step multiplies by, so the product is a plain matmul instead of one over a transposed view).
+    Capacity doubles, so appending one decoded token's metadata per step costs O(1) amortized instead of a copy of
+    everything held."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 1) -> None:
         self._buf: torch.Tensor | None = None
+        self.dim = dim
         self.num_rows = 0
 
     @property
     def data(self) -> torch.Tensor:
         """A view of the rows held so far (empty tensor before the first append)."""
         assert self._buf is not None, "no rows yet"
-        return self._buf[:, : self.num_rows]
+        return self._buf.narrow(self.dim, 0, self.num_rows)
 
     def append(self, rows: torch.Tensor) -> None:
-        n, m = self.num_rows, rows.shape[1]
-        if self._buf is None or n + m > self._buf.shape[1]:
-            capacity = max(n + m, 2 * (self._buf.shape[1] if self._buf is not None else 0), 16)
-            grown = rows.new_empty((rows.shape[0], capacity, *rows.shape[2:]))
+        n, m = self.num_rows, rows.shape[self.dim]
+        held = self._buf.shape[self.dim] if self._buf is not None else 0
+        if self._buf is None or n + m > held:
+            shape = list(rows.shape)
+            shape[self.dim] = max(n + m, 2 * held, 16)
+            grown = rows.new_empty(shape)
             if self._buf is not None:
-                grown[:, :n] = self._buf[:, :n]
+                grown.narrow(self.dim, 0, n).copy_(self._buf.narrow(self.dim, 0, n))
             self._buf = grown
-        self._buf[:, n: n + m] = rows
+        self._buf.narrow(self.dim, n, m).copy_(rows)
         self.num_rows = n + m
-
-
-class Columns:
-    """A (heads, m, n) tensor that grows along its last dim, one column a token: `Rows` transposed, for metadata a
-    step multiplies by (a query's (heads, g, m) @ this), where n contiguous in each row makes the product a plain
-    matmul instead of one over a transposed view (InfiniGen's partial keys at 8K: ~1.5× faster)."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self.num_columns = 0
-
-    @property
-    def data(self) -> torch.Tensor:
-        """A view of the columns held so far."""
-        assert self._buf is not None, "no columns yet"
-        return self._buf[:, :, : self.num_columns]
-
-    def append(self, columns: torch.Tensor) -> None:
-        """`columns` (heads, m, k): k more tokens."""
-        n, k = self.num_columns, columns.shape[2]
-        if self._buf is None or n + k > self._buf.shape[2]:
-            capacity = max(n + k, 2 * (self._buf.shape[2] if self._buf is not None else 0), 16)
-            grown = columns.new_empty((*columns.shape[:2], capacity))
-            if self._buf is not None:
-                grown[:, :, :n] = self._buf[:, :, :n]
-            self._buf = grown
-        self._buf[:, :, n: n + k] = columns
-        self.num_columns = n + k
 
 
 class LayerState:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from shared.compute.selectors.base import Columns, Geometry, LayerState, MetadataSpec, Selector, top_k, top_k_unsorted
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
 
 RATIO = 0.25  # share of the head's channels kept as partial keys
 ALPHA = 4.0  # logits more than ALPHA below the best one are not worth fetching (e^-4 ≈ 1.8% of its weight)
@@ -30,7 +30,7 @@ class InfiniGenState(LayerState):
     def __init__(self) -> None:
         # (num_kv_heads, c, n) float32: skewed keys' partial channels, a column a token (metadata on the wire is
         # (num_kv_heads, n, c): `export` and `restore` transpose)
-        self.partial_keys = Columns()
+        self.partial_keys = Rows(dim=2)
 
 
 class InfiniGenSelector(Selector):
