@@ -7,13 +7,17 @@ Its key is a hash chain: key(page i) = sha256(key(page i-1) ‖ token ids of pag
 token ids from the prompt's start through that page, and the page's KV (which depends on every token before it
 too) is the same. Only full pages are kept.
 
-The pool is bounded (`capacity_bytes`). A request holds the pages of its hit (`acquire`) until it is done with them
+The pool is bounded (`capacity_bytes`) and allocated once: at the first insert, one tensor of as many page slots as
+fit (untouched memory costs nothing until a page is written into it); an evicted page's slot takes the next page.
+So the pool's memory grows to its capacity and stays there (fresh ~0.7 MB tensors per page, freed on eviction,
+let the allocator's heap grow for the whole of a 10-minute load test). A request holds the pages of its hit (`acquire`) until it is done with them
 (`release`); LRU eviction frees only pages no request holds. NOTE: a chain is touched last page first, so its first
 pages are the most recent and go last: evicting a page leaves the pages before it usable.
 Thread-safe (the torch thread looks up and inserts; the admin server reads the gauges).
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,7 +33,8 @@ LayerKv = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(slots=True)
 class _Page:
-    kv: torch.Tensor  # (num_layers, 2, num_kv_heads, page_tokens, head_dim)
+    slot: int  # its place in the pool
+    kv: torch.Tensor  # (num_layers, 2, num_kv_heads, page_tokens, head_dim): a view of the pool's slot
     num_refs: int = 0  # requests holding it (acquire … release)
 
 
@@ -59,6 +64,8 @@ class PrefixCache:
             raise ValueError("capacity_bytes must be ≥ 0 and page_tokens positive")
         self.capacity_bytes, self.page_tokens = capacity_bytes, page_tokens
         self._pages: OrderedDict[bytes, _Page] = OrderedDict()  # least recently used first
+        self._slots: torch.Tensor | None = None  # (num_slots, *page shape): every page's storage, from the first insert
+        self._free: list[int] = []  # slots no page uses
         self._lock = threading.Lock()
         self.num_bytes = 0  # held by cached pages
         self.num_queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
@@ -114,16 +121,19 @@ class PrefixCache:
         chain = set(keys)
         added = 0
         for index, key in enumerate(keys):
+            start, stop = index * self.page_tokens, (index + 1) * self.page_tokens
             with self._lock:
                 if key in self._pages:
                     continue
-            start = index * self.page_tokens
-            kv = torch.stack([torch.stack([k[:, start:start + self.page_tokens], v[:, start:start + self.page_tokens]])
-                              for k, v in layers]).to("cpu", copy=True)  # (L, 2, H, page_tokens, D)
-            with self._lock:
-                if not self._make_room(kv.nbytes, chain):
+                slots = self._pool(layers)
+                if not len(slots) or not self._make_room(slots[0].nbytes, chain):  # (no slot: capacity < a page)
                     break
-                self._pages[key] = _Page(kv)
+                slot = self._free.pop()
+                kv = slots[slot]  # (L, 2, H, page_tokens, D)
+                for layer, (k, v) in enumerate(layers):
+                    kv[layer, 0].copy_(k[:, start:stop])
+                    kv[layer, 1].copy_(v[:, start:stop])
+                self._pages[key] = _Page(slot, kv)
                 self.num_bytes += kv.nbytes
                 added += 1
         with self._lock:
@@ -134,7 +144,7 @@ class PrefixCache:
         """Drop every page no request holds."""
         with self._lock:
             for key in [key for key, page in self._pages.items() if not page.num_refs]:
-                self.num_bytes -= self._pages.pop(key).kv.nbytes
+                self._evict(key)
 
     def _touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):  # NOTE: the chain's first page ends up the most recently used (module docstring)
@@ -148,5 +158,24 @@ class PrefixCache:
         for key in [key for key, page in self._pages.items() if not page.num_refs and key not in keep]:
             if self.num_bytes + nbytes <= self.capacity_bytes:
                 break
-            self.num_bytes -= self._pages.pop(key).kv.nbytes
+            self._evict(key)
         return self.num_bytes + nbytes <= self.capacity_bytes
+
+    def _evict(self, key: bytes) -> None:
+        page = self._pages.pop(key)
+        self.num_bytes -= page.kv.nbytes
+        self._free.append(page.slot)
+
+    def _pool(self, layers: LayerKv) -> torch.Tensor:
+        """The pool's slots, allocated at the first insert from its pages' shape: as many as `capacity_bytes` holds."""
+        k = layers[0][0]
+        shape = (len(layers), 2, k.shape[0], self.page_tokens, k.shape[2])
+        if self._slots is None:
+            page_bytes = math.prod(shape) * k.element_size()
+            num_slots = self.capacity_bytes // page_bytes
+            self._slots = torch.empty((num_slots, *shape), dtype=k.dtype)  # host memory, as pages always were
+            self._free = list(range(num_slots - 1, -1, -1))  # slot 0 first
+        elif self._slots.shape[1:] != shape or self._slots.dtype != k.dtype:
+            raise ValueError(f"a page of shape {shape} ({k.dtype}) in a pool of {tuple(self._slots.shape[1:])} "
+                             f"({self._slots.dtype})")
+        return self._slots

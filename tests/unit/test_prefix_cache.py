@@ -82,6 +82,26 @@ def test_lru_evicts_the_least_recent_and_the_chain_from_its_end():
     assert cache.num_bytes <= cache.capacity_bytes
 
 
+def test_the_pool_is_allocated_once_and_an_evicted_pages_slot_takes_the_next():
+    """Pages live in one tensor of capacity // page slots, allocated at the first insert: however many prompts come
+    and go, no page is stored anywhere else, and a page evicted for a new one leaves its slot to it (the values the
+    new page reads are its own)."""
+    cache = PrefixCache(3 * PAGE_BYTES + PAGE_BYTES // 2, PAGE)  # room for 3 pages, not 4
+    cache.insert([0] * 12, fake_kv(12))
+    pool = cache._slots
+    assert pool is not None and pool.shape[0] == 3
+    base, end = pool.data_ptr(), pool.data_ptr() + pool.nbytes
+    for prompt in range(1, 40):  # each evicts the least recently used chain's pages
+        cache.insert([prompt] * 8, fake_kv(8, seed=prompt))
+        assert cache._slots is pool and cache.num_bytes <= cache.capacity_bytes
+        hit = cache.acquire([prompt] * 8)
+        assert hit.num_tokens == 8 and all(base <= page.data_ptr() < end for page in hit.pages)
+        keys, values = hit.layer_kv(8)[1]
+        assert torch.equal(keys, fake_kv(8, seed=prompt)[1][0]) and torch.equal(values, fake_kv(8, seed=prompt)[1][1])
+        cache.release(hit)
+    assert sorted([page.slot for page in cache._pages.values()] + cache._free) == [0, 1, 2]  # each slot once
+
+
 def test_eviction_never_frees_a_held_page():
     """While a request holds its hit, inserting other prompts evicts nothing of it; insert stops when no room is
     left rather than exceed the bound."""
