@@ -126,7 +126,9 @@ def shared_document(tokenizer, n: int, prompt_tokens: int, hit: float, seed: int
     rng.shuffle(files)
     doc_ids = tokenizer(files[0].read_text(errors="replace"))["input_ids"][:int(hit * prompt_tokens)]
     document = tokenizer.decode(doc_ids).rsplit("\n", 1)[0] + "\n"  # ends at a line: its tokens stay its own
-    template = document + "\n# Question {k}: what does this excerpt do, given the module above?\n{{context}}"
+    # NOTE: the document is text, not a template: its braces (f-strings, dicts, docstrings) are escaped for the one
+    # `format` that fills {context} (calibration._fit); an 8K prefix of a stdlib file has some
+    document = document.replace("{", "{{").replace("}", "}}")
     question_tokens = prompt_tokens - len(doc_ids)
     excerpts = tokenizer("\n".join(p.read_text(errors="replace") for p in files[1:]))["input_ids"]
     if len(excerpts) < n * question_tokens:
@@ -134,8 +136,8 @@ def shared_document(tokenizer, n: int, prompt_tokens: int, hit: float, seed: int
     samples = []
     for k in range(n):
         excerpt = tokenizer.decode(excerpts[k * question_tokens: (k + 1) * question_tokens])
-        samples.append(Sample("shared_document", _fit(tokenizer, template.format(k=k + 1), excerpt, prompt_tokens),
-                              [], "none", 64))
+        template = document + f"\n# Question {k + 1}: what does this excerpt do, given the module above?\n{{context}}"
+        samples.append(Sample("shared_document", _fit(tokenizer, template, excerpt, prompt_tokens), [], "none", 64))
     return samples
 
 
