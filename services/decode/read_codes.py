@@ -3,8 +3,8 @@ and their landing. Plain NumPy, no torch: it runs on the event loop (services/de
 
 The prefill node holds every prompt entry's record, layer by layer, record head·N + token within its layer
 (shared/compute/entry_codes.py, "Read codes"). A read moves any entries' records (one gather of `record_bytes`
-units across layers, or one segment per run of consecutive records) into the same places of the decode slab's own codes region, the
-one the proactive push's records landed in: a layer's part of it is free once its pushed records were
+units across layers, or one segment per run of consecutive records) into the same places of the decode slab's own
+codes region, the one the proactive push's records landed in: a layer's part of it is free once its pushed records were
 dequantized (RemoteKv keeps that order). Once landed, `land` dequantizes them into the slab's rows, in the
 slab's dtype, before the entries are marked present (presence turns True only once the values are in the rows).
 
@@ -43,15 +43,19 @@ class ReadCodes:
         self.vectors = values.reshape(-1, layout.head_dim)
         self.k_rows, self.v_rows = dst_rows[:, 0] // token_bytes, dst_rows[:, 1] // token_bytes  # (L, H) in vectors
 
+    def _index(self, entries: Entries) -> np.ndarray:
+        """Each entry's record: (layer · H + head) · N + token, the same on both nodes."""
+        return (entries.layer * self.num_kv_heads + entries.head) * self.num_tokens + entries.token
+
     def gather(self, entries: Entries) -> Gather:
         """Reading these entries' records: one gather of `record_bytes` units, index (layer · H + head) · N + token
         on both sides (layer by layer, record head · N + token within a layer)."""
-        index = (entries.layer * self.num_kv_heads + entries.head) * self.num_tokens + entries.token
+        index = self._index(entries)
         return Gather(self.src_base, self.dst_base, self.record_bytes, index, index)
 
     def land(self, entries: Entries) -> None:
         """The records of these entries have landed: their K and V into the slab's rows (NumPy, in place)."""
-        index = (entries.layer * self.num_kv_heads + entries.head) * self.num_tokens + entries.token
+        index = self._index(entries)
         keys, values = records_to_values(self.records[index], self.head_dim, self.bits)
         self.vectors[self.k_rows[entries.layer, entries.head] + entries.token] = as_stored(keys, self.dtype)
         self.vectors[self.v_rows[entries.layer, entries.head] + entries.token] = as_stored(values, self.dtype)

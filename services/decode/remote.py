@@ -310,6 +310,11 @@ class RemoteKv:
         """What reading one (layer, KV head, token) entry moves: its K and V rows, or its record of codes."""
         return self.codes.record_bytes if self.codes is not None else 2 * self.presence.token_bytes
 
+    @property
+    def entries_per_background_read(self) -> int:
+        """How many entries one path-3 read moves (`background_read_bytes` of them, at least one)."""
+        return max(1, self.background_read_bytes // self.entry_bytes)
+
     async def read(self, what: list[Segment] | Gather, lane: Lane, landed: Callable[[], None] | None = None) -> None:
         """Read `what` into the slab on `lane`, then run `landed` (records into rows). NOTE: the transfer is
         shielded: a caller cancelled mid-read (a path-3 task at the request's end) leaves it running, because its

@@ -268,7 +268,7 @@ async def read_blocks(remote: RemoteKv, blocks: list[int]) -> None:
     read at a time (`background_read_bytes`, entries of any layers), never while an on-demand read of this
     request is waiting."""
     wanted = remote.presence.missing_in_blocks(blocks)
-    per_read = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
+    per_read = remote.entries_per_background_read
     for at in range(0, wanted.size, per_read):
         async with remote.background_turn:  # one background chunk of this request on the wire at a time
             await remote.wait_on_demand_idle()
@@ -286,7 +286,7 @@ async def read_ranked(remote: RemoteKv) -> None:
     can still be replaced by newer ones. What is remote is decided at read time, so entries an on-demand read
     brought meanwhile are not read twice. A chunk that fails is dropped (these reads only save later on-demand
     ones); a failed or closed remote view ends the task."""
-    per_read = max(1, remote.background_read_bytes // remote.entry_bytes)  # K and V of one entry, or its record
+    per_read = remote.entries_per_background_read
     while not remote.is_closed:
         if not remote.ranked_queue:
             remote.ranked_queued.clear()
@@ -294,10 +294,12 @@ async def read_ranked(remote: RemoteKv) -> None:
             continue
         await remote.wait_on_demand_idle()
         parts: list[Entries] = []
-        while remote.ranked_queue and sum(part.size for part in parts) < per_read:
+        taken = 0  # entries in `parts`
+        while remote.ranked_queue and taken < per_read:
             layer = next(iter(remote.ranked_queue))
             _, heads = remote.presence.remote_part(layer, remote.ranked_queue.pop(layer))
             parts.append(Entries.of_layer(layer, heads))
+            taken += parts[-1].size
         wanted = Entries.concat(parts)
         for at in range(0, wanted.size, per_read):  # one chunk, or a few where the last ranking was large
             async with remote.background_turn:

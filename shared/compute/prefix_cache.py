@@ -10,8 +10,8 @@ too) is the same. Only full pages are kept.
 The pool is bounded (`capacity_bytes`) and allocated once: at the first insert, one tensor of as many page slots as
 fit (untouched memory costs nothing until a page is written into it); an evicted page's slot takes the next page.
 So the pool's memory grows to its capacity and stays there (fresh ~0.7 MB tensors per page, freed on eviction,
-let the allocator's heap grow for the whole of a 10-minute load test). A request holds the pages of its hit (`acquire`) until it is done with them
-(`release`); LRU eviction frees only pages no request holds. NOTE: a chain is touched last page first, so its first
+let the allocator's heap grow for the whole of a 10-minute load test). A request holds the pages of its hit
+(`acquire`) until it is done with them (`release`); LRU eviction frees only pages no request holds. NOTE: a chain is touched last page first, so its first
 pages are the most recent and go last: evicting a page leaves the pages before it usable.
 Thread-safe (the torch thread looks up and inserts; the admin server reads the gauges).
 """
