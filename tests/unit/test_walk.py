@@ -1,9 +1,9 @@
-"""tools/walk.py's counting on hand-built call trees (the tracing itself runs in tests/integration/test_walk.py)."""
+"""tools/walk_trace.py's counting on hand-built call trees (the tracing itself runs in tests/integration/test_walk.py)."""
 from __future__ import annotations
 
 import itertools
 
-from tools.walk import Call, walk_of
+from tools.walk_trace import Call, walk_of
 
 _seq = itertools.count()
 

@@ -41,30 +41,25 @@ import argparse
 import json
 import os
 import platform
-import secrets
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
 from tools.args import add_json, add_model, csv_of
 from tools.bench import cluster
 from tools.bench.cpu_window import DecodeCpu, stack_pids
 from tools.bench.modes import ALL_MODES, ONLINE_MODE, UNPACED_MODES, mode_body, quality_config  # noqa: F401
+from tools.bench.serve_link import calibrate, gateway_for, link_of
 from tools.bench.summary import REFERENCE_MODES, add_honest_bounds, summarize
 from tools.client import Gateway
 
-if TYPE_CHECKING:
-    from tools.stack import Stack
 
 DEFAULT_TASKS = ("squad_docqa", "aclsum_report", "aclsum_fewshot", "lcc_stdlib", "needle")
 REGIMES = ("prefill", "step")
-STEP_MATCH = 10.0  # step-matched links are this much faster than prefill-matched ones (module docstring)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -269,7 +264,7 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer,
         if cfg.profile_prompts:
             profiles[str(length)] = _build_profiles(cfg, gateway, tokenizer, samples)
         # NOTE: the longest prompt, so that R is set for the length asked (a task's data may fall short of it)
-        calibration[str(length)] = _calibrate(gateway, max((s.prompt for s in samples), key=len))
+        calibration[str(length)] = calibrate(gateway, max((s.prompt for s in samples), key=len))
         if questions:  # the document into the prefix cache: every measured request finds it
             gateway.complete({"prompt": next(questions).prompt, "max_tokens": 1, "transfer_mode": "full"})
         runs = [("unpaced", ("gbps", 0.0), unpaced)] + [(regime, setting, paced) for regime in regimes
@@ -277,7 +272,7 @@ def _measure(cfg: BenchConfig, gateway: Gateway, tokenizer,
         for first in range(0, len(samples), group):
             batch = samples[first: first + group]
             for regime, setting, run_modes in runs:
-                gbps, r = _link(setting, calibration[str(length)], regime)
+                gbps, r = link_of(setting, calibration[str(length)], regime)
                 gateway.pace(gbps)
                 for mode in run_modes:
                     body = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True,
@@ -338,54 +333,6 @@ def _build_profiles(cfg: BenchConfig, gateway: Gateway, tokenizer, samples: list
         built[str(bucket)] = {**reply, "calibration_task": CALIBRATION_TASK, "calibration_prompt_tokens": longest,
                               "measured_prompt_tokens": sorted(n for n in lengths if bucket_for(n) == bucket)}
     return built
-
-
-@contextmanager
-def gateway_for(url: str, model: str, out: Path,
-                extra_env: dict[str, str] | None = None) -> Iterator[tuple[Gateway, Stack | None]]:
-    """(client, None) of the gateway at `url`; without one, (client, stack) of a stack started for the run and
-    stopped on exit: 1 prefill + 1 decode on an embedded NATS, logging to out/stack.log, ready when yielded."""
-    if url:
-        yield Gateway(url), None
-        return
-    from tools.nats_server import free_port
-    from tools.stack import StackSpec, started_stack
-
-    # NOTE: generous timeouts: a full transfer at R = 6.5 of a 4K prompt takes minutes on this CPU
-    # NOTE: the prefix cache off unless asked (--prefix-hit): every mode serves the same prompts, and each would
-    # find the prompt cached by the one before. The decode side's is always off: full mode would move only what the
-    # decode worker lacks, where the paper's setting has the decode node receive the whole prompt's KV
-    # NOTE: no per-client cap: the benchmark is one client measuring the whole server (--concurrency C: C in flight)
-    env = {"SMARTGEN_MAX_RUNNING_PER_CLIENT": "0", "SMARTGEN_MAX_WAITING_PER_CLIENT": "0",
-           "SMARTGEN_KV_TIMEOUT_S": "1800", "SMARTGEN_PUSH_TIMEOUT_S": "1800", "SMARTGEN_OPEN_TIMEOUT_S": "1800",
-           "SMARTGEN_REQUEST_TIMEOUT_S": "1800", "SMARTGEN_KV_CACHE_MB": "1024", "SMARTGEN_PREFIX_CACHE_MB": "0",
-           "SMARTGEN_DECODE_PREFIX_CACHE_MB": "0", **(extra_env or {})}
-    spec = StackSpec(model=model, gateway_port=free_port(), log_file=out / "stack.log", env=env)
-    with started_stack(spec, 300) as stack:
-        yield Gateway(stack.gateway_url, stack.admin_token), stack
-
-
-def _link(setting: tuple[str, float], calib: dict, regime: str) -> tuple[float, float | None]:
-    """(link_gbps, pressure R) of a setting for one prompt length, in a pacing regime (module docstring)."""
-    kind, value = setting
-    if kind == "gbps" and not value:
-        return 0.0, None
-    bits_per_s_full = calib["kv_bytes_per_token"] * 8 * calib["prefill_tokens_per_s"]  # R = 1
-    if kind == "pressure":
-        return bits_per_s_full / value / 1e9 * (STEP_MATCH if regime == "step" else 1.0), value
-    return value, (bits_per_s_full / (value * 1e9) if value else None)
-
-
-def _calibrate(gateway: Gateway, prompt: str) -> dict:
-    """One unpaced full-mode request (after a warm-up): this machine's prefill rate and KV bytes per token.
-    NOTE: each opens with a line of its own, so where the prefix cache is on neither finds a page of it cached: the
-    rate is the whole prefill's."""
-    for tag in ("warm-up", "calibration"):
-        res = gateway.complete({"prompt": f"{tag} {secrets.token_hex(4)}\n{prompt}", "max_tokens": 2, "temperature": 0,
-                                "transfer_mode": "full"})
-    n = res["prompt_tokens"]
-    return {"prompt_tokens": n, "prefill_s": res["prefill_s"], "prefill_tokens_per_s": n / res["prefill_s"],
-            "kv_bytes_per_token": res["kv_bytes"]["full"] / n}
 
 
 def _serve(gateway: Gateway, body: dict, samples: list, concurrency: int, bar, pids: dict[str, list[int]]) -> list[dict]:

@@ -23,7 +23,8 @@ from typing import Any
 
 from schemas import DEFAULT_KV_BUDGET, DEFAULT_SELECTOR
 from tools.args import add_json, add_model, csv_of
-from tools.bench.serve import UNPACED_MODES, gateway_for, machine_info, mode_body
+from tools.bench.serve import UNPACED_MODES, machine_info, mode_body
+from tools.bench.serve_link import gateway_for
 from tools.eval.metrics import task_score
 
 DEFAULT_MODES = ("colocated", "full", "quantized-2bit", "quantized-4bit", "quantized-8bit", "colocated-selective", "partial", "smartgen")
