@@ -12,12 +12,11 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client
 from nats.micro.service import Service as MicroService
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from schemas import mode_of
 from shared.runtime.metrics import LatencyMetrics
 from shared.runtime.vllm_metrics import VllmMetrics
-from shared.runtime.models import resolve_model
+from shared.runtime.models import load_tokenizer, model_config, resolve_model
 from shared.runtime.service import Service
 from shared.runtime import tracing
 from services.gateway import api
@@ -30,10 +29,7 @@ from services.gateway.routing import PrefixRoutes
 
 def _generation_end_ids(path) -> list[int]:
     """The end-of-sequence ids of the model's generation_config.json (one id or a list), [] without one."""
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        return []
+    eos = model_config(path, "generation_config.json").get("eos_token_id")
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
@@ -49,6 +45,7 @@ class GatewayService(Service):
         super().__init__(config)
         self.registry = WorkerRegistry(config.worker_ttl_s)
         self.routes = PrefixRoutes(config.cache_route_slack)
+        self.prefill_routes = PrefixRoutes(config.cache_route_slack)
         self.latency = LatencyMetrics(self.metrics)
         self.prompt_tokens = self.metrics.counter("smartgen_prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = self.metrics.counter("smartgen_generation_tokens_total", "Tokens generated")
@@ -65,8 +62,8 @@ class GatewayService(Service):
         self.admission = Admission(self.capacity, config.max_waiting, config.queue_timeout_s, self.metrics,
                                    config.max_running_per_client, config.max_waiting_per_client)
         path = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.max_positions = AutoConfig.from_pretrained(path).max_position_embeddings
+        self.tokenizer = load_tokenizer(path)  # NOTE: the gateway never imports torch (load_tokenizer)
+        self.max_positions = model_config(path)["max_position_embeddings"]
         self.model_id = config.served_model_name or path.name
         # every id that ends a turn: the tokenizer's EOS and the generation config's (a chat template with its own
         # end-of-turn token lists it there)

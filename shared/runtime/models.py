@@ -8,6 +8,7 @@ Nothing here downloads: a missing model is an error that names the command that 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -92,3 +93,26 @@ def prepare_default_model(force: bool = False) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"model ready in {time.monotonic() - started:.0f} s", flush=True)
     return target
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer, the class AutoTokenizer would pick, without importing torch (for the gateway and
+    kvprofile, which never run the model). NOTE: transformers' Auto classes go through `configuration_utils`,
+    which imports torch whenever it is installed: ~1.7 s of CPU and ~200 MB per process. The class named by
+    tokenizer_config.json is what AutoTokenizer takes first; a folder that names none, or a class this transformers
+    does not export, goes through AutoTokenizer."""
+    import transformers
+
+    config = Path(path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    tokenizer_class = getattr(transformers, name, None) if name else None
+    if tokenizer_class is None:
+        tokenizer_class = transformers.AutoTokenizer
+    return tokenizer_class.from_pretrained(path)
+
+
+def model_config(path: Path, name: str = "config.json") -> dict:
+    """A model folder's config.json (or generation_config.json) as plain JSON, {} where the file is missing: what
+    AutoConfig and GenerationConfig read, without their import of torch."""
+    file = Path(path) / name
+    return json.loads(file.read_text()) if file.is_file() else {}
