@@ -45,6 +45,9 @@ def assert_no_leaks(stack: Stack, timeout_s: float = 10.0) -> None:
         pytest.fail(f"leak check: workers still hold request state: {leaks}")
 
 
+SPANS_FILE = "spans.jsonl"  # the shared stack's tracing file: set, with tracing off (test_tracing.py)
+
+
 @pytest.fixture(scope="session")
 def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """The whole system on the tiny model: NATS, gateway, broker, kvprofile, 1 prefill, 1 decode."""
@@ -53,7 +56,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     # default 16-bit KV runs in test_smartgen.py, test_faults.py and the CLI tests
     spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=log_file,
                      env={"SMARTGEN_KV_CACHE_MB": "64", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_KV_DTYPE": "float32",
-                          **NO_FLOOR_ENV})
+                          **NO_FLOOR_ENV, "SMARTGEN_TRACING_FILE": str(log_file.parent / SPANS_FILE)})
     with started_stack(spec, 180) as running:
         yield running
 

@@ -1,6 +1,6 @@
 """A 4-turn chat in full mode on two decode workers (issue #36): the gateway sends every turn to the decode worker that
-holds the conversation so far, each turn moves only the KV of its new tokens, and the answers are those of the same
-conversation with the decode side's prefix cache off."""
+holds the conversation so far, each turn moves only the KV of its new tokens, and each answer is plain transformers'
+greedy answer to the turn's prompt."""
 from __future__ import annotations
 
 import time
@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from services.gateway.chat import chat_prompt
 from tests.integration.conftest import NO_FLOOR_ENV, assert_no_leaks, open_stream, post_json
+from tests.reference import greedy_tokens
 from tools.nats_server import free_port
 from tools.stack import Stack, StackSpec, started_stack
 
@@ -56,8 +57,8 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
     """Turn 1 goes to the less loaded decode worker (the other one is busy); turns 2–4 follow it there though the
     other is as idle and first by id (the least-loaded rule alone would move them). Each turn after the first finds
     the conversation's previous prompt in that worker's pool but its partial last page, and moves ≤ 1.1 × the KV of
-    its new tokens (the previous answer and the new question) plus a page. The answers equal those of a stack with
-    the decode side's prefix cache off."""
+    its new tokens (the previous answer and the new question) plus a page. Each answer is model.generate's for the
+    turn's prompt."""
     with start(tiny_model_path, tmp_path, 2, {}) as stack:
         busy = {"prompt": "a long story", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "transfer_mode": "full"}
         with open_stream(stack.gateway_url + "/v1/completions", busy) as events:
@@ -68,11 +69,10 @@ def test_each_turn_moves_only_its_new_tokens_to_the_decode_worker_that_has_the_r
         assert_no_leaks(stack)
     assert turns[0]["smartgen"]["decode_worker_id"] == first["smartgen"]["decode_worker_id"]  # turn 1 cached before
     assert len({t["smartgen"]["decode_worker_id"] for t in turns}) == 1
-    with start(tiny_model_path, tmp_path, 1, {"SMARTGEN_DECODE_PREFIX_CACHE_MB": "0"}) as plain:
-        reference = conversation(plain)
-    assert [t["smartgen"]["token_ids"] for t in turns] == [t["smartgen"]["token_ids"] for t in reference]
-    assert all(t["smartgen"]["decode_cached_tokens"] == 0 for t in reference)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    # each turn's answer is plain transformers' greedy answer to the prompt it was asked with (fp32 KV, as here)
+    assert [t["smartgen"]["token_ids"] for t in turns] == [
+        greedy_tokens(tiny_model_path, chat_prompt(t["asked"], tokenizer), 24) for t in turns]
     for k in range(1, len(turns)):
         before, now = turns[k - 1], turns[k]
         held = chat_prompt(before["asked"], tokenizer)  # the KV the worker kept: the previous prompt's

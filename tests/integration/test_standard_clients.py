@@ -5,6 +5,7 @@ docs/results/ (tools/bench/guidellm_run.py, tools/eval/lmeval_compare.py)."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,8 +37,11 @@ def test_lm_eval_through_the_gateway_scores_as_its_hf_backend(clean_stack, tiny_
     write(tasks)
     api = (f"model={tiny_model_path.name},tokenizer={tiny_model_path},tokenizer_backend=huggingface,num_concurrent=2,"
            f"max_retries=1,base_url={clean_stack.gateway_url}/v1/completions")
-    served = lm_eval(tasks, tmp_path / "served", TASKS, "local-completions", api, False, 4)
-    reference = lm_eval(tasks, tmp_path / "hf", TASKS, "hf", f"pretrained={tiny_model_path},dtype=float32", False, 4)
+    with ThreadPoolExecutor(2) as pool:  # two lm_eval processes at once: each mostly waits (starting, or on the stack)
+        served = pool.submit(lm_eval, tasks, tmp_path / "served", TASKS, "local-completions", api, False, 4)
+        reference = pool.submit(lm_eval, tasks, tmp_path / "hf", TASKS, "hf", f"pretrained={tiny_model_path},dtype=float32",
+                                False, 4)
+        served, reference = served.result(), reference.result()
     mc, gen = (compare(served[t], reference[t]) for t in TASKS)
     assert mc["n"] == 4 and mc["max_loglikelihood_gap"] < 1e-3 and mc["score_served"] == mc["score_hf"], mc
     assert gen["n"] == 4 and gen["same_generation"] == 4, gen

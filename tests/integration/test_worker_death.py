@@ -15,40 +15,8 @@ from tools.stack import StackSpec, started_stack
 from tests.integration.conftest import get_json, post_json
 
 
-@pytest.fixture
-def own_stack(tiny_model_path, tmp_path):
-    spec = StackSpec(model=str(tiny_model_path), gateway_port=free_port(), log_file=tmp_path / "stack.log",
-                     env={"SMARTGEN_KV_CACHE_MB": "32", "SMARTGEN_TORCH_THREADS": "1", "SMARTGEN_WORKER_TTL_S": "2"})
-    with started_stack(spec, 120, may_die={"decode-0"}) as stack:  # the test kills the decode worker
-        yield stack
-
-
-def test_decode_killed_mid_stream_ends_the_stream_with_an_error(own_stack):
-    """kill -9 of the decode worker while it streams: an error event reaches the client within a few seconds."""
-    decode = next(w for w in list_workers(own_stack.gateway_url, own_stack.admin_token) if w["role"] == "decode")
-    body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "temperature": 0, "stream": True,
-            "transfer_mode": "full"}
-    chunks, killed_at, error = 0, None, None
-    with open_stream(own_stack.gateway_url + "/v1/completions", body, timeout=60) as events:
-        for payload in events:
-            if not isinstance(payload, dict):  # [DONE]
-                continue
-            if "error" in payload:
-                error = payload["error"]
-                break
-            chunks += 1
-            if chunks == 5:
-                os.kill(decode["pid"], signal.SIGKILL)
-                killed_at = time.monotonic()
-    assert killed_at is not None, "the stream ended before the kill"
-    assert error is not None and decode["id"] in error["message"]
-    assert time.monotonic() - killed_at < 6
-    prefill = next(w for w in list_workers(own_stack.gateway_url, own_stack.admin_token) if w["role"] == "prefill")
-    stats = get_json(prefill["admin_url"] + "/stats")
-    assert stats["active_requests"] == 0 and stats["kv_pages_in_use"] == 0
-
-
-@pytest.mark.parametrize("mode", ["full", "smartgen"])
+# NOTE: full mode under recompute (the whole answer equal to colocated's, through two kills): test_migration.py
+@pytest.mark.parametrize("mode", ["smartgen"])
 def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, tmp_path, mode):
     """failure_policy `recompute`, two decode workers, kill -9 of the one streaming: the client sees one
     continuous stream with every token, and the response names the worker it lost; nothing stays held on the
@@ -62,7 +30,7 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
                           **NO_FLOOR_ENV})
     with started_stack(spec, 120, may_die={"decode-0", "decode-1"}) as stack:
         url = stack.gateway_url
-        body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 300, "ignore_eos": True,
+        body = {"prompt": "Tell me a long story about a river city. " * 6, "max_tokens": 120, "ignore_eos": True,
                 "temperature": 0, "transfer_mode": mode, "failure_policy": "recompute"}
         if mode == "smartgen":
             body |= {"selector": "quest", "kv_budget": 0.25, "kv_bits": 0}  # exact KV: colocated's tokens
@@ -83,7 +51,7 @@ def test_under_recompute_a_request_outlives_its_decode_worker(tiny_model_path, t
                     os.kill(killed["pid"], signal.SIGKILL)
         assert killed is not None and final is not None
         expected = reference["smartgen"]["token_ids"]
-        assert len(final["token_ids"]) == 300 and final["token_ids"][:20] == expected[:20]
+        assert len(final["token_ids"]) == 120 and final["token_ids"][:20] == expected[:20]
         if mode == "full":
             assert final["token_ids"] == expected
         assert final["resumed_from"] == [killed["id"]] and final["recomputed"]
