@@ -120,3 +120,4 @@ class TransferPlan:
     # the code width the resolved mode runs with: quantized's codes or smartgen's low-bit push (0 = exact KV). The
     # request's kv_bits, except where auto resolved to a mode that moves exact KV
     kv_bits: int = 0
+    prefill_cached_tokens: int = 0  # the prefix cache hit it was sized with (OpenPlan's): the prefill computes the rest

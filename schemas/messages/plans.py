@@ -41,6 +41,9 @@ class OpenPlan:
     kv_budget: float | None = None  # the request's (None: DEFAULT_KV_BUDGET): sizes smartgen's query-aware push
     floor: BudgetFloor = DEFAULT_FLOOR  # the decode worker's (KvHandle.floor), likewise
     kv_bits: int = 0  # smartgen: the low-bit proactive push (PUSH_KV_BITS) sizes its budget in code bytes
+    # the prompt tokens the gateway expects the prefill worker to find in its prefix cache (an estimate:
+    # services/gateway/routing.py): its prefill computes only the rest, so the push has that much less time
+    prefill_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

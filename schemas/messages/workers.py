@@ -40,6 +40,7 @@ class WorkerInfo:
     max_requests: int = 0  # model workers: how many requests they take at once (max_active_requests)
     prefill_rates: list[PrefillRate] = field(default_factory=list)  # prefill: measured rate by prompt length
     draining: bool = False  # stopping (SIGTERM): finishing what it holds, taking nothing new (gateways pick others)
+    prefix_cache_mb: int = 0  # prefill: its prefix cache's pool (0: off, so the gateway expects no hit there)
 
 
 @dataclass(frozen=True, slots=True)

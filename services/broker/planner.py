@@ -82,6 +82,18 @@ def transfer_seconds(num_bytes: float, gbps: float) -> float:
     return num_bytes * 8 / (gbps * 1e9)
 
 
+def prefill_seconds(req: OpenPlan, link: LinkEstimate) -> float:
+    """How long the prefill computes, at the measured rate (the whole prompt's: a hit's time says nothing of it,
+    services/prefill). With a prefix cache hit of C of the N tokens it computes only the rest, but each of those
+    attends to every token before it, the cached ones too: where attention dominates, the time is the whole
+    prompt's × (1 − (C/N)²). Measured at 8K with 75% cached: 0.41–0.48 of the no-hit prefill, against 0.44 by this
+    and 0.25 by counting tokens (docs/results/prefix-hit-8k-2026-12-06). NOTE: at short prompts, where the
+    per-token work dominates, this is long: the plan may push a little more than fits (PUSH_MARGIN)."""
+    cached = min(max(0, req.prefill_cached_tokens), req.num_tokens)
+    share = 1.0 - (cached / req.num_tokens) ** 2 if req.num_tokens else 0.0
+    return share * req.num_tokens / link.prefill_tokens_per_s
+
+
 def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
     """`auto`: (mode, reason). Full transfer wins when it fits behind the prefill (fast link, short prompt):
     it keeps attention dense and costs nothing extra; and where step 1 attends densely anyway (a prompt under the
@@ -90,11 +102,12 @@ def choose_mode(req: OpenPlan, link: LinkEstimate) -> tuple[str, str]:
     A request that consents to low-bit KV (kv_bits, AUTO_KV_BITS) gets quantized transfer where its codes fit
     behind the prefill (dense decoding, all local from step 1), and beyond that smartgen with its push in those
     bits (at 2K, R = 6.5, docs/results/serve-2k-goals: TTST 0.46 s against 2.9 s exact and 5.8 s quantized)."""
-    t_prefill = req.num_tokens / link.prefill_tokens_per_s
+    t_prefill = prefill_seconds(req, link)
     t_full = transfer_seconds(req.num_tokens * req.layout.token_bytes, link.gbps)
     ratio = t_full / t_prefill
+    hit = f", {req.prefill_cached_tokens} of them cached" if req.prefill_cached_tokens else ""
     facts = (f"full transfer {t_full:.3g} s vs prefill {t_prefill:.3g} s (R = {ratio:.2f}) on a {link.gbps:.3g} Gbit/s "
-             f"link ({link.source}) for {req.num_tokens} tokens")
+             f"link ({link.source}) for {req.num_tokens} tokens{hit}")
     if ratio <= AUTO_MARGIN:
         return ModeName.FULL, f"{facts}: the whole KV fits behind the prefill"
     if not step_one_tokens(req):  # the decode worker's floor makes step 1 dense (a short prompt): it would read it all
@@ -123,6 +136,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
     kv_bits = 0 if spec.kv_bits_problem(req.kv_bits) else req.kv_bits  # auto chose a mode that moves exact KV: 0
     base = dict(request_id=req.request_id, transfer_mode=mode, broker_worker_id=broker_id, num_pages=num_pages,
                 link_gbps=link.gbps, prefill_tokens_per_s=link.prefill_tokens_per_s,
+                prefill_cached_tokens=req.prefill_cached_tokens,
                 parallel="parallel" not in req.ablate, read_ahead="ahead" not in req.ablate,
                 early_start="early" not in req.ablate, stall="stall" not in req.ablate, selector=selector,
                 kv_bits=kv_bits)
@@ -131,7 +145,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
 
     bits = spec.push_width(kv_bits)  # smartgen's low-bit push: entries travel as codes
     block_bytes = lay.page_tokens * lay.num_kv_heads * wire_entry_bytes(lay, bits)  # one layer's K and V of one page
-    t_prefill = PUSH_MARGIN * req.num_tokens / link.prefill_tokens_per_s
+    t_prefill = PUSH_MARGIN * prefill_seconds(req, link)
     bytes_per_s = link.gbps * 1e9 / 8
     metadata_bytes = pushed_aux_bytes(lay, req.num_tokens, req.aux_bytes, bits)  # the codes region is room only
     # layers ≥ 2 each push their own (a model of DENSE_LAYERS layers or fewer has none: no metadata, no division)

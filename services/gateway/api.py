@@ -40,6 +40,7 @@ class Gateway(Protocol):
     nc: Client | None
     registry: WorkerRegistry
     routes: PrefixRoutes  # which decode worker holds a prompt's longest cached prefix
+    prefill_routes: PrefixRoutes  # … and which prefill worker
     tokenizer: Any  # a transformers tokenizer
     model_id: str
     max_positions: int
@@ -150,7 +151,8 @@ async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: f
 def _new_run(gw: Gateway, job: CompletionJob, queue_s: float) -> CompletionRun:
     """An admitted job's run (after `queue_s` seconds in the admission queue)."""
     end_ids = sorted({*([] if job.ignore_eos else gw.stop_token_ids), *job.stop_token_ids})  # EOS unless ignored
-    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s, gw.worker_id, gw.routes)
+    run = CompletionRun(gw.nc, gw.registry, job, end_ids, gw.config.request_timeout_s, gw.worker_id, gw.routes,
+                        gw.prefill_routes)
     run.queue_s = queue_s
     return run
 

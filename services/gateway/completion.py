@@ -62,6 +62,7 @@ class CompletionRun(Dispatch, Migration):
     timeout_s: float
     gateway_id: str = ""  # this gateway's worker id, in every Generate: decode aborts the request if it dies
     routes: PrefixRoutes | None = None  # KV-aware routing of full-mode requests (routing.py); None: by load only
+    prefill_routes: PrefixRoutes | None = None  # … and of every prefill to the worker whose prefix cache holds the most
     token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
     finish_reason: str = ""
@@ -73,6 +74,7 @@ class CompletionRun(Dispatch, Migration):
     prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     num_cached_tokens: int = 0  # PrefillDone.num_cached_tokens: prompt tokens the prefill took from its prefix cache
+    prefill_cached_guess: int = 0  # what prefill_routes expected of it (the plan is sized with it: OpenPlan)
     decode_cached_tokens: int = 0  # KvHandle.cached_tokens: prompt tokens the decode worker had cached (not pushed)
     page_tokens: int = 0  # KvHandle.layout.page_tokens: the decode worker's page size (0: no handle)
     prefill: WorkerInfo | None = None
@@ -108,7 +110,9 @@ class CompletionRun(Dispatch, Migration):
         self.decode = self._pick("decode", self.routes.cached_tokens(job.prompt_ids) if by_kv else None)
         disaggregated = mode_of(job.transfer_mode).is_disaggregated
         if disaggregated:
-            self.prefill, self.broker = self._pick("prefill"), await self._pick_within("broker", BROKER_WAIT_S)
+            held = self.prefill_routes.cached_tokens(job.prompt_ids) if self.prefill_routes is not None else {}
+            self.prefill, self.broker = self._pick("prefill", held), await self._pick_within("broker", BROKER_WAIT_S)
+            self.prefill_cached_guess = held.get(self.prefill.worker_id, 0)
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed, top_p=job.top_p, top_k=job.top_k,
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
@@ -128,6 +132,7 @@ class CompletionRun(Dispatch, Migration):
                     self.exact_from_layer = done.exact_from_layer
                     self.num_cached_tokens = done.num_cached_tokens
                     self.prompt_logprobs = done.prompt_logprobs
+                    self._remember_prefill()
                 try:
                     await self._generate(first, done, sampling)
                 except (RemoteError, DecodeLost) as exc:
@@ -170,6 +175,12 @@ class CompletionRun(Dispatch, Migration):
         the decode worker keeps: services/decode/service.py)."""
         if self.routes is not None and self.mode == ModeName.FULL and self.page_tokens and self.decode is not None:
             self.routes.record(self.decode.worker_id, self.job.prompt_ids, self.page_tokens)
+
+    def _remember_prefill(self) -> None:
+        """A prefill finished: its worker's prefix cache, where it has one, now holds the prompt's full pages
+        (services/prefill keeps them after its reply; the pool may evict them later: an estimate)."""
+        if self.prefill_routes is not None and self.prefill is not None and self.prefill.prefix_cache_mb and self.page_tokens:
+            self.prefill_routes.record(self.prefill.worker_id, self.job.prompt_ids, self.page_tokens)
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         """The decode worker's token events, in order, each once. Events lost on the way (NATS is at most once: a

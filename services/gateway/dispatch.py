@@ -109,7 +109,7 @@ class Dispatch:
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
                                         self.decode.worker_id, job.ablate, job.kv_budget, handle.floor,
-                                        job.kv_bits),
+                                        job.kv_bits, self.prefill_cached_guess),
                                TransferPlan,
                                CONTROL_TIMEOUT_S)
         self.mode, self.selector, self.decode_layers = self.plan.transfer_mode, self.plan.selector, handle.layout.num_layers

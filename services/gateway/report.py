@@ -63,6 +63,7 @@ def summary(run: CompletionRun) -> dict[str, Any]:
                  "query_tail_tokens": plan.query_tail_tokens, "exact_push": plan.exact_push,
                  "exact_from_layer": run.exact_from_layer,
                  "link_gbps": plan.link_gbps, "prefill_tokens_per_s": plan.prefill_tokens_per_s,
+                 "prefill_cached_tokens": plan.prefill_cached_tokens,
                  "parallel": plan.parallel, "background": plan.background} if plan else None,
         "failure_policy": run.job.failure_policy,
         "recomputed": bool(run.recompute_reason),

@@ -1,7 +1,8 @@
 """KV-aware routing: which decode worker holds the longest cached prefix of a prompt, as this gateway remembers it.
 
 After a full-mode request finishes, the gateway records the hash-chain keys (schemas.page_keys) of the tokens whose
-KV that request left in its decode worker's prefix cache: its prompt's full pages. A new full-mode request goes to the worker holding the most of its pages, unless that worker runs more than
+KV that request left in its decode worker's prefix cache: its prompt's full pages. A new full-mode request goes to
+the worker holding the most of its pages, unless that worker runs more than
 `slack` requests beyond the least loaded one (then, and on no hit or a tie, the least loaded wins:
 shared/runtime/registry.py `pick`).
 
@@ -9,6 +10,12 @@ Why the gateway's own memory and not a summary in the decode workers' heartbeats
 a pool of 22K tokens is 1,400 keys of 32 bytes, too many to send every second. It is an estimate: the worker may have
 evicted the pages, and another gateway's requests are not in it. A wrong guess costs nothing but the hit: the decode
 worker looks its own pool up at `open` and the prefill pushes whatever it lacks.
+
+The gateway keeps a second one for the prefill workers (recorded after each prefill by a worker whose prefix cache
+is on, every mode): every disaggregated request goes to the prefill worker holding the most of its prompt, and the
+broker sizes the plan's push with that hit (OpenPlan.prefill_cached_tokens: the prefill computes only the rest,
+services/broker/planner.py `prefill_seconds`). A wrong guess there costs a push sized for a shorter or longer
+prefill than the one that runs.
 """
 from __future__ import annotations
 

@@ -369,7 +369,8 @@ class PrefillService(Lease, ModelWorkerService):
         self.store.free(request_id)
 
     def load_info(self) -> dict[str, Any]:
-        return {**super().load_info(), "prefill_rates": self.prefill_times.report()}
+        return {**super().load_info(), "prefill_rates": self.prefill_times.report(),
+                "prefix_cache_mb": self.config.prefix_cache_mb}
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()

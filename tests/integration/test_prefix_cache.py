@@ -41,7 +41,7 @@ def prefill_metric(stack, name: str) -> float:
 @pytest.mark.parametrize("mode", ["full", "quantized", "partial", "smartgen"])
 def test_a_repeated_prompt_hits_and_gives_the_same_tokens(clean_stack, tiny_model_path, mode):
     """The same prompt twice: the first computes all of it (cached_tokens 0), the second takes all but its last
-    token from the cache; both give the same greedy tokens and move the same KV bytes by path to decode (but in
+    token from the cache, and its plan was sized for that hit; both give the same greedy tokens and move the same KV bytes by path to decode (but in
     full mode, where the decode worker's own prefix cache has the same pages: tests/integration/test_decode_prefix_cache.py)."""
     prompt = f"[{mode}] {DOC} Question: what did the clerks count?"
     n = len(prompt_ids(tiny_model_path, prompt))
@@ -49,6 +49,9 @@ def test_a_repeated_prompt_hits_and_gives_the_same_tokens(clean_stack, tiny_mode
     hit = complete(clean_stack, prompt, mode)
     assert cached(miss) == 0
     assert cached(hit) == min(n - 1, (n // PAGE_TOKENS) * PAGE_TOKENS)  # full pages only; the last token runs
+    # the gateway expected it (routing.py: it records what each prefill keeps) and the broker sized the plan with it
+    assert miss["smartgen"]["plan"]["prefill_cached_tokens"] == 0
+    assert hit["smartgen"]["plan"]["prefill_cached_tokens"] == (n // PAGE_TOKENS) * PAGE_TOKENS
     assert hit["smartgen"]["token_ids"] == miss["smartgen"]["token_ids"]
     if mode == "full":  # the decode worker's own prefix cache had the prompt's pages too: the rest is pushed
         decode_cached = hit["smartgen"]["decode_cached_tokens"]

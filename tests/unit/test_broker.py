@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from schemas import NO_FLOOR, KvLayout, OpenPlan, entry_record_bytes, entry_region_bytes, quantized_bytes
-from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer
+from services.broker.planner import PUSH_MARGIN, LinkEstimate, choose_mode, plan_transfer, prefill_seconds
 from services.broker.plans import Plan, PlanBook, PlanStateError
 from schemas import pack_bits, unpack_bits
 from shared.runtime.profiles import positional_importance
@@ -168,6 +168,28 @@ def test_ablations_switch_paths_off():
     assert no_bg.queue == [] and not no_bg.plan.background and no_bg.plan.parallel
     serial = plan_transfer(request("smartgen", ["parallel"]), "smartgen", positional_importance(30), link, "b")
     assert not serial.plan.parallel and serial.plan.background
+
+
+def test_a_prefix_cache_hit_shortens_the_prefill_the_push_is_sized_for():
+    """With 75% of the prompt expected in the prefill's prefix cache (OpenPlan.prefill_cached_tokens), the prefill
+    computes the rest while attending to all of it: (1 − 0.75²) of the whole prompt's time. The push is sized for
+    that shorter prefill (fewer blocks: those of a prompt without a hit whose prefill takes as long), the plan
+    says which hit it was sized with, and `auto` weighs the transfer against that prefill (full at R = 0.5 of the whole prompt is R = 1.14 here)."""
+    aux, link = 1_000_000, link_for_ratio(2.5)
+    whole = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30), link, "b")
+    hit = replace(request("smartgen", aux_bytes=aux), prefill_cached_tokens=3 * N // 4)
+    assert prefill_seconds(hit, link) == pytest.approx((1 - 0.75 ** 2) * N / link.prefill_tokens_per_s)
+    planned = plan_transfer(hit, "smartgen", positional_importance(30), link, "b")
+    assert planned.plan.prefill_cached_tokens == 3 * N // 4 and whole.plan.prefill_cached_tokens == 0
+    assert 0 < planned.plan.num_push_blocks < whole.plan.num_push_blocks
+    # the same push as a prompt without a hit whose prefill takes as long
+    short_link = LinkEstimate(link.gbps, link.prefill_tokens_per_s / (1 - 0.75 ** 2), "measured")
+    same = plan_transfer(request("smartgen", aux_bytes=aux), "smartgen", positional_importance(30), short_link, "b")
+    assert same.plan.push_blocks == planned.plan.push_blocks and same.queue == planned.queue
+    assert (same.plan.query_tokens, same.plan.query_stop_layer) == (planned.plan.query_tokens, planned.plan.query_stop_layer)
+    assert choose_mode(request("auto"), link_for_ratio(0.5))[0] == "full"
+    mode, why = choose_mode(replace(request("auto"), prefill_cached_tokens=3 * N // 4), link_for_ratio(0.5))
+    assert mode == "smartgen" and f"{3 * N // 4} of them cached" in why
 
 
 def test_auto_picks_full_when_it_fits_and_smartgen_when_it_stalls():
