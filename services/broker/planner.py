@@ -86,7 +86,7 @@ def prefill_seconds(req: OpenPlan, link: LinkEstimate) -> float:
     """How long the prefill computes, at the measured rate (the whole prompt's: a hit's time says nothing of it,
     services/prefill). With a prefix cache hit of C of the N tokens it computes only the rest, but each of those
     attends to every token before it, the cached ones too: where attention dominates, the time is the whole
-    prompt's × (1 − (C/N)²). Measured at 8K with 75% cached: 0.41–0.48 of the no-hit prefill, against 0.44 by this
+    prompt's × (1 − (C/N)²). Measured at 8K with 75% cached: 0.41–0.50 of the no-hit prefill, against 0.44 by this
     and 0.25 by counting tokens (docs/results/prefix-hit-8k-2026-12-06). NOTE: at short prompts, where the
     per-token work dominates, this is long: the plan may push a little more than fits (PUSH_MARGIN)."""
     cached = min(max(0, req.prefill_cached_tokens), req.num_tokens)
