@@ -43,8 +43,10 @@ def paced(tmp_path_factory: pytest.TempPathFactory, tiny8_model_path: Path):
                           "SMARTGEN_BACKGROUND_IF_IT_CAN_FINISH": "false",
                           # the exact push may hold back any selective layer (by default only the last third)
                           "SMARTGEN_EXACT_FROM_SHARE": "0",
-                          # these tests compare modes on one prompt: full must move all of its KV every time
-                          "SMARTGEN_DECODE_PREFIX_CACHE_MB": "0"})
+                          # these tests compare modes on one prompt: full must move all of its KV every time, and
+                          # the links are paced against the whole prompt's prefill, which a prefill cache hit would
+                          # all but skip (the plan would then size the push for that: routing.py)
+                          "SMARTGEN_DECODE_PREFIX_CACHE_MB": "0", "SMARTGEN_PREFIX_CACHE_MB": "0"})
     with started_stack(spec, 180) as running:
         running.log_path = log_file  # type: ignore[attr-defined]
         yield running
