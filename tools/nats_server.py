@@ -23,21 +23,45 @@ from shared.runtime.config import write_secret_file
 
 
 _HANDED_OUT: set[int] = set()  # ports this process was given and may not have bound yet
+_RANGE_BELOW_EPHEMERAL = 12_000  # free_port draws from this many ports just below the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to bind(0) and connect() (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, and not one this process was already handed: the kernel may offer a port again until
-    someone binds it, and a stack asks for several before it starts anything (its gateway's and its NATS
-    server's monitoring port once came out the same: the health check read the monitor's 404)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            if len(_HANDED_OUT) > 10_000:  # long ago: bound or dropped by now
-                _HANDED_OUT.clear()
-            _HANDED_OUT.add(port)
-            return port
+    """A port free now, for a process that binds it later: drawn at random from below the kernel's ephemeral
+    range, so that no bind(0) or outgoing connection of any process can take it in the meantime (a test's
+    `smartgen up --port P` once found P taken by a service of that stack that had bound port 0: the test read
+    that service's 404), and not one this process was already handed (a stack asks for several before it
+    starts anything: its gateway's and its NATS server's monitoring port once came out the same)."""
+    low = _ephemeral_low()
+    candidates = range(max(1024, low - _RANGE_BELOW_EPHEMERAL), low)
+    for _ in range(1000):
+        port = secrets.choice(candidates) if len(candidates) > 100 else _kernel_port(host)
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind((host, port))
+        except OSError:  # bound by someone, or in TIME_WAIT
+            continue
+        if len(_HANDED_OUT) > 10_000:  # long ago: bound or dropped by now
+            _HANDED_OUT.clear()
+        _HANDED_OUT.add(port)
+        return port
+    raise OSError(f"no free port found on {host}")
+
+
+def _kernel_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 _LIBC = None
