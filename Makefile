@@ -26,7 +26,7 @@ up: model
 	$(VENV)/bin/smartgen up $(ARGS)
 
 test: model
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 # RDMA transport on real verbs: Soft-RoCE inside a small QEMU guest built from Debian packages.
 # Not part of `make test`. Needs root and apt; first run ~3 min (qemu + mmdebstrap + guest build), then ~25 s.

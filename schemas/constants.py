@@ -34,8 +34,10 @@ DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes
 # without it, decode waits for the whole push first), `exact` (where a layer's push would leave after the prefill
 # anyway, the prefill node runs step 1 first and pushes its exact selection), `stall` (after step 1, a step waits for
 # the selected entries that are not here; without it, it attends to the best local entries instead and reads the
-# missed ones without waiting: services/decode/read_behind.py); a request may `ablate` any
-SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact", "stall")
+# missed ones without waiting: services/decode/read_behind.py), `direct` (path 2's reads issued and received by the
+# decode's torch thread on a link of its own, not through its event loop: services/decode/direct_reads.py); a
+# request may `ablate` any
+SMARTGEN_PATHS = ("proactive", "parallel", "background", "query", "ahead", "early", "exact", "stall", "direct")
 # What a decode worker does when a request's KV cannot come from the prefill node: `fail` the request with
 # an error naming what failed, or `recompute` the prefill itself and carry on.
 FAILURE_POLICIES = ("fail", "recompute")

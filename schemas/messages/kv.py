@@ -121,3 +121,4 @@ class TransferPlan:
     # request's kv_bits, except where auto resolved to a mode that moves exact KV
     kv_bits: int = 0
     prefill_cached_tokens: int = 0  # the prefix cache hit it was sized with (OpenPlan's): the prefill computes the rest
+    direct_reads: bool = True  # path 2's reads on the decode torch thread's own link where it has one (False: ablate "direct")

@@ -167,6 +167,7 @@ class TokenEvent:
     substituted: int = 0  # … the selected entries a step replaced by the best local ones instead of waiting
     logprobs: TokenLogprobs | None = None  # Sampling.logprobs ≥ 0: the token's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # colocated, token 0 with Sampling.echo
+    direct_reads: int = 0  # of fetch_reads, those the torch thread issued on its own link (services/decode/direct_reads.py)
 
 
 @dataclass(frozen=True, slots=True)

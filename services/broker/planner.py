@@ -139,6 +139,7 @@ def plan_transfer(req: OpenPlan, mode: str, importance: np.ndarray | None, link:
                 prefill_cached_tokens=req.prefill_cached_tokens,
                 parallel="parallel" not in req.ablate, read_ahead="ahead" not in req.ablate,
                 early_start="early" not in req.ablate, stall="stall" not in req.ablate, selector=selector,
+                direct_reads="direct" not in req.ablate,
                 kv_bits=kv_bits)
     if spec.pushes is not Push.PLAN_BLOCKS:
         return PlannedTransfer(TransferPlan(**base, reason=reason or f"{mode}: every layer during prefill"), [])

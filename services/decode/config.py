@@ -22,6 +22,9 @@ class DecodeConfig(ModelWorkerConfig):
     # on-demand reads of scattered tokens (token-level selectors) as one gather per layer and chunk, not one segment
     # per run (services/decode/remote.py); false: always segments, as before gathers existed
     gather_reads: bool = True
+    # path 2's gathers issued and received by the torch thread on a reads-only link of its own to each prefill worker
+    # (services/decode/direct_reads.py), not through the event loop; plain TCP only. false: every read via the loop
+    direct_reads: bool = True
     # the budget floor (schemas/constants.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below

@@ -19,6 +19,7 @@ from shared.compute.kvstore import KvStore
 from shared.dataplane import DataPlane
 from shared.runtime.profiles import NUM_BLOCKS
 from services.decode.config import DecodeConfig
+from services.decode.direct_reads import DirectReads
 from services.decode.remote import RemoteKv
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
 from services.decode.request import DecodeRequest
@@ -48,9 +49,9 @@ class KvLoader:
     """Waits for a request's push and builds its cache on it; rebuilds it from the prompt under `recompute`."""
 
     def __init__(self, engine: DecodeEngine, store: KvStore, dataplane: DataPlane, remote_kv: RemoteKvLifecycle,
-                 config: DecodeConfig, in_torch: Callable[..., Awaitable[Any]]):
+                 config: DecodeConfig, in_torch: Callable[..., Awaitable[Any]], direct_reads: DirectReads | None = None):
         self.engine, self.store, self.dataplane, self.remote_kv = engine, store, dataplane, remote_kv
-        self.config, self.in_torch = config, in_torch
+        self.config, self.in_torch, self.direct_reads = config, in_torch, direct_reads
 
     async def receive(self, state: DecodeRequest, tokens: list[int]) -> None:
         """Disaggregated modes: wait for the pushed KV and build the cache on it (TransferError or RemoteReadError
@@ -191,12 +192,15 @@ class KvLoader:
         # follows the metadata in the aux area (DecodeEngine.entry_codes)
         codes_at = self.store.aux_offset(state.slab) + self.engine.metadata_layout(req.selector, n, True).nbytes \
             if req.source.codes_bits else -1
+        direct = self.direct_reads if req.plan.direct_reads and self.config.gather_reads else None
+        if direct is not None:
+            direct.open(req.source.dataplane_addr)  # in the background: until it is open, reads go via the loop
         return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                         self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
                         self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
                         self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req),
                         ranked=req.plan.background, stalls=req.plan.stall, codes_at=codes_at,
-                        region=self.store.region)
+                        region=self.store.region, direct=direct)
 
     def starts_while_pushing(self, state: DecodeRequest) -> bool:
         """No global push barrier: step 1 may start before the push has landed, each layer waiting for its own

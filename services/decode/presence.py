@@ -1,6 +1,7 @@
 """Which of one request's (layer, KV head, prompt token) entries are on this decode node, and where each lives on
-both nodes (byte addresses for reads). Plain NumPy, no threads: services/decode/remote.py's RemoteKv marks
-entries present from the event loop once their bytes have landed and asks what is remote from the torch thread.
+both nodes (byte addresses for reads). Plain NumPy: services/decode/remote.py's RemoteKv marks entries present
+once their bytes have landed (from the event loop, or the torch thread for its direct reads: `lock`) and asks
+what is remote from the torch thread.
 NOTE: presence only turns True after the bytes are in the slab, so a stale False costs a duplicate read, never a
 wrong value.
 
@@ -11,6 +12,7 @@ not per page (path 3 used to cost ~77 µs of Python per page and head).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +84,7 @@ class Presence:
             self.present |= pushed_entries
         self.missing_per_layer = (~self.present).sum(axis=(1, 2))
         self.num_missing = int(self.missing_per_layer.sum())
+        self.lock = threading.Lock()  # marking is a read-modify-write of the counts, from either thread
 
     def remote_part(self, layer: int, idx: torch.Tensor | None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """Which of the entries `idx` (H_kv, k) selects at `layer` (None: all its tokens) are not here: a bool mask
@@ -106,19 +109,21 @@ class Presence:
 
     def mark_entries(self, layer: int, entries: np.ndarray) -> None:
         """`entries` (num_kv_heads, num_tokens) bool of `layer` are here."""
-        row = self.present[layer]
-        fresh = int((entries & ~row).sum())
-        row |= entries
-        self.missing_per_layer[layer] -= fresh
-        self.num_missing -= fresh
+        with self.lock:
+            row = self.present[layer]
+            fresh = int((entries & ~row).sum())
+            row |= entries
+            self.missing_per_layer[layer] -= fresh
+            self.num_missing -= fresh
 
     def mark(self, entries: Entries) -> None:
         """These entries are here (their bytes have landed)."""
         at = (entries.layer, entries.head, entries.token)
-        fresh = np.bincount(entries.layer[~self.present[at]], minlength=self.missing_per_layer.size)
-        self.present[at] = True
-        self.missing_per_layer -= fresh
-        self.num_missing -= int(fresh.sum())
+        with self.lock:
+            fresh = np.bincount(entries.layer[~self.present[at]], minlength=self.missing_per_layer.size)
+            self.present[at] = True
+            self.missing_per_layer -= fresh
+            self.num_missing -= int(fresh.sum())
 
     def missing(self, entries: Entries) -> Entries:
         """Those of `entries` still not here."""

@@ -3,9 +3,9 @@ path 3 in remote_lifecycle.py; docs/architecture.md, "The three transfer paths")
 (presence.py). The decode node owns this picture; the broker only schedules. The rule between the two threads:
   - the torch thread calls `fetch`, `speculate`, `rank` and `ready` inside attention and waits on the returned
     `Pending` (a concurrent future), never on the loop; it never awaits and touches asyncio only through
-    `run_coroutine_threadsafe` / `call_soon_threadsafe`;
-  - the event loop runs every read, marks presence once bytes have landed, and runs path 3, `push_landed`,
-    `fail` and `close`.
+    `run_coroutine_threadsafe` / `call_soon_threadsafe`. A `fetch` on a direct link it runs itself (direct_reads.py);
+  - the event loop runs every other read, marks presence once its bytes have landed, and runs path 3,
+    `push_landed`, `fail` and `close`.
 
 A read moves a set of entries of any layers (presence.py `Entries`): as one gather (one index per entry), or as
 segments where its runs of consecutive tokens are long (reads.py GATHER_BELOW_RUN); where the prefill serves codes
@@ -29,6 +29,7 @@ import torch
 
 from schemas import DENSE_LAYERS, KvLayout, KvSource
 from shared.dataplane import DataPlane, Gather, Lane, Segment
+from services.decode.direct_reads import DirectPending, DirectReads
 from services.decode.presence import Entries, Presence
 from services.decode.read_behind import ReadBehind
 from services.decode.read_codes import ReadCodes
@@ -73,6 +74,9 @@ class RemoteKv:
     num_read_remote: int = 0
     num_fetch_reads: int = 0  # reads a layer issued when it attended (what was not local nor read speculatively)
     num_speculative_reads: int = 0  # reads of a predicted selection, issued a layer early (`speculate`)
+    direct: DirectReads | None = None  # the torch thread's own links (direct_reads.py); None: reads via the loop
+    num_direct_reads: int = 0  # of num_fetch_reads, those issued on a direct link (torch thread)
+    bytes_direct: int = 0  # their bytes, on demand too (torch thread; bytes_on_demand is the loop's)
     is_closed: bool = False
     failure: str = ""  # set when the prefill node is lost: every later read fails at once with it
 
@@ -118,6 +122,8 @@ class RemoteKv:
         self._landing_before_step = self.landing_wait_s
 
     def end_step(self) -> None:
+        if self.direct is not None:
+            self.direct.settle()  # no direct read may outlive its step (direct_reads.py)
         self.num_read_local += self._step_local
         self.num_read_remote += self._step_remote
         total = self._step_local + self._step_remote
@@ -160,7 +166,7 @@ class RemoteKv:
         if all(self._prepared):
             self._landed = None
 
-    def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | None:
+    def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | DirectPending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
         self._check_readable()
@@ -182,8 +188,10 @@ class RemoteKv:
             return None
         self.num_fetch_reads += 1
         self._step_read_layers.add(layer)
-        future = self.start_read(layer, heads)
-        return Pending(future, torch.from_numpy(remote) if idx is not None else None, self.read_timeout_s, self)
+        mask = torch.from_numpy(remote) if idx is not None else None
+        if self.direct is not None and (direct := self.direct.fetch(self, layer, heads, mask)) is not None:
+            return direct
+        return Pending(self.start_read(layer, heads), mask, self.read_timeout_s, self)
 
     def wants_speculation(self, layer: int) -> bool:
         """Speculating is on, the step stalls on misses (one that does not has nothing to wait less for), and `layer`

@@ -267,7 +267,7 @@ class DecodeRequest:
         if mode.keeps_source:
             aux = self._metadata_bytes(layout)
             kv_bytes = {mode.aux_path: min(aux, landed), mode.rows_path: max(0, landed - aux),
-                        "on_demand": remote.bytes_on_demand if remote else 0,
+                        "on_demand": remote.bytes_on_demand + remote.bytes_direct if remote else 0,
                         "background": remote.bytes_background if remote else 0}
         elif mode.is_disaggregated:  # everything was pushed: as codes, or row by row
             kv_bytes = {mode.aux_path if mode.aux is Aux.CODES else mode.rows_path: landed}
@@ -291,7 +291,8 @@ class DecodeRequest:
                           ranked_reads=remote.num_ranked_reads if remote else 0,
                           ranked_bytes=remote.bytes_ranked if remote else 0,
                           behind_reads=remote.behind.num_reads if remote and remote.behind else 0,
-                          substituted=remote.behind.num_substituted if remote and remote.behind else 0)
+                          substituted=remote.behind.num_substituted if remote and remote.behind else 0,
+                          direct_reads=remote.num_direct_reads if remote else 0)
 
 
 def selection_stats(req: Generate, selection: Selection, runner: ModelRunner | None) -> SelectionStats | None:

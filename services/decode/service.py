@@ -52,6 +52,7 @@ from services.decode.batcher import StepBatcher
 from services.decode.admission import Admission
 from services.decode.config import DecodeConfig
 from services.decode.gateway_watch import GatewayWatch
+from services.decode.direct_reads import DirectReads, direct_reads_for
 from services.decode.kv_loader import KvLoader, TransferError
 from services.decode.remote import RemoteReadError
 from services.decode.remote_lifecycle import RELEASE_TIMEOUT_S, RemoteKvLifecycle
@@ -77,6 +78,7 @@ class DecodeService(Admission, ModelWorkerService):
         self.batcher: StepBatcher | None = None  # continuous batching: every running request's steps go together
         self.remote_kv: RemoteKvLifecycle | None = None  # paths 2-3 and the lease (remote_lifecycle.py)
         self.loader: KvLoader | None = None  # the cache on what landed, and the remote view (kv_loader.py)
+        self.direct_reads: DirectReads | None = None  # the torch thread's own links to prefill workers
         self.gateway_watch: GatewayWatch | None = None  # aborts requests whose gateway died (gateway_watch.py)
         self.active: dict[str, DecodeRequest] = {}
         self.streaming: set[str] = set()  # requests whose stream's last event is not out yet
@@ -99,7 +101,9 @@ class DecodeService(Admission, ModelWorkerService):
         assert self.dataplane
         self.remote_kv = RemoteKvLifecycle(nc, self.worker_id, self.runner.name, self.store.layout, self.dataplane,
                                            self.engine.detach_remote, self.config.background_if_it_can_finish)
-        self.loader = KvLoader(self.engine, self.store, self.dataplane, self.remote_kv, self.config, self.in_torch)
+        self.direct_reads = direct_reads_for(self.dataplane, self.store.region, self.config)
+        self.loader = KvLoader(self.engine, self.store, self.dataplane, self.remote_kv, self.config, self.in_torch,
+                               self.direct_reads)
         await self.add_endpoints(micro, open=endpoint(OpenKv, self.open), generate=endpoint(Generate, self.generate),
                                  abort=endpoint(Abort, self.abort), resend=endpoint(ResendTokens, self.resend))
         await nc.subscribe(self.subject("transfer_failed"), cb=subscriber(TransferFailed, self.transfer_failed))
@@ -185,7 +189,10 @@ class DecodeService(Admission, ModelWorkerService):
             self.remote_kv.prefill_failed(state, failed.error)
 
     def link_lost(self, peer: str, error: DataPlaneError) -> None:
-        """A data-plane connection dropped: requests still waiting for KV pushed from that peer stop waiting."""
+        """A data-plane connection dropped: requests still waiting for KV pushed from that peer stop waiting, and
+        a read blocked on the torch thread's own link to it fails at once."""
+        if self.direct_reads is not None:
+            self.direct_reads.drop(peer)
         for state in self.active.values():
             self.remote_kv.link_lost(state, peer, error)
 
@@ -366,4 +373,6 @@ class DecodeService(Admission, ModelWorkerService):
             await self._release(state)
         if self.batcher is not None:
             await self.batcher.close()
+        if self.direct_reads is not None:
+            await self.direct_reads.close()
         await super().stop()

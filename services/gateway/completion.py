@@ -74,7 +74,6 @@ class CompletionRun(Dispatch, Migration):
     prefill_step1_s: float = 0.0  # of prefill_s, step 1 run on the prefill node before token 1 (PrefillDone.step_one_s)
     exact_from_layer: int = 0  # PrefillDone.exact_from_layer: the first layer that pushed step 1's exact selection
     num_cached_tokens: int = 0  # PrefillDone.num_cached_tokens: prompt tokens the prefill took from its prefix cache
-    prefill_cached_guess: int = 0  # what prefill_routes expected of it (the plan is sized with it: OpenPlan)
     decode_cached_tokens: int = 0  # KvHandle.cached_tokens: prompt tokens the decode worker had cached (not pushed)
     page_tokens: int = 0  # KvHandle.layout.page_tokens: the decode worker's page size (0: no handle)
     prefill: WorkerInfo | None = None
@@ -109,10 +108,11 @@ class CompletionRun(Dispatch, Migration):
         by_kv = self.routes is not None and job.transfer_mode == ModeName.FULL  # KV-aware routing (routing.py)
         self.decode = self._pick("decode", self.routes.cached_tokens(job.prompt_ids) if by_kv else None)
         disaggregated = mode_of(job.transfer_mode).is_disaggregated
+        prefill_hit = 0  # the prompt tokens prefill_routes expects the picked prefill worker to hold (OpenPlan)
         if disaggregated:
             held = self.prefill_routes.cached_tokens(job.prompt_ids) if self.prefill_routes is not None else {}
             self.prefill, self.broker = self._pick("prefill", held), await self._pick_within("broker", BROKER_WAIT_S)
-            self.prefill_cached_guess = held.get(self.prefill.worker_id, 0)
+            prefill_hit = held.get(self.prefill.worker_id, 0)
         self._sub = await self.nc.subscribe(subjects.stream(job.request_id))
         sampling = Sampling(job.temperature, job.seed, top_p=job.top_p, top_k=job.top_k,
                             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
@@ -124,7 +124,7 @@ class CompletionRun(Dispatch, Migration):
             if not disaggregated:
                 await self._on_some_decode(lambda: self._generate(first, None, sampling))
             else:
-                handle = await self._open()
+                handle = await self._open(prefill_hit)
                 done = await self._run_prefill(handle, sampling)
                 if done is not None:
                     first, self.prefill_s = done.first_token, done.prefill_s + done.step_one_s

@@ -79,9 +79,10 @@ class Dispatch:
                                code=ErrorCode.UNAVAILABLE)
             self.decode = following
 
-    async def _open(self: CompletionRun) -> KvHandle:
+    async def _open(self: CompletionRun, prefill_hit: int) -> KvHandle:
         """decode.open → broker.open: the slab (on a decode worker with room), then the plan, which carries the
-        mode and selector the request runs with (the broker resolves `auto`; nothing here decides it again)."""
+        mode and selector the request runs with (the broker resolves `auto`; nothing here decides it again) and is
+        sized for a prefill that finds `prefill_hit` prompt tokens in its prefix cache."""
         job = self.job
         assert self.prefill and self.broker
         wants_metadata = mode_of(job.transfer_mode).aux is Aux.METADATA
@@ -109,7 +110,7 @@ class Dispatch:
                                OpenPlan(job.request_id, job.transfer_mode, self.decode.model, self.selector,
                                         len(job.prompt_ids), handle.layout, handle.aux_bytes, self.prefill.worker_id,
                                         self.decode.worker_id, job.ablate, job.kv_budget, handle.floor,
-                                        job.kv_bits, self.prefill_cached_guess),
+                                        job.kv_bits, prefill_hit),
                                TransferPlan,
                                CONTROL_TIMEOUT_S)
         self.mode, self.selector, self.decode_layers = self.plan.transfer_mode, self.plan.selector, handle.layout.num_layers

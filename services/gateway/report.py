@@ -35,7 +35,8 @@ def summary(run: CompletionRun) -> dict[str, Any]:
         "push_landing_wait_s": final.push_landing_wait_s if final else 0.0,
         "reads": {"fetch": final.fetch_reads, "speculative": final.speculative_reads,
                   "ranked": final.ranked_reads, "ranked_bytes": final.ranked_bytes,
-                  "behind": final.behind_reads, "substituted": final.substituted} if final else {},
+                  "behind": final.behind_reads, "substituted": final.substituted,
+                  "direct": final.direct_reads} if final else {},
         "prefill_s": run.prefill_s,
         "prefill_step1_s": run.prefill_step1_s,
         # what ttst_bound_s is made of: step 1's all-local compute here and the bytes it needed from the link

@@ -19,7 +19,7 @@ from shared.dataplane import frames, handshake
 from shared.dataplane.base import DataPlane, DataPlaneError, Gather, Grant, Lane, Segment, check_within, split_into_chunks
 from shared.dataplane.channel import Channel, DataPlaneTls, open_channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
-from shared.dataplane.pacing import chunk_bytes
+from shared.dataplane.pacing import Pacer, chunk_bytes
 from shared.dataplane.tcp_link import CONTROL, LaneStats, Link
 
 # a READ asks the server to answer on the reader's lane
@@ -29,6 +29,14 @@ HANDSHAKE_TIMEOUT_S = 10.0  # connect (dialer); the whole handshake, TLS include
 # peers_refused), so a flood of connections that never say hello costs at most this many sockets and tasks
 MAX_PENDING_HANDSHAKES = 32
 RATE_WINDOW_BYTES = 16 << 20  # the send rate is a moving average over about this many recent bytes
+# A dialer that names itself "<its address>READS_ONLY" opens a link it only reads on (a DirectReader: the decode's
+# torch thread, direct_reader.py): the listener answers its requests but never sends its own transfers on it
+READS_ONLY = "#reads"
+
+
+def peer_of(name: str) -> str:
+    """The peer's data-plane address, whichever of its links `name` names."""
+    return name.removesuffix(READS_ONLY)
 
 
 async def _recv_handshake(channel: Channel, op: int) -> bytes:
@@ -79,6 +87,8 @@ class TcpDataPlane(DataPlane):
         self._recent_bytes = 0.0  # decayed sums behind send_rate_gbps
         self._recent_busy_s = 0.0
         self.links: dict[str, Link] = {}  # the link each peer's new transfers take
+        # one per peer, shared by all links to it (a reads-only link too): the emulated NIC is the peer's, not a link's
+        self.pacers: dict[str, Pacer] = {}
         self.open_links: set[Link] = set()  # those, and older links to the same peer still finishing their work
         self._unnamed: set[asyncio.Task[None]] = set()  # accepted sockets that have not said hello yet
         self._connecting: dict[str, asyncio.Lock] = {}
@@ -107,14 +117,24 @@ class TcpDataPlane(DataPlane):
 
     # --- numbers ---------------------------------------------------------------------------------
     def set_link_gbps(self, gbps: float) -> None:
-        super().set_link_gbps(gbps)
+        if gbps < 0:
+            raise ValueError("link_gbps must be ≥ 0 (0 = unpaced)")
+        self.link_gbps = gbps
+        for pacer in self.pacers.values():
+            pacer.set_gbps(gbps)
         self._recent_bytes = self._recent_busy_s = 0.0  # a different link: what was measured no longer holds
 
-    def note_sent(self, num_bytes: int, busy_s: float) -> None:
-        """One data frame left in `busy_s` (pacing included): fold it into the moving average."""
-        keep = math.exp(-num_bytes / RATE_WINDOW_BYTES)
-        self._recent_bytes = keep * self._recent_bytes + num_bytes
-        self._recent_busy_s = keep * self._recent_busy_s + busy_s
+    def note_frame(self, lane: int, num_bytes: int, busy_s: float) -> None:
+        """One frame of `lane` left in `busy_s` (pacing included): count it; a data frame (not an ack) also
+        goes into the moving average of the send rate."""
+        stats = self.lane_stats[lane]
+        stats.num_bytes += num_bytes
+        stats.num_frames += 1
+        stats.busy_s += busy_s
+        if lane != CONTROL:
+            keep = math.exp(-num_bytes / RATE_WINDOW_BYTES)
+            self._recent_bytes = keep * self._recent_bytes + num_bytes
+            self._recent_busy_s = keep * self._recent_busy_s + busy_s
 
     def send_rate_gbps(self) -> float:
         # NOTE: the writer's busy time includes the pacer and the socket's send time; on a real NIC with large
@@ -178,34 +198,48 @@ class TcpDataPlane(DataPlane):
             link = self.links.get(peer)
             if link is not None:
                 return link
-            host, port = peer.rsplit(":", 1)
-            loop = asyncio.get_running_loop()
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                # NOTE: asyncio.timeout, not wait_for, which on Python 3.11 drops a cancellation of the caller (a
-                # request's task, aborted) that lands as a step ends: the aborted request went on
-                async with asyncio.timeout(self.handshake_timeout_s):
-                    await loop.sock_connect(sock, (host, int(port)))
-                async with asyncio.timeout(self.handshake_timeout_s):
-                    channel = await open_channel(sock, self.tls, server_side=False)
-                async with asyncio.timeout(self.handshake_timeout_s):
-                    await self._prove_to_listener(channel)
-            except (handshake.PeerRefused, ssl.SSLError) as exc:
-                sock.close()
-                self.num_peers_refused += 1
-                raise DataPlaneError(f"the data plane at {peer} refused us, or failed to prove itself: {exc}") from None
-            except (OSError, asyncio.TimeoutError, FrameError) as exc:
-                sock.close()
-                raise DataPlaneError(f"cannot connect to the data plane at {peer}: {exc or 'timeout'}") from None
-            return self._add_link(channel, peer)
+            return self._add_link(await self._dial(peer, self.address), peer)
 
-    async def _prove_to_listener(self, channel: Channel) -> None:
+    async def dial_reads_only(self, peer: str) -> socket.socket:
+        """A new connection to `peer`, through the handshake, for a DirectReader (direct_reader.py): the peer knows
+        it as reads-only. Plain TCP only (DataPlaneError under TLS: the reader speaks to the socket itself)."""
+        if self.tls is not None:
+            raise DataPlaneError("direct reads need a plain TCP data plane; this one runs TLS")
+        return (await self._dial(peer, self.address + READS_ONLY)).sock
+
+    async def _dial(self, peer: str, own_name: str) -> Channel:
+        """Connect to `peer` and prove ourselves as `own_name` (our address, or it marked READS_ONLY)."""
+        host, port = peer.rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            # NOTE: asyncio.timeout, not wait_for, which on Python 3.11 drops a cancellation of the caller (a
+            # request's task, aborted) that lands as a step ends: the aborted request went on
+            async with asyncio.timeout(self.handshake_timeout_s):
+                await loop.sock_connect(sock, (host, int(port)))
+            async with asyncio.timeout(self.handshake_timeout_s):
+                channel = await open_channel(sock, self.tls, server_side=False)
+            async with asyncio.timeout(self.handshake_timeout_s):
+                await self._prove_to_listener(channel, own_name)
+        except (handshake.PeerRefused, ssl.SSLError) as exc:
+            sock.close()
+            self.num_peers_refused += 1
+            raise DataPlaneError(f"the data plane at {peer} refused us, or failed to prove itself: {exc}") from None
+        except (OSError, asyncio.TimeoutError, FrameError) as exc:
+            sock.close()
+            raise DataPlaneError(f"cannot connect to the data plane at {peer}: {exc or 'timeout'}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return channel
+
+    async def _prove_to_listener(self, channel: Channel, own_name: str) -> None:
         """The dialer's half of the handshake (handshake.py): answer the challenge, check the welcome."""
         challenge = await _recv_handshake(channel, frames.OP_CHALLENGE)
         if len(challenge) != handshake.NONCE_BYTES:
             raise FrameError("a challenge is one nonce")
-        nonce, address = handshake.new_nonce(), self.address.encode()
+        nonce, address = handshake.new_nonce(), own_name.encode()
         hello = handshake.hello_payload(self.cluster_key, challenge, nonce, address)
         await channel.sendall(Header(frames.OP_HELLO, payload_len=len(hello)).pack() + hello)
         welcome = await _recv_handshake(channel, frames.OP_WELCOME)
@@ -288,9 +322,9 @@ class TcpDataPlane(DataPlane):
         # NOTE: if both ends dialled at once there are two links. The first stays the one this end sends new
         # transfers on, as long as it is up: a request's pushes then all take one link, in one lane's FIFO order,
         # which is what the decode side's per-layer landing counts on (PrefillDone.layer_push_bytes). The second
-        # carries what the other end sends on it, and replies to that.
+        # carries what the other end sends on it, and replies to that. A reads-only link is never the first.
         current = self.links.get(peer)
-        if current is None or current.error is not None:
+        if not peer.endswith(READS_ONLY) and (current is None or current.error is not None):
             self.links[peer] = link
         self.open_links.add(link)
         return link
@@ -312,6 +346,13 @@ class TcpDataPlane(DataPlane):
             for link in self.open_links:
                 link.refuse_queued_replies(ticket)
         return grant
+
+    def pacer_for(self, name: str) -> Pacer:
+        """The pacer of the peer that link `name` goes to (one per peer: see `pacers`)."""
+        peer = peer_of(name)
+        if peer not in self.pacers:
+            self.pacers[peer] = Pacer(self.link_gbps)
+        return self.pacers[peer]
 
     def forget(self, link: Link) -> None:
         self.open_links.discard(link)

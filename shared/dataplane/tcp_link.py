@@ -30,7 +30,6 @@ from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Grant, Lane,
 from shared.dataplane.channel import Channel
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 from shared.dataplane.lane_share import LaneShare
-from shared.dataplane.pacing import Pacer
 
 if TYPE_CHECKING:
     from shared.dataplane.tcp import TcpDataPlane
@@ -80,7 +79,7 @@ class Link:
         self.has_work = asyncio.Event()
         self.waiting: dict[int, _Waiting] = {}
         self.seq = itertools.count(1)
-        self.pacer = Pacer(plane.link_gbps)
+        self.pacer = plane.pacer_for(peer)  # shared with our other links to this peer
         self.share = LaneShare()  # ON_DEMAND against PUSH (lane_share.py)
         self.error: DataPlaneError | None = None
         self.background_in_flight = 0  # bytes of BACKGROUND chunks sent and not yet acked
@@ -155,12 +154,7 @@ class Link:
                 finally:
                     if frame.on_done:
                         frame.on_done()
-                stats = self.plane.lane_stats[lane]
-                stats.num_bytes += frame.header.payload_len
-                stats.num_frames += 1
-                stats.busy_s += time.monotonic() - started
-                if lane != CONTROL:
-                    self.plane.note_sent(frame.header.payload_len, time.monotonic() - started)
+                self.plane.note_frame(lane, frame.header.payload_len, time.monotonic() - started)
         except (OSError, ConnectionError) as exc:
             self.fail(DataPlaneError(f"data-plane link to {self.peer} lost while sending: {exc}"))
         except Exception as exc:  # a bug must not leave waiters hanging: fail the link loudly

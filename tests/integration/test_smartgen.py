@@ -26,7 +26,8 @@ LINK_GBPS = 0.004
 # exact KV on every path (kv_bits 0; smartgen's default moves K8V8 codes): tokens equal colocated's, bit for bit
 SMARTGEN_RUNS = [{"transfer_mode": "smartgen", "kv_bits": 0}, {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["proactive"]},
                  {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["parallel"]},
-                 {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["background"]}, {"transfer_mode": "partial"}]
+                 {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["background"]}, {"transfer_mode": "partial"},
+                 {"transfer_mode": "smartgen", "kv_bits": 0, "ablate": ["direct"]}]
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +84,21 @@ def paced_to_ratio(stack: Stack, ratio: float) -> Iterator[None]:
 @pytest.mark.parametrize("selector", ["quest", "oracle"])
 def test_transfer_never_changes_tokens(paced, selector):
     """For a fixed selector and budget, every combination of SmartGen's paths (and the partial baseline)
-    decodes exactly the tokens of the same selector with all KV local, while most reads start remote."""
+    decodes exactly the tokens of the same selector with all KV local, while most reads start remote. Path 2's
+    reads go on the torch thread's own link (once it is open: from the second request on, every one of them),
+    except where a request ablates it."""
     reference = complete(paced, transfer_mode="colocated", selector=selector, kv_budget=0.1)
-    for run in SMARTGEN_RUNS:
+    for number, run in enumerate(SMARTGEN_RUNS):
         sg = complete(paced, selector=selector, kv_budget=0.1, **run)
         assert sg["token_ids"] == reference["token_ids"], run
         assert sg["transfer_mode"] == run["transfer_mode"] and sg["attention"] == "selective"
         assert sg["kv_bytes"]["on_demand"] > 0, run  # the check is not vacuous: entries were read remotely
         assert min(sg["step_local_share"]) < 1.0, run  # (step 1 may find all local: the exact push)
+        reads = sg["reads"]
+        if "direct" in run.get("ablate", []):
+            assert reads["direct"] == 0 and reads["fetch"] > 0, run
+        elif number:
+            assert reads["direct"] == reads["fetch"] > 0, run
     assert_no_leaks(paced)
 
 

@@ -13,6 +13,7 @@ import torch
 from schemas import NO_FLOOR, KvSource, Sampling, entry_region_bytes
 from shared.compute.decode_engine import DecodeEngine
 from services.decode.remote_lifecycle import read_blocks, read_ranked
+from services.decode.direct_reads import DirectReads
 from services.decode.remote import RemoteKv
 from shared.compute.prefill_engine import PrefillEngine, QueryPush
 from shared.compute.sampling import sample
@@ -46,7 +47,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                         land_every_s: float = 0.0, ranked: bool = False, kv_bits: int = 0, read_codes: bool = True,
                         kv_dtype: str = "", slabs: dict[str, torch.Tensor] | None = None,
                         forced: list[int] | None = None, logits: list[torch.Tensor] | None = None,
-                        stalls: bool = True):
+                        stalls: bool = True, direct: bool = False, break_direct_after: int = 0):
     """Prefill on one store, push metadata and the first `pushed_layers` layers to another, decode there with
     the rest read over the in-process data plane (`calls`, if given, counts its `read` and `read_gather` calls).
     The decode slab starts as NaN, so any entry used before it arrived would poison the output. `land_every_s`:
@@ -56,7 +57,8 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     too (KvSource.codes_bits; without it they move exact rows). `kv_dtype`: the stores' ("" = the model's).
     `slabs`, if given, gets both sides' prompt rows at the end ("src", "dst": (L, K|V, H, N, d)). `forced`: feed
     these tokens (teacher forcing) instead of the ones sampled; `logits`, if given, gets each step's. `stalls`
-    False: the request ablates "stall" (services/decode/read_behind.py)."""
+    False: the request ablates "stall" (services/decode/read_behind.py). `direct`: over TCP, path 2's reads on the
+    torch thread's own link (services/decode/direct_reads.py), which `break_direct_after` steps breaks."""
     layout = runner.kv_layout(16, kv_dtype)
     src, dst = KvStore(layout, 64), KvStore(layout, 64)
     dst.allocate("pad", 7)  # different offsets on the two sides
@@ -87,7 +89,7 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     if not land_every_s:
         for layer in range(layout.num_layers):
             push_layer(layer)
-    a, b = make_dataplane("inproc"), make_dataplane("inproc")
+    a, b = (make_dataplane("tcp"), make_dataplane("tcp")) if direct else (make_dataplane("inproc"), make_dataplane("inproc"))
     a.register_region(src.region)
     b.register_region(dst.region)
     await a.start()
@@ -116,9 +118,15 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
                                for off, ln in src.rows(src_slab, layer, 0, n)]))
         source = KvSource("p", a.address, ticket, src.offset(src_slab), src_slab.capacity, 30.0)
     codes_at = dst.aux_offset(dst_slab) + engine.entry_codes(selector, n, kv_bits).offset if source.codes_bits else -1
+    direct_reads = None
+    if direct:
+        direct_reads = DirectReads(b, dst.region, True, 30.0)
+        direct_reads.open(a.address)
+        while a.address not in direct_reads.readers:
+            await asyncio.sleep(0.005)
     remote = RemoteKv(b, asyncio.get_running_loop(), source, layout, dst.offset(dst_slab), dst_slab.capacity, n,
                       pushed, parallel, gather_reads=gather, speculative=speculative, ranked=ranked, stalls=stalls,
-                      codes_at=codes_at, region=dst.region)
+                      codes_at=codes_at, region=dst.region, direct=direct_reads)
     loop = asyncio.get_running_loop()
     engine.load_from_store("r", dst_slab, n)
     landing = None
@@ -149,6 +157,8 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
             assert landing.done()
             await landing
             landing = None
+        if direct_reads is not None and i == break_direct_after:
+            direct_reads.drop(a.address)  # as when the link to the peer is lost: later reads go via the loop
         if background and i == 2:
             await read_blocks(remote, list(range(layout.num_layers * pages)))
         if ranked_reads is not None:  # let the reads queued during the step go out before the next one
@@ -157,6 +167,12 @@ async def remote_tokens(runner: ModelRunner, ids: list[int], selector: str, budg
     if ranked_reads is not None:
         ranked_reads.cancel()
     await remote.close()
+    if direct_reads is not None:
+        assert not direct_reads.pending  # no direct read outlives its step
+        await direct_reads.close()
+    if direct:
+        await a.close()
+        await b.close()
     if slabs is not None:
         slabs["src"], slabs["dst"] = src.view(src_slab)[:, :, :, :n].clone(), dst.view(dst_slab)[:, :, :, :n].clone()
     return tokens, remote

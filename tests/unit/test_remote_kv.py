@@ -27,6 +27,36 @@ async def test_remote_reads_give_the_all_local_tokens(runner, selector, parallel
     assert remote.step_local_share[0] < remote.step_local_share[-1] <= 1.0  # what was read stays local
 
 
+@pytest.mark.parametrize("selector", ["quest", "hata_untrained"])
+@pytest.mark.parametrize("kv_bits", [0, 8])
+async def test_direct_reads_give_the_all_local_tokens(runner, selector, kv_bits):
+    """Over TCP, path 2's reads sent and received by the torch thread itself (exact rows, or records of codes):
+    every fetch read goes direct, and the tokens are those of every entry local (exact KV) or of the same reads
+    through the event loop (codes)."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, direct=True,
+                                         kv_bits=kv_bits, speculative=False)
+    assert remote.num_direct_reads == remote.num_fetch_reads > 0 and remote.bytes_direct > 0
+    assert remote.bytes_on_demand == 0  # none went through the loop
+    if kv_bits:
+        via_loop, _ = await remote_tokens(runner, ids, selector, 0.1, 2, True, background=False, kv_bits=kv_bits,
+                                          speculative=False)
+        assert tokens == via_loop
+    else:
+        assert tokens == colocated_tokens(runner, ids, selector, 0.1)
+
+
+async def test_a_broken_direct_link_falls_back_to_the_loop(runner):
+    """The torch thread's link is dropped after step 3 (its peer's link was lost): the reads after it go through
+    the event loop, nothing fails, and the tokens stay those of every entry local."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, direct=True,
+                                         speculative=False, break_direct_after=3)
+    assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
+    assert 0 < remote.num_direct_reads < remote.num_fetch_reads
+    assert remote.bytes_on_demand > 0 and remote.bytes_direct > 0
+
+
 @pytest.mark.parametrize("selector", ["quest", "oracle"])
 async def test_step_one_runs_while_the_push_lands_a_layer_at_a_time(runner, selector):
     """No global push barrier: the metadata and the first four layers land one layer every 20 ms while step 1
@@ -56,6 +86,50 @@ async def test_a_layer_waiting_for_its_push_stops_when_the_request_is_released(r
             remote.fail("the link dropped")
         with pytest.raises(RemoteReadError, match="released" if end == "close" else "dropped"):
             await asyncio.wait_for(waiting, 2)
+
+
+async def test_a_direct_read_nobody_waited_for_lands_at_the_end_of_its_step(runner):
+    """A step that fails after a layer started its direct read never waits for it: the step's end (`end_step`,
+    always run) lands it, so no reply of it can reach the slab once the request has moved on, and the next
+    read on the link is not confused by it."""
+    from services.decode.direct_reads import DirectReads
+    from shared.dataplane import Grant
+
+    layout = runner.kv_layout(16)
+    a, b = make_dataplane("tcp"), make_dataplane("tcp")
+    ra, rb = bytearray(1 << 20), bytearray(1 << 20)
+    ra[:] = np.random.default_rng(0).bytes(len(ra))
+    a.register_region(memoryview(ra))
+    b.register_region(memoryview(rb))
+    await a.start()
+    await b.start()
+    direct = DirectReads(b, memoryview(rb), True, 10.0)
+    try:
+        a.grant(Grant(9, [(0, len(ra))]))
+        direct.open(a.address)
+        while a.address not in direct.readers:
+            await asyncio.sleep(0.005)
+        capacity, n = 32, 32
+        remote = RemoteKv(b, asyncio.get_running_loop(), KvSource("p", a.address, 9, 0, capacity, 30.0), layout,
+                          0, capacity, n, np.zeros((layout.num_layers, 2), dtype=bool), direct=direct)
+
+        def step_that_fails_half_way() -> None:  # the torch thread
+            remote.begin_step()
+            try:
+                pending = remote.fetch(3, None)  # layer 3, every token: started, never waited for
+                assert pending is not None and direct.pending
+            finally:
+                remote.end_step()
+
+        await asyncio.to_thread(step_that_fails_half_way)
+        assert not direct.pending and remote.presence.present[3].all() and remote.num_direct_reads == 1
+        start, stop = remote.presence.dst_rows[3, 0, 0], remote.presence.dst_rows[3, 1, -1] + n * remote.presence.token_bytes
+        assert rb[start:stop] == ra[start:stop]  # same offsets and capacity on both sides here
+        await remote.close()
+    finally:
+        await direct.close()
+        await a.close()
+        await b.close()
 
 
 @pytest.mark.parametrize("selector", ["oracle", "hata_untrained"])
