@@ -26,7 +26,6 @@ from services.decode.reads import Pending, RemoteReadError
 from shared.dataplane import DataPlaneError
 from shared.dataplane.direct_reader import DirectRead, DirectReader
 from shared.dataplane.frames import CHUNK_BYTES
-from shared.dataplane.pacing import chunk_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -136,9 +135,12 @@ class DirectReads:
             gather, landed = codes.gather(entries), lambda: codes.land(entries)
         else:
             gather, landed = remote.presence.gather(entries), None
-        per_frame = max(1, chunk_bytes(self.dataplane.link_gbps, CHUNK_BYTES) // gather.unit)
+        # NOTE: whole chunks, not the paced link's ~1 ms ones (pacing.chunk_bytes): every frame is a wake-up of
+        # this thread that must take the GIL back from the event loop, and a 2K read is 5-10 paced chunks (measured:
+        # with paced chunks the direct reads waited less, and the steps took longer: docs/results/direct-reads-*).
+        # The reply then holds the peer's pacer for its whole time: an on-demand read goes first anyway.
         try:
-            read = reader.start(remote.source.ticket, gather, per_frame)
+            read = reader.start(remote.source.ticket, gather, CHUNK_BYTES // gather.unit)
         except DataPlaneError:
             return None  # broken: this read goes through the loop, and a later request opens a new reader
         remote.num_direct_reads += 1

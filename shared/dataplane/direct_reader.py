@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import threading
 from dataclasses import dataclass, field
 
@@ -52,8 +53,12 @@ class _Reply:
 class DirectReader:
     def __init__(self, sock: socket.socket, region: memoryview, peer: str, checksums: bool = True,
                  timeout_s: float = 30.0):
+        # NOTE: blocking without a Python timeout (which polls before every receive: two GIL round trips instead of
+        # one); the kernel's own timeouts end a receive or send that waits longer (EAGAIN: the reader breaks)
         sock.setblocking(True)
-        sock.settimeout(timeout_s)  # a reply that does not come within this breaks the reader
+        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.region, self.peer, self.checksums = sock, region, peer, checksums
         self.seq = itertools.count(1)
@@ -71,7 +76,8 @@ class DirectReader:
 
     def start(self, ticket: int, gather: Gather, per_frame: int) -> DirectRead:
         """Send `gather` as GATHER frames of at most `per_frame` entries (their replies ≤ CHUNK_BYTES each) and
-        return at once; `wait` lands it. DataPlaneError if the reader is broken or the send fails."""
+        return at once; `wait` lands it. DataPlaneError if the reader is broken or the send fails. NOTE: each
+        frame costs the waiting thread a wake-up: few large frames are cheaper to wait for than many small ones."""
         gather.check_within(len(self.region))
         per_frame = max(1, min(per_frame, CHUNK_BYTES // gather.unit))
         if gather.unit > CHUNK_BYTES or (gather.src_index.size and int(gather.src_index.max()) >> 32):
@@ -153,8 +159,10 @@ class DirectReader:
             self._break(str(exc) or type(exc).__name__)
 
     def _recv_exactly(self, view: memoryview) -> None:
+        """Fill `view`. MSG_WAITALL: the kernel wakes this thread once the whole of it is here, not once a packet
+        (each wake-up must take the GIL back, and may wait up to the switch interval for it)."""
         while view:
-            n = self.sock.recv_into(view)
+            n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
             if n == 0:
                 raise ConnectionError("the peer closed the connection")
             view = view[n:]
