@@ -60,7 +60,8 @@ class DirectPending:
         try:
             self.reader.wait(self.read)
         except DataPlaneError as exc:
-            if not self.reader.is_broken or owner.failure or owner.is_closed:
+            owner.check_readable()  # the request's remote KV failed (its prefill node is lost) or ended: say that
+            if not self.reader.is_broken:
                 raise RemoteReadError(f"on-demand read failed: {exc}") from exc
             # the reader broke (its link was cut or timed out), not this read: read it again through the loop,
             # which fails at once if the peer is gone (RemoteKv.fail)

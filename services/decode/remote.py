@@ -159,7 +159,7 @@ class RemoteKv:
             self.landing_wait_s += waited
             if not arrived:
                 raise RemoteReadError(f"layer {layer}'s pushed KV did not land within {self.read_timeout_s:g} s")
-        self._check_readable()  # a push that failed sets every event
+        self.check_readable()  # a push that failed sets every event
         if self._prepare is not None:
             self._prepare(layer)
         self._prepared[layer] = True
@@ -169,7 +169,7 @@ class RemoteKv:
     def fetch(self, layer: int, idx: torch.Tensor | None) -> Pending | DirectPending | None:
         """Start reading the entries of `layer` that attention needs and are not here: `idx` (H_kv, k)
         selected token indices, or None for every token (dense layers). None if all are local."""
-        self._check_readable()
+        self.check_readable()
         if self.codes is not None and not self.has_codes_room(layer):
             self.ready(layer)  # its pushed records first (attention has called it already: a no-op then)
         ahead = self._ahead.pop(layer, None)
@@ -177,7 +177,7 @@ class RemoteKv:
             try:
                 Pending(ahead, None, self.read_timeout_s, self).wait()
             except RemoteReadError as exc:
-                self._check_readable()  # the prefill node is lost, or the view closed: no fetch could do better
+                self.check_readable()  # the prefill node is lost, or the view closed: no fetch could do better
                 log.info("speculative_read_failed", layer=layer, error=str(exc))  # what it missed is fetched below
         remote, heads = self.presence.remote_part(layer, idx)
         if idx is not None:  # NOTE: the local share counts selected entries; dense layers read everything anyway
@@ -203,7 +203,7 @@ class RemoteKv:
         """The speculative part of path 2, each step: start reading the remote part of `idx`, a prediction of
         `layer`'s selection made while the layer before it runs (shared/compute/selective.py); `fetch(layer, …)`
         waits for it first. On the on-demand lane: the step waits for it a layer from now."""
-        self._check_readable()
+        self.check_readable()
         if self.codes is not None and not self.has_codes_room(layer):
             if not self.is_ready(layer):
                 return  # its push is still landing: `fetch` reads what it needs once it has
@@ -328,7 +328,7 @@ class RemoteKv:
         shielded: a caller cancelled mid-read (a path-3 task at the request's end) leaves it running, because its
         reply would land in the slab anyway; `close` waits for every transfer in flight, `landed` included, so the
         slab is freed only once none can write into it."""
-        self._check_readable()
+        self.check_readable()
         transfer = asyncio.ensure_future(self._transfer(what, lane, landed))
         self._in_flight.add(transfer)
         transfer.add_done_callback(settled)
@@ -393,7 +393,7 @@ class RemoteKv:
         total = self.num_read_local + self.num_read_remote
         return self.num_read_local / total if total else 1.0
 
-    def _check_readable(self) -> None:
+    def check_readable(self) -> None:
         if self.failure:
             raise RemoteReadError(self.failure)
         if self.is_closed:
