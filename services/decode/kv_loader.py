@@ -32,13 +32,20 @@ log = structlog.get_logger()
 # the requests batched with it by about this much at most (`_wait_until_nearly_landed`)
 EARLY_START_S = 0.1
 BACKGROUND_READ_S = 0.004  # a background read is sized to occupy the link about this long
+# … and this long where the request's on-demand reads travel on the torch thread's own link (direct_reads.py): they
+# never queue behind a background reply there, and the peer's pacer lets them go first (shared/dataplane/pacing.py),
+# so a background read may be larger, and path 3 costs the decode process fewer reads (each one is a round of the
+# loop's work: its gather, its landing, its presence marks)
+BACKGROUND_READ_DIRECT_S = 0.032
 
 
-def background_read_bytes(link_gbps: float) -> int:
-    """Background reads occupy the link ~BACKGROUND_READ_S each, so an on-demand read waits at most that long."""
+def background_read_bytes(link_gbps: float, direct: bool = False) -> int:
+    """Background reads occupy the link ~BACKGROUND_READ_S each, so an on-demand read waits at most that long
+    (BACKGROUND_READ_DIRECT_S where on-demand reads go direct)."""
     if link_gbps <= 0:
         return 256 << 10
-    return int(min(256 << 10, max(8 << 10, link_gbps * 1e9 / 8 * BACKGROUND_READ_S)))
+    seconds = BACKGROUND_READ_DIRECT_S if direct else BACKGROUND_READ_S
+    return int(min(256 << 10, max(8 << 10, link_gbps * 1e9 / 8 * seconds)))
 
 
 class TransferError(RuntimeError):
@@ -195,9 +202,10 @@ class KvLoader:
         direct = self.direct_reads if req.plan.direct_reads and self.config.gather_reads else None
         if direct is not None:
             direct.open(req.source.dataplane_addr)  # in the background: until it is open, reads go via the loop
+        read_bytes = background_read_bytes(req.plan.link_gbps, direct is not None)
         return RemoteKv(self.dataplane, asyncio.get_running_loop(), req.source, self.store.layout,
                         self.store.offset(state.slab), state.slab.capacity, n, pushed, req.plan.parallel,
-                        self.config.kv_timeout_s, background_read_bytes(req.plan.link_gbps), by_query,
+                        self.config.kv_timeout_s, read_bytes, by_query,
                         self.config.gather_reads, speculative=req.plan.read_ahead and self._speculates(req),
                         ranked=req.plan.background, stalls=req.plan.stall, codes_at=codes_at,
                         region=self.store.region, direct=direct)

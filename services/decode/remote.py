@@ -336,10 +336,10 @@ class RemoteKv:
         await asyncio.shield(transfer)
 
     async def _transfer(self, what: list[Segment] | Gather, lane: Lane, landed: Callable[[], None] | None) -> None:
-        if isinstance(what, Gather):
-            await self.dataplane.read_gather(self.source.dataplane_addr, self.source.ticket, what, lane)
-        else:
-            await self.dataplane.read(self.source.dataplane_addr, self.source.ticket, what, lane)
+        # NOTE: direct reads exist on TcpDataPlane only, whose background replies may then come as whole frames
+        extra = {"whole_frames": True} if self.direct is not None and lane == Lane.BACKGROUND else {}
+        read = self.dataplane.read_gather if isinstance(what, Gather) else self.dataplane.read
+        await read(self.source.dataplane_addr, self.source.ticket, what, lane, **extra)  # type: ignore[arg-type]
         if landed is not None:
             landed()
 

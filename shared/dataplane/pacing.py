@@ -29,9 +29,16 @@ def chunk_bytes(gbps: float, max_bytes: int) -> int:
 
 
 class Pacer:
+    """Background frames wait for every frame before them; any other frame only for the non-background ones: a
+    NIC with strict priority, whose urgent packet waits for at most one background packet (not a whole frame). A
+    frame that goes ahead pushes the background clock back by its own time, so over time the background gets
+    exactly what the others leave (a background frame already waiting still leaves when it was due: a burst
+    of at most one frame above the rate)."""
+
     def __init__(self, gbps: float = 0.0):
         self.bytes_per_s = 0.0
-        self.free_at = 0.0  # time.monotonic() at which the link is free again
+        self.free_at = 0.0  # time.monotonic() at which the link is free again, of every frame reserved so far
+        self.urgent_free_at = 0.0  # … of every frame reserved so far but the background ones
         self.set_gbps(gbps)
 
     def set_gbps(self, gbps: float) -> None:
@@ -43,12 +50,19 @@ class Pacer:
     def is_paced(self) -> bool:
         return self.bytes_per_s > 0
 
-    async def wait(self, num_bytes: int) -> None:
-        """Sleep until `num_bytes` may go out at the set rate (returns at once when unpaced)."""
+    async def wait(self, num_bytes: int, background: bool = False) -> None:
+        """Sleep until `num_bytes` may go out at the set rate (returns at once when unpaced); `background`: after
+        everything reserved before it, else only after what is not background (see the class docstring)."""
         if not self.is_paced:
             return
         now = time.monotonic()
+        took = num_bytes / self.bytes_per_s
         # NOTE: event-loop sleeps overshoot by up to ~1 ms; keeping up to SLACK_S of that debt as credit
         # keeps the long-run rate exact instead of slowly below the setting.
-        self.free_at = max(now - SLACK_S, self.free_at) + num_bytes / self.bytes_per_s
-        await asyncio.sleep(self.free_at - now)
+        if background:
+            self.free_at = max(now - SLACK_S, self.free_at) + took
+            due = self.free_at
+        else:
+            due = self.urgent_free_at = max(now - SLACK_S, self.urgent_free_at) + took
+            self.free_at = max(self.free_at + took, due)
+        await asyncio.sleep(due - now)

@@ -162,17 +162,20 @@ class TcpDataPlane(DataPlane):
         await _all_or_first_error(waits)
         self.num_bytes_sent += sum(s.length for s in segments)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
+                   whole_frames: bool = False) -> None:
+        """`whole_frames`: replies in whole chunks, not the paced link's ~1 ms ones (`_read_frame_bytes`)."""
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
         flags = frames.LANE_FLAGS[lane]
         waits = [link.request(lane, Header(frames.OP_READ, ticket=ticket, flags=flags), [(s.src, s.length) for s in chunk],
                               [], chunk)
-                 for chunk in split_into_chunks(segments, chunk_bytes(self.link_gbps, CHUNK_BYTES))]
+                 for chunk in split_into_chunks(segments, self._read_frame_bytes(whole_frames))]
         await _all_or_first_error(waits)
         self.num_bytes_received += sum(s.length for s in segments)
 
-    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND,
+                          whole_frames: bool = False) -> None:
         gather.check_within(len(self.region))
         n = gather.src_index.size
         if not n:
@@ -181,7 +184,7 @@ class TcpDataPlane(DataPlane):
             await super().read_gather(peer, ticket, gather, lane)
             return
         link = await self._link(peer)
-        per_frame = max(1, chunk_bytes(self.link_gbps, CHUNK_BYTES) // gather.unit)
+        per_frame = max(1, self._read_frame_bytes(whole_frames) // gather.unit)
         header = Header(frames.OP_GATHER, ticket=ticket, flags=frames.LANE_FLAGS[lane])
         waits = [link.request(lane, header, [], [memoryview(frames.pack_gather(gather.src_base, gather.unit,
                                                                                gather.src_index[at: at + per_frame]))],
@@ -189,6 +192,15 @@ class TcpDataPlane(DataPlane):
                  for at in range(0, n, per_frame)]
         await _all_or_first_error(waits)
         self.num_bytes_received += gather.num_bytes
+
+    def _read_frame_bytes(self, whole_frames: bool) -> int:
+        """How many bytes a read's reply frames carry: the paced link's ~1 ms chunks (pacing.chunk_bytes), so that
+        an urgent frame queued behind one waits about as long as on a real NIC; or, where the caller knows none
+        will (a decode worker's background reads while its on-demand reads travel on links of their own:
+        services/decode/direct_reads.py), whole chunks, since every frame costs the receiving process about as
+        much CPU as a whole chunk (~60 paced frames a step took ~39 ms of a decode worker's CPU at 2K:
+        docs/results/direct-reads-2026-12-06)."""
+        return CHUNK_BYTES if whole_frames else chunk_bytes(self.link_gbps, CHUNK_BYTES)
 
     async def _link(self, peer: str) -> Link:
         link = self.links.get(peer)

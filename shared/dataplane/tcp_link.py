@@ -145,7 +145,7 @@ class Link:
                     if payload and self.plane.use_checksums:
                         header = header.with_crc(frames.crc32c(payload))
                     if lane != CONTROL:
-                        await self.pacer.wait(header.payload_len)
+                        await self.pacer.wait(header.payload_len, background=lane == Lane.BACKGROUND)
                         if delay := self.plane.faults.delay_for(Lane(lane)):
                             await asyncio.sleep(delay)
                     if lane == Lane.BACKGROUND and header.op == frames.OP_PUSH:  # only pushes are acked

@@ -178,10 +178,12 @@ async def test_ranked_reads_bring_what_a_wider_selection_adds_and_never_change_t
     assert remote.bytes_on_demand < plain.bytes_on_demand
 
 
-async def test_background_makes_everything_local(runner):
-    """Reading every block in the background ends with no entry missing; tokens are unchanged."""
+@pytest.mark.parametrize("direct", [False, True])
+async def test_background_makes_everything_local(runner, direct):
+    """Reading every block in the background ends with no entry missing; tokens are unchanged. With direct reads
+    (TCP) too, where background replies come in whole frames."""
     ids = prompt_ids(runner.path, PROMPT)[:300]
-    tokens, remote = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=True)
+    tokens, remote = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=True, direct=direct)
     assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
     assert remote.is_all_local and remote.bytes_background > 0
     assert remote.step_local_share[-1] == 1.0 and remote.local_blocks().all()
