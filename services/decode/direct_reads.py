@@ -25,11 +25,8 @@ from services.decode.presence import Entries
 from services.decode.reads import Pending, RemoteReadError
 from shared.dataplane import DataPlaneError
 from shared.dataplane.direct_reader import DirectRead, DirectReader
-from shared.dataplane.frames import CHUNK_BYTES
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from services.decode.config import DecodeConfig
 
     from services.decode.remote import RemoteKv
@@ -43,11 +40,9 @@ class DirectPending:
     """An on-demand read on a DirectReader, as `Pending` is one on the loop: `wait` lands it (records into rows,
     entries marked present) or raises RemoteReadError."""
 
-    def __init__(self, remote: RemoteKv, reader: DirectReader, read: DirectRead, layer: int,
-                 heads: list[tuple[int, np.ndarray]], entries: Entries, landed: Callable[[], None] | None,
-                 mask: torch.Tensor | None):
+    def __init__(self, remote: RemoteKv, reader: DirectReader, read: DirectRead, entries: Entries,
+                 landed: Callable[[], None] | None, mask: torch.Tensor | None):
         self.owner, self.reader, self.read, self.entries, self.landed = remote, reader, read, entries, landed
-        self.layer, self.heads = layer, heads
         self.remote = mask  # (H_kv, k) bool: which selected entries it brings (None: a whole layer)
         self.done = False
 
@@ -65,8 +60,8 @@ class DirectPending:
                 raise RemoteReadError(f"on-demand read failed: {exc}") from exc
             # the reader broke (its link was cut or timed out), not this read: read it again through the loop,
             # which fails at once if the peer is gone (RemoteKv.fail)
-            log.info("direct_read_fell_back", layer=self.layer, error=str(exc))
-            Pending(owner.start_read(self.layer, self.heads), None, owner.read_timeout_s, owner).wait()
+            log.info("direct_read_fell_back", peer=self.reader.peer, error=str(exc))
+            Pending(owner.start_read(self.entries), None, owner.read_timeout_s, owner).wait()
             return
         finally:
             owner.step_wait_s += time.perf_counter() - started
@@ -123,29 +118,19 @@ class DirectReads:
             self.drop(peer)
 
     # --- the torch thread --------------------------------------------------------------------------
-    def fetch(self, remote: RemoteKv, layer: int, heads: list[tuple[int, np.ndarray]],
-              mask: torch.Tensor | None) -> DirectPending | None:
-        """Start reading these entries of `layer` on the peer's reader; None where there is none that works (the
+    def fetch(self, remote: RemoteKv, entries: Entries, mask: torch.Tensor | None) -> DirectPending | None:
+        """Start reading these entries (of one layer) on the peer's reader; None where there is none that works (the
         caller reads through the loop)."""
         reader = self.readers.get(remote.source.dataplane_addr)
         if reader is None or reader.is_broken:
             return None
-        entries = Entries.of_layer(layer, heads)
-        if remote.codes is not None:
-            codes = remote.codes
-            gather, landed = codes.gather(entries), lambda: codes.land(entries)
-        else:
-            gather, landed = remote.presence.gather(entries), None
-        # NOTE: whole chunks, not the paced link's ~1 ms ones (pacing.chunk_bytes): every frame is a wake-up of
-        # this thread that must take the GIL back from the event loop, and a 2K read is 5-10 paced chunks (measured:
-        # with paced chunks the direct reads waited less, and the steps took longer: docs/results/direct-reads-*).
-        # The reply then holds the peer's pacer for its whole time: an on-demand read goes first anyway.
+        gather, landed = remote.gather_of(entries)
         try:
-            read = reader.start(remote.source.ticket, gather, CHUNK_BYTES // gather.unit)
+            read = reader.start(remote.source.ticket, gather)
         except DataPlaneError:
             return None  # broken: this read goes through the loop, and a later request opens a new reader
         remote.num_direct_reads += 1
-        pending = DirectPending(remote, reader, read, layer, heads, entries, landed, mask)
+        pending = DirectPending(remote, reader, read, entries, landed, mask)
         self.pending.add(pending)
         return pending
 

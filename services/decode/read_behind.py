@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from services.decode.presence import Entries
+
 if TYPE_CHECKING:
     from services.decode.remote import RemoteKv
 
@@ -46,7 +48,7 @@ class ReadBehind:
             for h, tokens in fresh:
                 asked[h, tokens] = True
             self.num_reads += 1
-            future = remote.start_read(layer, fresh)
+            future = remote.start_read(Entries.of_layer(layer, fresh))
             future.add_done_callback(lambda f: self._settled(f, layer, fresh))
         self.num_substituted += int(missed.sum())
         return torch.from_numpy(~remote.presence.present[layer])

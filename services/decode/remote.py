@@ -52,8 +52,7 @@ class RemoteKv:
     parallel: bool = True  # gather local entries while the remote read is in flight
     read_timeout_s: float = 30.0
     background_read_bytes: int = 64 << 10  # one background read; small, so an on-demand read never waits long
-    pushed_entries: np.ndarray | None = None  # (num_layers, num_kv_heads, num_tokens) bool: pushed one by one
-                                              # (smartgen's query-aware push), already landed
+    pushed_entries: np.ndarray | None = None  # (num_layers, num_kv_heads, num_tokens) bool: pushed one by one, landed
     gather_reads: bool = True  # on-demand reads of short runs as one gather (module docstring); False: segments
     speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
     ranked: bool = False  # path 3 by the latest query (`rank`, `read_ranked`)
@@ -92,8 +91,7 @@ class RemoteKv:
         self.behind = None if self.stalls else ReadBehind(self)
         self._step_local = self._step_remote = 0
         self._in_flight: set[asyncio.Future[None]] = set()  # data-plane transfers not settled yet (`read`)
-        # NOTE: counted when `fetch` issues a read (torch thread), not when the loop starts it, so a background
-        # read never slips in between; the lock guards the count across the two threads.
+        # NOTE: counted when issued (torch thread), not when the loop starts it: no background read slips in between
         self._on_demand_pending = 0
         self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
@@ -143,8 +141,7 @@ class RemoteKv:
             self._step_rankings = []
 
     def is_ready(self, layer: int) -> bool:
-        landed = self._landed
-        return landed is None or landed[layer].is_set()
+        return (landed := self._landed) is None or landed[layer].is_set()
 
     def ready(self, layer: int) -> None:
         """(torch thread) Block until `layer`'s pushed KV has landed; prepare it the first time."""
@@ -155,8 +152,7 @@ class RemoteKv:
             started = time.perf_counter()
             arrived = landed[layer].wait(self.read_timeout_s)
             waited = time.perf_counter() - started
-            self.step_wait_s += waited
-            self.landing_wait_s += waited
+            self.step_wait_s, self.landing_wait_s = self.step_wait_s + waited, self.landing_wait_s + waited
             if not arrived:
                 raise RemoteReadError(f"layer {layer}'s pushed KV did not land within {self.read_timeout_s:g} s")
         self.check_readable()  # a push that failed sets every event
@@ -189,9 +185,10 @@ class RemoteKv:
         self.num_fetch_reads += 1
         self._step_read_layers.add(layer)
         mask = torch.from_numpy(remote) if idx is not None else None
-        if self.direct is not None and (direct := self.direct.fetch(self, layer, heads, mask)) is not None:
+        entries = Entries.of_layer(layer, heads)
+        if self.direct is not None and (direct := self.direct.fetch(self, entries, mask)) is not None:
             return direct
-        return Pending(self.start_read(layer, heads), mask, self.read_timeout_s, self)
+        return Pending(self.start_read(entries), mask, self.read_timeout_s, self)
 
     def wants_speculation(self, layer: int) -> bool:
         """Speculating is on, the step stalls on misses (one that does not has nothing to wait less for), and `layer`
@@ -212,14 +209,14 @@ class RemoteKv:
         if heads:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
-            self._ahead[layer] = self.start_read(layer, heads)
+            self._ahead[layer] = self.start_read(Entries.of_layer(layer, heads))
 
-    def start_read(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> concurrent.futures.Future[None]:
-        """Issue one read of these entries of `layer` on the event loop (from any thread); counted as pending at
+    def start_read(self, entries: Entries) -> concurrent.futures.Future[None]:
+        """Issue one on-demand read of these entries on the event loop (from any thread); counted as pending at
         once, so a background read cannot slip in before it starts."""
         with self._pending_lock:
             self._on_demand_pending += 1
-        return asyncio.run_coroutine_threadsafe(self._read_on_demand(layer, heads), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._read_on_demand(entries), self.loop)
 
     def read_behind(self, layer: int, idx: torch.Tensor) -> torch.Tensor | None:
         """(torch thread) See RemoteEntries.read_behind and read_behind.py; None where the request stalls."""
@@ -263,11 +260,11 @@ class RemoteKv:
             self.presence.mark_entries(layer, picked)
         self._landed[layer].set()
 
-    async def _read_on_demand(self, layer: int, heads: list[tuple[int, np.ndarray]]) -> None:
+    async def _read_on_demand(self, entries: Entries) -> None:
         try:
             # NOTE: not `self.bytes_on_demand += await …`, which reads the counter before the await: a read landing
             # meanwhile (a speculative one and a fetch are in flight together) would be lost from the count
-            num_bytes = await self.read_entries(Entries.of_layer(layer, heads), Lane.ON_DEMAND)
+            num_bytes = await self.read_entries(entries, Lane.ON_DEMAND)
             self.bytes_on_demand += num_bytes
         finally:
             with self._pending_lock:
@@ -282,13 +279,18 @@ class RemoteKv:
         if self.codes is not None:
             for layer in entries.layers():
                 self.check_codes_room(layer)
-            gather, landed = self.codes.gather(entries), lambda: self.codes.land(entries)
-        else:
-            gather, landed = self.presence.gather(entries), None
+        gather, landed = self.gather_of(entries)
         as_gather = self.gather_reads and entries.mean_run() < GATHER_BELOW_RUN
         await self.read(gather if as_gather else gather.segments(), lane, landed)
         self.presence.mark(entries)
         return gather.num_bytes
+
+    def gather_of(self, entries: Entries) -> tuple[Gather, Callable[[], None] | None]:
+        """Where these entries lie there and land here, and what makes rows of them once landed (codes only)."""
+        if self.codes is None:
+            return self.presence.gather(entries), None
+        codes = self.codes
+        return codes.gather(entries), lambda: codes.land(entries)
 
     @property
     def is_on_demand_busy(self) -> bool:
@@ -304,8 +306,7 @@ class RemoteKv:
 
     def has_codes_room(self, layer: int) -> bool:
         """Records read for `layer` may land in its codes region: its pushed records there were dequantized."""
-        landed = self._landed
-        return landed is None or self._prepared[layer]
+        return self._landed is None or self._prepared[layer]
 
     def check_codes_room(self, layer: int) -> None:
         """RemoteReadError unless reads of `layer` may land now (see `has_codes_room`); exact reads always may.
@@ -336,10 +337,9 @@ class RemoteKv:
         await asyncio.shield(transfer)
 
     async def _transfer(self, what: list[Segment] | Gather, lane: Lane, landed: Callable[[], None] | None) -> None:
-        # NOTE: direct reads exist on TcpDataPlane only, whose background replies may then come as whole frames
-        extra = {"whole_frames": True} if self.direct is not None and lane == Lane.BACKGROUND else {}
+        whole_frames = self.direct is not None and lane == Lane.BACKGROUND  # see kv_loader.BACKGROUND_READ_DIRECT_S
         read = self.dataplane.read_gather if isinstance(what, Gather) else self.dataplane.read
-        await read(self.source.dataplane_addr, self.source.ticket, what, lane, **extra)  # type: ignore[arg-type]
+        await read(self.source.dataplane_addr, self.source.ticket, what, lane, whole_frames)  # type: ignore[arg-type]
         if landed is not None:
             landed()
 

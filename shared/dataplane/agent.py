@@ -122,10 +122,12 @@ class AgentDataPlane(DataPlane):
     async def push(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
         await self._call("push", peer, ticket, _flat(segments), int(lane))
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
+                   whole_frames: bool = False) -> None:
         await self._call("read", peer, ticket, _flat(segments), int(lane))
 
-    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND,
+                          whole_frames: bool = False) -> None:
         gather.check_within(len(self.region))
         await self._call("read_gather", peer, ticket, gather.src_base, gather.dst_base, gather.unit,
                          gather.src_index.astype(np.int64).tobytes(), gather.dst_index.astype(np.int64).tobytes(),

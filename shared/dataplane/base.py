@@ -287,12 +287,16 @@ class DataPlane(abc.ABC):
         (checksums verified); raises DataPlaneError otherwise."""
 
     @abc.abstractmethod
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
+                   whole_frames: bool = False) -> None:
         """Caller side: copy the peer's `src` ranges into local `dst` ranges; the data comes back on `lane`
         (on-demand fetches, or speculative background transfer). Returns when they have landed and verified;
-        raises DataPlaneError otherwise."""
+        raises DataPlaneError otherwise. `whole_frames`: a hint that no urgent reply will queue behind these
+        replies, so they may come in a few large frames rather than the paced link's small ones (TCP only:
+        `TcpDataPlane._read_frame_bytes`; the others ignore it)."""
 
-    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND,
+                          whole_frames: bool = False) -> None:
         """`read` for scattered entries of one size, named by one descriptor (TCP: one frame per chunk, gathered
         by the owner with one `np.take`). This fallback reads them as segments, one per run."""
         gather.check_within(len(self.region))

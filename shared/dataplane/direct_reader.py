@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.dataplane import frames
-from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Gather, TicketRefused, entries
+from shared.dataplane.base import ChecksumMismatch, DataPlaneError, Gather, TicketRefused
 from shared.dataplane.frames import CHUNK_BYTES, FrameError, Header
 
 
@@ -74,12 +74,15 @@ class DirectReader:
     def is_broken(self) -> bool:
         return self.error is not None
 
-    def start(self, ticket: int, gather: Gather, per_frame: int) -> DirectRead:
-        """Send `gather` as GATHER frames of at most `per_frame` entries (their replies ≤ CHUNK_BYTES each) and
-        return at once; `wait` lands it. DataPlaneError if the reader is broken or the send fails. NOTE: each
-        frame costs the waiting thread a wake-up: few large frames are cheaper to wait for than many small ones."""
+    def start(self, ticket: int, gather: Gather) -> DirectRead:
+        """Send `gather` as GATHER frames whose replies are whole chunks (≤ CHUNK_BYTES each) and return at once;
+        `wait` lands it. DataPlaneError if the reader is broken or the send fails.
+        NOTE: whole chunks, not the paced link's ~1 ms ones (pacing.chunk_bytes): each frame is a wake-up of the
+        waiting thread that must take the GIL back from the event loop, and a 2K read is 5-10 paced chunks
+        (measured: with paced chunks the reads waited less and the steps took longer: docs/results/direct-reads-*).
+        A reply then holds the peer's pacer for its whole time: an on-demand read goes first anyway."""
         gather.check_within(len(self.region))
-        per_frame = max(1, min(per_frame, CHUNK_BYTES // gather.unit))
+        per_frame = max(1, CHUNK_BYTES // gather.unit)
         if gather.unit > CHUNK_BYTES or (gather.src_index.size and int(gather.src_index.max()) >> 32):
             raise DataPlaneError("a gather too large for one descriptor")  # the caller reads through the loop then
         read = DirectRead(set(), gather.num_bytes)
@@ -148,12 +151,9 @@ class DirectReader:
                 raise FrameError("gather reply length does not match the request")
             stage = self.stage[: header.payload_len]
             self._recv_exactly(stage)
-            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
+            if not frames.land_gather_reply(header, stage, self.region, reply.dst_base, reply.unit, reply.index):
                 read.error = read.error or ChecksumMismatch(f"a read from {self.peer} arrived corrupted (crc32c)")
                 return
-            if reply.index.size:  # NOTE: only verified bytes reach the region
-                rows = entries(self.region, reply.dst_base, reply.unit, int(reply.index.max()) + 1)
-                rows[reply.index] = entries(stage, 0, reply.unit, reply.index.size)
             self.num_bytes += header.payload_len
         except (OSError, FrameError) as exc:  # socket.timeout is an OSError
             self._break(str(exc) or type(exc).__name__)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
-from shared.dataplane.base import Lane
+from shared.dataplane.base import Lane, entries
 
 MAGIC = 0x53474B56  # "SGKV"
 HEADER = struct.Struct("!IBBHQQIQI")
@@ -142,3 +142,15 @@ def crc32c(parts: Iterable[memoryview | bytes]) -> int:
     for part in parts:
         crc = _crc32c.crc32c(part, value=crc)
     return crc
+
+
+def land_gather_reply(header: Header, stage: memoryview, region: memoryview, dst_base: int, unit: int,
+                      index: np.ndarray) -> bool:
+    """A gather's reply, received whole into `stage` (header.payload_len bytes): unless its crc32c fails (False,
+    nothing written), entry i lands at dst_base + index[i] · unit of `region`. NOTE: only verified bytes reach the
+    region, where attention may read them."""
+    if header.flags & FLAG_CHECKSUM and crc32c([stage]) != header.crc:
+        return False
+    if index.size:
+        entries(region, dst_base, unit, int(index.max()) + 1)[index] = entries(stage, 0, unit, index.size)
+    return True

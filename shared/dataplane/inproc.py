@@ -41,13 +41,15 @@ class InProcDataPlane(DataPlane):
         if grant.on_landed:
             grant.on_landed(total)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
+                   whole_frames: bool = False) -> None:
         check_within(segments, len(self.region), "dst")
         target = self._peer(peer, ticket, [(s.src, s.length) for s in segments])
         for s in segments:
             self.region[s.dst: s.dst + s.length] = target.region[s.src: s.src + s.length]
 
-    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read_gather(self, peer: str, ticket: int, gather: Gather, lane: Lane = Lane.ON_DEMAND,
+                          whole_frames: bool = False) -> None:
         gather.check_within(len(self.region))
         target = self._peer(peer, ticket, [])
         if not target.grants[ticket].covers_entries(gather.src_base, gather.unit, gather.src_index):

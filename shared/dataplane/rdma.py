@@ -249,7 +249,8 @@ class RdmaDataPlane(DataPlane):
         imm = socket.htonl(ticket & 0xFFFFFFFF)
         await self._run_chunks(link, lane, segments, e.IBV_WR_RDMA_WRITE_WITH_IMM, imm)
 
-    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND) -> None:
+    async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
+                   whole_frames: bool = False) -> None:
         import pyverbs.enums as e
 
         check_within(segments, len(self.region), "dst")

@@ -164,7 +164,6 @@ class TcpDataPlane(DataPlane):
 
     async def read(self, peer: str, ticket: int, segments: Sequence[Segment], lane: Lane = Lane.ON_DEMAND,
                    whole_frames: bool = False) -> None:
-        """`whole_frames`: replies in whole chunks, not the paced link's ~1 ms ones (`_read_frame_bytes`)."""
         check_within(segments, len(self.region), "dst")
         link = await self._link(peer)
         flags = frames.LANE_FLAGS[lane]

@@ -344,11 +344,9 @@ class Link:
                 raise FrameError("gather reply length does not match the request")
             stage = self.recv_stage[: header.payload_len]
             await self.channel.recv_exactly(stage)
-            if header.flags & frames.FLAG_CHECKSUM and frames.crc32c([stage]) != header.crc:
+            if not frames.land_gather_reply(header, stage, self.plane.region, base, unit, index):
                 self.plane.num_checksum_failures += 1
                 error = ChecksumMismatch(f"a gather read from {self.peer} arrived corrupted (crc32c mismatch)")
-            elif index.size:  # NOTE: only verified bytes reach the region
-                entries(self.plane.region, base, unit, int(index.max()) + 1)[index] = entries(stage, 0, unit, index.size)
         elif header.op == frames.OP_READ_DATA:
             if header.payload_len != sum(s.length for s in waiting.local):
                 raise FrameError("read reply length does not match the request")

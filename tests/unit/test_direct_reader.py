@@ -50,7 +50,7 @@ async def test_gathers_from_another_thread_land_exactly_and_in_any_order_of_wait
             expected = _expected(bytearray(expected), rb, g)
 
         def run() -> None:
-            reads = [reader.start(7, g, per_frame=900) for g in gathers]
+            reads = [reader.start(7, g) for g in gathers]
             for read in reversed(reads):
                 reader.wait(read)
 
@@ -75,9 +75,9 @@ async def test_a_refused_read_fails_alone_and_the_link_goes_on():
         reader = await _reader(a, b, ra)
         outside = Gather(0, 0, 128, np.array([0, 1, 40]), np.arange(3))  # entry 40 → [5120, 5248): outside
         with pytest.raises(TicketRefused):
-            await asyncio.to_thread(lambda: reader.wait(reader.start(1, outside, 64)))
+            await asyncio.to_thread(lambda: reader.wait(reader.start(1, outside)))
         assert bytes(ra[:3 * 128]) == bytes(3 * 128)
-        await asyncio.to_thread(lambda: reader.wait(reader.start(1, Gather(0, 0, 128, np.array([0, 1]), np.arange(2)), 64)))
+        await asyncio.to_thread(lambda: reader.wait(reader.start(1, Gather(0, 0, 128, np.array([0, 1]), np.arange(2)))))
         assert bytes(ra[:256]) == b"z" * 256
         assert not reader.is_broken
         reader.close()
@@ -116,7 +116,7 @@ async def test_one_pacer_paces_every_link_to_a_peer():
         unit, count = 1000, 1000  # 1 MB
         direct = Gather(0, 0, unit, np.arange(count), np.arange(count))
         started = time.perf_counter()
-        await asyncio.gather(asyncio.to_thread(lambda: reader.wait(reader.start(1, direct, 64))),
+        await asyncio.gather(asyncio.to_thread(lambda: reader.wait(reader.start(1, direct))),
                              a.read(b.address, 1, [Segment(2 << 20, 2 << 20, count * unit)], Lane.ON_DEMAND))
         took = time.perf_counter() - started
         assert took >= 0.18, took
@@ -134,7 +134,7 @@ async def test_close_wakes_a_reader_blocked_on_a_frozen_peer_and_breaks_it():
     try:
         b.grant(Grant(1, [(0, SIZE)]))
         reader = await _reader(a, b, ra)
-        read = reader.start(1, Gather(0, 0, 4096, np.arange(4), np.arange(4)), 64)
+        read = reader.start(1, Gather(0, 0, 4096, np.arange(4), np.arange(4)))
         waiting = asyncio.ensure_future(asyncio.to_thread(reader.wait, read))
         await asyncio.sleep(0.2)
         assert not waiting.done()
@@ -145,7 +145,7 @@ async def test_close_wakes_a_reader_blocked_on_a_frozen_peer_and_breaks_it():
         assert time.perf_counter() - started < 2
         assert reader.is_broken and reader.sock.fileno() == -1
         with pytest.raises(DataPlaneError):
-            reader.start(1, Gather(0, 0, 4096, np.arange(1), np.arange(1)), 64)
+            reader.start(1, Gather(0, 0, 4096, np.arange(1), np.arange(1)))
     finally:
         await a.close()
         await b.close()
@@ -178,7 +178,7 @@ async def test_a_direct_read_does_not_wait_behind_whole_background_frames():
                                                        whole_frames=True))
         await asyncio.sleep(0.02)  # its first frames are reserved
         started = time.perf_counter()
-        await asyncio.to_thread(lambda: reader.wait(reader.start(1, Gather(0, 0, unit, np.arange(40), np.arange(40)), 64)))
+        await asyncio.to_thread(lambda: reader.wait(reader.start(1, Gather(0, 0, unit, np.arange(40), np.arange(40)))))
         took = time.perf_counter() - started
         assert took < 0.035, took
         assert not background.done()

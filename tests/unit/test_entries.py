@@ -115,10 +115,10 @@ class CountingPlane:
     def __init__(self) -> None:
         self.reads: list[tuple[Lane, int]] = []
 
-    async def read(self, _addr: str, _ticket: int, segments, lane: Lane) -> None:
+    async def read(self, _addr: str, _ticket: int, segments, lane: Lane, _whole_frames: bool = False) -> None:
         self.reads.append((lane, sum(s.length for s in segments)))
 
-    async def read_gather(self, _addr: str, _ticket: int, gather: Gather, lane: Lane) -> None:
+    async def read_gather(self, _addr: str, _ticket: int, gather: Gather, lane: Lane, _whole_frames: bool = False) -> None:
         self.reads.append((lane, gather.num_bytes))
 
 

@@ -32,7 +32,7 @@ class LateReplyPlane:
         self.replies: list[tuple[asyncio.Task[None], asyncio.Future[None]]] = []
         self.num_cuts = 0
 
-    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane) -> None:
+    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane, _whole_frames: bool = False) -> None:
         done = asyncio.get_running_loop().create_future()
 
         async def reply() -> None:
@@ -43,7 +43,7 @@ class LateReplyPlane:
         self.replies.append((asyncio.ensure_future(reply()), done))
         await done
 
-    async def read_gather(self, addr: str, ticket: int, _gather, lane: Lane) -> None:
+    async def read_gather(self, addr: str, ticket: int, _gather, lane: Lane, _whole_frames: bool = False) -> None:
         await self.read(addr, ticket, [], lane)
 
     def cut_links(self, reason: str = "", peer: str | None = None) -> int:
@@ -63,12 +63,12 @@ class FailingSpeculationPlane:
     def __init__(self) -> None:
         self.num_reads = 0
 
-    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane) -> None:
+    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane, _whole_frames: bool = False) -> None:
         self.num_reads += 1
         if self.num_reads == 1:
             raise DataPlaneError("link reset")
 
-    async def read_gather(self, addr: str, ticket: int, _gather, lane: Lane) -> None:
+    async def read_gather(self, addr: str, ticket: int, _gather, lane: Lane, _whole_frames: bool = False) -> None:
         await self.read(addr, ticket, [], lane)
 
 

@@ -93,12 +93,12 @@ class GatedPlane:
         self.release = asyncio.Event()
         self.lanes: list[Lane] = []
 
-    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane) -> None:
+    async def read(self, _addr: str, _ticket: int, _segments, lane: Lane, _whole_frames: bool = False) -> None:
         self.lanes.append(lane)
         if lane is Lane.ON_DEMAND:
             await self.release.wait()
 
-    async def read_gather(self, _addr: str, _ticket: int, _gather, lane: Lane) -> None:
+    async def read_gather(self, _addr: str, _ticket: int, _gather, lane: Lane, _whole_frames: bool = False) -> None:
         await self.read(_addr, _ticket, [], lane)
 
 
