@@ -13,6 +13,36 @@ from tools.tiny_model import make_tiny_model
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forkserver(tmp_path_factory: pytest.TempPathFactory):
+    """Every service a Stack starts in this session (here or in a tool the tests run) is a fork of one interpreter
+    that imported torch and transformers once (tools/forkserver.py: ~13 s less a stack start on two cores).
+    SMARTGEN_FORKSERVER=0 turns it off; test_cli_up.py's `smartgen up` runs without it (the cold path)."""
+    import subprocess
+    import sys
+    import time
+
+    from tools.nats_server import die_with_parent
+    from tools.stack import REPO_ROOT
+
+    if os.environ.get("SMARTGEN_FORKSERVER") == "0":
+        del os.environ["SMARTGEN_FORKSERVER"]
+        yield None
+        return
+    path = str(tmp_path_factory.mktemp("forkserver") / "socket")
+    server = subprocess.Popen([sys.executable, "-u", "-m", "tools.forkserver", path], cwd=REPO_ROOT,
+                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.1)
+    os.environ["SMARTGEN_FORKSERVER"] = path
+    yield path
+    del os.environ["SMARTGEN_FORKSERVER"]
+    server.terminate()
+    server.wait(10)
+
+
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
     """The real SmolLM2 folder (converted once; `make test` does it before pytest starts)."""

@@ -1,5 +1,5 @@
 """The whole stack as local processes: an embedded NATS (unless SMARTGEN_NATS_URL names one) and the
-five services, each `python -m services.<role>`. Used by `smartgen up` and by the integration tests.
+five services, each `python -m services.<role>` (in the test suite, a fork of tools/forkserver.py: SMARTGEN_FORKSERVER). Used by `smartgen up` and by the integration tests.
 
 Secrets, per run: the embedded NATS wants a fresh random token; with an external server the services
 take whatever credentials the environment gives (SMARTGEN_NATS_TOKEN…). The admin token is
@@ -25,6 +25,7 @@ from pathlib import Path
 from shared.runtime.admin_auth import admin_token_from_env
 from shared.runtime.config import write_secret_file
 from tools.client import request
+from tools.forkserver import ForkedProcess, spawn as spawn_forked
 from tools.nats_server import NatsServer, die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ class Stack:
     def __init__(self, spec: StackSpec):
         self.spec = spec
         self.nats: NatsServer | None = None
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | ForkedProcess] = {}
         self._envs: dict[str, tuple[str, dict[str, str]]] = {}
         self._log = None
         self.admin_token = ""  # the bearer token of state-changing admin routes (set by start)
@@ -125,6 +126,10 @@ class Stack:
     def _spawn(self, name: str, role: str, env: dict[str, str]) -> None:
         out = self._log if self._log else None
         self._envs[name] = (role, env)
+        if forkserver := os.environ.get("SMARTGEN_FORKSERVER"):  # the test suite's (tools/forkserver.py)
+            self.processes[name] = spawn_forked(forkserver, f"services.{role}", [], env, str(REPO_ROOT),
+                                                (out or sys.stdout).fileno(), (out or sys.stderr).fileno())
+            return
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=REPO_ROOT, env=env,
                                                 stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                                 preexec_fn=die_with_parent)

@@ -24,8 +24,10 @@ def start_up(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
     # NOTE: `python -m tools.cli` from this checkout, not the `smartgen` script: that one runs the installed copy
     # (another worktree's code). A process group of its own, as a shell gives a foreground job: Ctrl-C signals the
     # whole group
+    # (and without the suite's fork server: `smartgen up` as a user runs it, each service a fresh interpreter)
+    cold = {k: v for k, v in os.environ.items() if k != "SMARTGEN_FORKSERVER"}
     return subprocess.Popen([sys.executable, "-m", "tools.cli", "up", *args], cwd=REPO_ROOT,
-                            env={**os.environ, "SMARTGEN_ADMIN_TOKEN": ADMIN_TOKEN, **env}, stdout=log.open("wb"),
+                            env={**cold, "SMARTGEN_ADMIN_TOKEN": ADMIN_TOKEN, **env}, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -27,7 +27,10 @@ def test_guidellm_concurrent_streams_get_no_errors(clean_stack, tiny_model_path,
                     f"kind=json,path={out}", "--disable-console-interactive"], check=True, timeout=240,
                    capture_output=True)
     rows = summary(json.loads(out.read_text()))
-    assert [(r["streams"], r["ok"], r["errored"], r["incomplete"]) for r in rows] == [(1, 4, 0, 0), (3, 4, 0, 0)], rows
+    assert [(r["streams"], r["errored"], r["incomplete"]) for r in rows] == [(1, 0, 0), (3, 0, 0)], rows
+    # NOTE: with 3 streams guidellm may leave out of its totals the request that ends after its max_requests
+    # constraint closed the benchmark (seen 2026-12-07: ok 3, errored 0, incomplete 0, total 3)
+    assert rows[0]["ok"] == 4 and rows[1]["ok"] >= 3, rows
 
 
 def test_lm_eval_through_the_gateway_scores_as_its_hf_backend(clean_stack, tiny_model_path, tmp_path):
