@@ -9,7 +9,8 @@
 #
 #   OUT=/tmp/gpu bash tools/gpu_check.sh                          # on the GPU (bf16: the model's default there)
 #   OUT=/tmp/g GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=<tiny> GPU_CHECK_CONTEXTS=128 GPU_CHECK_SELECTORS=quest \
-#       GPU_CHECK_SERVE_TOKENS=96 GPU_CHECK_SERVE_SELECTOR=quest bash tools/gpu_check.sh       # the same at tiny size (the suite runs this)
+#       GPU_CHECK_SERVE_TOKENS=96 GPU_CHECK_SERVE_SELECTOR=quest GPU_CHECK_SERVE_REQUESTS=1 bash tools/gpu_check.sh
+#                                                                     # the same at tiny size (the suite runs this)
 #
 # Run from the repository root after `make model`. A part that fails stops the script (pipefail: through the tee too).
 set -euo pipefail
@@ -20,6 +21,7 @@ CONTEXTS=${GPU_CHECK_CONTEXTS:-2048 8192}
 SELECTORS=${GPU_CHECK_SELECTORS:-quest,hata,infinigen,positional}
 SERVE_TOKENS=${GPU_CHECK_SERVE_TOKENS:-2048}
 SERVE_SELECTOR=${GPU_CHECK_SERVE_SELECTOR:-hata}
+SERVE_REQUESTS=${GPU_CHECK_SERVE_REQUESTS:-3}
 PY=${PY:-.venv/bin/python}
 SMARTGEN="$PY -m tools.cli"
 mkdir -p "$OUT"
@@ -50,7 +52,7 @@ $SMARTGEN bench decode-batch $MODEL_ARG --device "$DEVICE" --context "$last" --b
 # every model process on the device; step-matched: the link is 10x what the prefill needs at R (TBT, not TTST)
 # shellcheck disable=SC2086
 SMARTGEN_DEVICE="$DEVICE" $SMARTGEN bench serve $MODEL_ARG --prompt-tokens "$SERVE_TOKENS" --pressure 2 \
-  --regime step --requests 3 --max-tokens 32 --selector "$SERVE_SELECTOR" --modes colocated-selective,quantized-4bit,smartgen \
+  --regime step --requests "$SERVE_REQUESTS" --max-tokens 32 --selector "$SERVE_SELECTOR" --modes colocated-selective,quantized-4bit,smartgen \
   --no-quality --out "$WORK/serve" --json "$OUT/serve-runs.json" | tee -a "$OUT/log.txt"
 cp "$WORK/serve/report.md" "$OUT/serve-report.md"
 echo "gpu_check: done, results in $OUT"

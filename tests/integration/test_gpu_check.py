@@ -15,7 +15,8 @@ def test_the_gpu_check_runs_end_to_end_at_tiny_size_on_cpu(tiny_model_path: Path
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PY": sys.executable, "GPU_CHECK_DEVICE": "cpu",
            "GPU_CHECK_MODEL": str(tiny_model_path), "GPU_CHECK_CONTEXTS": "160", "GPU_CHECK_SELECTORS": "quest",
-           "GPU_CHECK_SERVE_TOKENS": "96", "GPU_CHECK_SERVE_SELECTOR": "quest", "SMARTGEN_TORCH_THREADS": "1"}
+           "GPU_CHECK_SERVE_TOKENS": "96", "GPU_CHECK_SERVE_SELECTOR": "quest",
+           "GPU_CHECK_SERVE_REQUESTS": "1", "SMARTGEN_TORCH_THREADS": "1"}
     done = subprocess.run(["bash", "tools/gpu_check.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
