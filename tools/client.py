@@ -60,7 +60,12 @@ def request(url: str, body: object = None, *, method: str | None = None, timeout
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return Reply(r.status, json.load(r), dict(r.headers))
     except urllib.error.HTTPError as exc:
-        return Reply(exc.code, json.load(exc), dict(exc.headers))
+        text = exc.read().decode(errors="replace")
+        try:
+            answer = json.loads(text)
+        except ValueError:  # not JSON (a proxy's page, a bare 500): the text, as an error
+            answer = {"error": text}
+        return Reply(exc.code, answer, dict(exc.headers))
 
 
 def post_json(url: str, body: object, timeout: float = 120.0, headers: dict[str, str] | None = None,

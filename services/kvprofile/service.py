@@ -237,9 +237,13 @@ class KvProfileService(Service):
             log.info("online_updates", enabled=enabled)
             return web.json_response({"enabled": enabled})
 
-        return [web.get("/profiles", _bucket_answers(profiles)), web.get("/profiles/{key}", _bucket_answers(show)),
-                web.post("/profiles/build", _bucket_answers(build)), web.delete("/profiles/{key}", _bucket_answers(delete)),
-                web.post("/online", online)]
+        def is_open() -> bool:
+            return self.store is not None
+
+        return [web.get("/profiles", _bucket_answers(profiles, is_open)),
+                web.get("/profiles/{key}", _bucket_answers(show, is_open)),
+                web.post("/profiles/build", _bucket_answers(build, is_open)),
+                web.delete("/profiles/{key}", _bucket_answers(delete, is_open)), web.post("/online", online)]
 
     def stats(self) -> dict[str, Any]:
         return {"bucket": self.config.bucket, "ready": self.is_ready(), "builds_running": self.builds_running,
@@ -247,11 +251,16 @@ class KvProfileService(Service):
                 "online_learning": self.is_learning_online, "online_skipped": self.online_skipped.value()}
 
 
-def _bucket_answers(handler: Callable[[web.Request], Awaitable[web.Response]]) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """A route over the JetStream bucket answers 503 (JSON, saying why) while the bucket cannot be reached, e.g.
-    while a NATS cluster elects a new leader, instead of a bare 500."""
+def _bucket_answers(handler: Callable[[web.Request], Awaitable[web.Response]],
+                    is_open: Callable[[], bool]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route over the JetStream bucket answers 503 (JSON, saying why) while the bucket is not open yet (the
+    service starts its admin routes first; a fresh NATS cluster may take seconds to create it) or cannot be reached,
+    e.g. while a NATS cluster elects a new leader, instead of a bare 500."""
     @functools.wraps(handler)
     async def answer(request: web.Request) -> web.Response:
+        if not is_open():
+            return web.json_response({"error": "the profiles bucket is not open yet (JetStream is starting); try again"},
+                                     status=503, headers={"Retry-After": "2"})
         try:
             return await handler(request)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:

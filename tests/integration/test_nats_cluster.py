@@ -34,6 +34,17 @@ def meta_leader(cluster: NatsCluster) -> NatsServer:
     raise AssertionError("no JetStream meta leader")
 
 
+def wait_until_profiles_answer(gateway: Gateway, timeout_s: float) -> None:
+    """Until kvprofile is registered and its bucket open (GET /profiles answers 200)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        url = gateway.kvprofile_url()
+        if url is not None and "_status" not in get_json(url + "/profiles", timeout=10):
+            return
+        assert time.monotonic() < deadline, "kvprofile never opened its bucket"
+        time.sleep(0.2)
+
+
 def stream_through(url: str, during) -> list[int]:
     """Stream BODY; after its 5th token run `during()`, then read the stream to its end. The token ids of the
     final chunk; AssertionError if the stream broke or ended early."""
@@ -62,6 +73,9 @@ def test_the_stack_rides_out_losing_nats_servers(tiny_model_path: Path, tmp_path
                               **NO_FLOOR_ENV})
         with started_stack(spec, 180) as stack:
             gateway = Gateway(stack.gateway_url, stack.admin_token)
+            # NOTE: kvprofile creates its bucket at three replicas first, which a fresh cluster may take seconds to
+            # do (its bucket routes answer 503 meanwhile): the stack serves without it, but this test needs it
+            wait_until_profiles_answer(gateway, 60)
             first = gateway.stream(BODY, timeout=120)  # also has kvprofile store a profile (online update)
             assert len(first["token_ids"]) == 40
             decode_id = next(w["id"] for w in gateway.workers() if w["role"] == "decode")

@@ -40,3 +40,28 @@ async def test_a_jetstream_that_never_gets_ready_fails_after_the_deadline_and_ot
     with pytest.raises(nats.js.errors.BadRequestError):
         await ProfileStore.open(refused, "profiles", timeout_s=5)
     assert refused.calls == 1
+
+
+async def test_bucket_routes_answer_503_until_the_bucket_is_open():
+    """kvprofile serves its admin routes before JetStream has created the bucket (seconds on a fresh NATS cluster):
+    until then a bucket route answers a JSON 503 with Retry-After, not a 500 from a failed assertion."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.kvprofile.service import _bucket_answers
+
+    state = {"open": False}
+
+    async def profiles(_: web.Request) -> web.Response:
+        assert state["open"]
+        return web.json_response({"profiles": []})
+
+    app = web.Application()
+    app.router.add_get("/profiles", _bucket_answers(profiles, lambda: state["open"]))
+    async with TestClient(TestServer(app)) as client:
+        early = await client.get("/profiles")
+        assert early.status == 503 and early.headers["Retry-After"] == "2"
+        assert "not open yet" in (await early.json())["error"]
+        state["open"] = True
+        later = await client.get("/profiles")
+        assert later.status == 200 and await later.json() == {"profiles": []}
