@@ -32,7 +32,7 @@ test: model
 # Not part of `make test`. Needs root and apt; first run ~3 min (qemu + mmdebstrap + guest build), then ~25 s.
 test-rdma:
 	bash tools/rdma_vm/build.sh
-	python3 tools/rdma_vm/run.py "python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/rdma"
+	python3 tools/rdma_vm/run.py "SMARTGEN_FORKSERVER=0 python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/rdma"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,6 +18,10 @@ def forkserver(tmp_path_factory: pytest.TempPathFactory):
     """Every service a Stack starts in this session (here or in a tool the tests run) is a fork of one interpreter
     that imported torch and transformers once (tools/forkserver.py: ~13 s less a stack start on two cores).
     SMARTGEN_FORKSERVER=0 turns it off; test_cli_up.py's `smartgen up` runs without it (the cold path)."""
+    if os.environ.get("SMARTGEN_FORKSERVER") == "0":  # NOTE: before any import (the RDMA guest has no tracing libraries)
+        del os.environ["SMARTGEN_FORKSERVER"]
+        yield None
+        return
     import subprocess
     import sys
     import time
@@ -25,10 +29,6 @@ def forkserver(tmp_path_factory: pytest.TempPathFactory):
     from tools.nats_server import die_with_parent
     from tools.stack import REPO_ROOT
 
-    if os.environ.get("SMARTGEN_FORKSERVER") == "0":
-        del os.environ["SMARTGEN_FORKSERVER"]
-        yield None
-        return
     path = str(tmp_path_factory.mktemp("forkserver") / "socket")
     server = subprocess.Popen([sys.executable, "-u", "-m", "tools.forkserver", path], cwd=REPO_ROOT,
                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
