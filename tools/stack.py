@@ -24,7 +24,7 @@ from pathlib import Path
 
 from shared.runtime.admin_auth import admin_token_from_env
 from shared.runtime.config import write_secret_file
-from tools.client import request
+from tools.client import list_workers, request
 from tools.forkserver import ForkedProcess, spawn as spawn_forked
 from tools.nats_server import NatsServer, die_with_parent, free_port
 
@@ -170,7 +170,9 @@ class Stack:
         return f"\n--- the end of {log_file} ---\n" + Path(log_file).read_text(errors="replace")[-num_chars:]
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        """Until the gateway says every role has a worker. Raises if a service dies first."""
+        """Until the gateway says every role has a worker and has heard from every service this stack started,
+        kvprofile included (it registers once its JetStream bucket is open: the gateway serves without it, but a
+        stack that started one is not ready before it). Raises if a service dies first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.dead():
@@ -178,10 +180,16 @@ class Stack:
             health = self.health()
             workers = health.get("workers", {})
             if health.get("status") == "ok" and workers.get("prefill", 0) >= self.spec.num_prefill \
-                    and workers.get("decode", 0) >= self.spec.num_decode:
+                    and workers.get("decode", 0) >= self.spec.num_decode and self._kvprofile_registered():
                 return
             time.sleep(0.2)
         raise TimeoutError(f"stack not ready within {timeout_s} s: {self.health()}")
+
+    def _kvprofile_registered(self) -> bool:
+        try:
+            return any(w["role"] == "kvprofile" for w in list_workers(self.gateway_url, self.admin_token, timeout=2))
+        except (OSError, RuntimeError):
+            return False
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int]:
         """SIGTERM every service, then SIGKILL stragglers; stop NATS last. Returns exit codes."""
