@@ -59,9 +59,6 @@ class ForkedProcess:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -174,9 +171,10 @@ def _run_child(request: dict, fds: list[int], inherited: list[socket.socket]) ->
         sys.argv = [request["module"], *request["args"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
+    except SystemExit as exc:  # as the interpreter exits: None is 0, a number is itself, anything else is printed, 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()

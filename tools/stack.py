@@ -1,5 +1,6 @@
 """The whole stack as local processes: an embedded NATS (unless SMARTGEN_NATS_URL names one) and the
-five services, each `python -m services.<role>` (in the test suite, a fork of tools/forkserver.py: SMARTGEN_FORKSERVER). Used by `smartgen up` and by the integration tests.
+five services, each `python -m services.<role>` (in the test suite, a fork of tools/forkserver.py where
+SMARTGEN_FORKSERVER names one). Used by `smartgen up` and by the integration tests.
 
 Secrets, per run: the embedded NATS wants a fresh random token; with an external server the services
 take whatever credentials the environment gives (SMARTGEN_NATS_TOKEN…). The admin token is
