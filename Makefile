@@ -25,11 +25,13 @@ model: install
 up: model
 	$(VENV)/bin/smartgen up $(ARGS)
 
-# Two pytest workers (pytest-xdist), each taking whole test files (a file's module-scoped stack stays on one worker);
-# PYTEST_WORKERS=0 runs the suite in one process.
+# The suite in two runs: the tests that hold wall-clock bounds (marked `timing`: pacing, deadlines) alone, then the
+# rest on two pytest-xdist workers taking whole files (a file's module-scoped stack stays on one worker).
+# PYTEST_WORKERS=0 runs the rest in one process too.
 PYTEST_WORKERS ?= 2
 test: model
-	$(PY) -m pytest -q -ra --durations=25 -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra -m timing
+	$(PY) -m pytest -q -ra --durations=25 -m "not timing" -n $(PYTEST_WORKERS) --dist loadfile
 
 # RDMA transport on real verbs: Soft-RoCE inside a small QEMU guest built from Debian packages.
 # Not part of `make test`. Needs root and apt; first run ~3 min (qemu + mmdebstrap + guest build), then ~25 s.

@@ -16,6 +16,8 @@ from shared.runtime.arena import SharedArena
 from shared.dataplane.base import split_into_chunks
 from tests.segments import push_and_read_exactly
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone (pyproject.toml, markers)
+
 SIZE = 4 << 20
 
 

@@ -12,6 +12,8 @@ from shared.dataplane import Grant, Lane, Segment
 from shared.dataplane import frames
 from tests.unit.test_dataplane import pair
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone (pyproject.toml, markers)
+
 
 async def test_pacing_holds_the_set_rate():
     """A paced link moves data at link_gbps: never faster (±5%), and not much slower."""

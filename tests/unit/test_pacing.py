@@ -1,8 +1,12 @@
 """Chunk sizes on paced links: frames hold an emulated slow link about as briefly as a fast NIC's would."""
 from __future__ import annotations
 
+import pytest
+
 from shared.dataplane.frames import CHUNK_BYTES
 from shared.dataplane.pacing import MIN_CHUNK_BYTES, PACED_CHUNK_S, chunk_bytes
+
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone (pyproject.toml, markers)
 
 
 def test_paced_chunks_take_about_a_millisecond_of_link_time():

@@ -15,6 +15,8 @@ from shared.compute.selectors.base import LayerState, top_k
 from tests.reference import prompt_ids
 from tests.unit.remote_kv_harness import PROMPT, STEPS, remote_tokens, runner  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone (pyproject.toml, markers)
+
 
 class FixedScores:
     """A selector that ranks tokens by fixed scores (num_kv_heads, n)."""
