@@ -157,7 +157,7 @@ def run(model: str = "", selector: str = "all", num_prompts: int = NUM_PROMPTS, 
 
     from shared.compute.modeling import ModelRunner
     from shared.compute.selectors import Geometry, default_prep_dir, prep_path
-    from shared.runtime.models import resolve_model
+    from shared.runtime.models import readable_as_umask_allows, resolve_model
 
     path = resolve_model(model)
     out_dir = Path(out_dir) if out_dir else default_prep_dir(path)
@@ -173,6 +173,7 @@ def run(model: str = "", selector: str = "all", num_prompts: int = NUM_PROMPTS, 
         tensors = prepare_infinigen(qk, geometry) if name == "infinigen" else train_hata(qk, geometry)
         recipe = default_recipe() if (num_prompts, prompt_tokens) == (NUM_PROMPTS, PROMPT_TOKENS) else f"{num_prompts}x{prompt_tokens}"
         save_file({k: v.contiguous() for k, v in tensors.items()}, prep_path(out_dir, name), metadata={"recipe": recipe})
+        readable_as_umask_allows(prep_path(out_dir, name))  # safetensors writes 0600
         written.append(prep_path(out_dir, name))
         print(f"{name}: wrote {prep_path(out_dir, name)} ({time.monotonic() - started:.0f} s)", flush=True)
     return written

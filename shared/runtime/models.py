@@ -88,11 +88,22 @@ def prepare_default_model(force: bool = False) -> Path:
         tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)
+        readable_as_umask_allows(staging)
         staging.rename(target)  # atomic: a half-written folder is never mistaken for a model
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"model ready in {time.monotonic() - started:.0f} s", flush=True)
     return target
+
+
+def readable_as_umask_allows(path: Path) -> None:
+    """Give `path` (and, for a folder, all it holds) the modes a plain mkdir or open would: mkdtemp makes its folder
+    0700 and safetensors writes 0600 files, so a model prepared by root at an image's build was unreadable to the
+    image's own user (uid 10001; found running compose in a real engine, 2026-12-07). 0755/0644 under umask 022."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def load_tokenizer(path: Path):

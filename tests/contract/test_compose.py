@@ -52,13 +52,13 @@ def services() -> dict:
 
 def required_env(tmp_path: Path) -> dict[str, str]:
     """The settings compose refuses to start without: the NATS token's, the cluster secret's and the admin token's
-    files."""
+    files, and the group that may read them."""
     secret, token, admin = tmp_path / "cluster_secret", tmp_path / "nats_token", tmp_path / "admin_token"
     secret.write_text("compose-test-cluster-secret\n")
     token.write_text(TEST_TOKEN + "\n")
     admin.write_text(TEST_ADMIN_TOKEN + "\n")
     return {"SMARTGEN_NATS_TOKEN_FILE": str(token), "SMARTGEN_CLUSTER_SECRET_FILE": str(secret),
-            "SMARTGEN_ADMIN_TOKEN_FILE": str(admin)}
+            "SMARTGEN_ADMIN_TOKEN_FILE": str(admin), "SMARTGEN_SECRETS_GID": "1234"}
 
 
 def test_compose_file_is_valid(tmp_path):
@@ -69,9 +69,10 @@ def test_compose_file_is_valid(tmp_path):
     assert result.stderr == ""
 
 
-@pytest.mark.parametrize("missing", ["SMARTGEN_CLUSTER_SECRET_FILE", "SMARTGEN_ADMIN_TOKEN_FILE"])
+@pytest.mark.parametrize("missing", ["SMARTGEN_CLUSTER_SECRET_FILE", "SMARTGEN_ADMIN_TOKEN_FILE", "SMARTGEN_SECRETS_GID"])
 def test_compose_refuses_to_start_without_the_cluster_secret_or_the_admin_token(tmp_path, missing):
-    """The data plane's key and the admin token are required: without either file Compose stops, naming it."""
+    """The data plane's key, the admin token and the secrets' group are required: without one Compose stops,
+    naming it."""
     env = {k: v for k, v in required_env(tmp_path).items() if k != missing}
     result = run_compose(tmp_path, "config", "-q", **env)
     assert result.returncode != 0 and missing in result.stderr
@@ -141,6 +142,8 @@ def test_every_service_gets_the_nats_token_and_the_admin_token_as_files(tmp_path
         assert env["SMARTGEN_NATS_TOKEN_FILE"] == "/run/secrets/nats_token" and "SMARTGEN_NATS_TOKEN" not in env, role
         assert "admin_token" in [s["source"] for s in resolved[role]["secrets"]], role
         assert env["SMARTGEN_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token" and "SMARTGEN_ADMIN_TOKEN" not in env, role
+        # the image's user reads the mounted files through their group (compose keeps the host's owner and mode)
+        assert [str(g) for g in resolved[role].get("group_add", [])] == ["1234"], role
 
 
 def test_nats_conf_requires_the_token():
