@@ -86,7 +86,9 @@ class QuestSelector(Selector):
         q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
         # the most q·k can be in each page, Σ_d max(q_d·lo_d, q_d·hi_d): lo ≤ hi, so the larger product is q·hi where
         # q ≥ 0 and q·lo where q < 0, and the bound is two matrix products, min(q, 0)·loᵀ + max(q, 0)·hiᵀ: one
-        # baddbmm over all heads instead of four passes over a (kv, G, pages, d) tensor (reference.py sums the same way)
+        # baddbmm over all heads instead of elementwise passes over a (kv, G, pages, d) tensor. NOTE: the same terms as
+        # reference.py's, summed over d in another order (last bits only; its pages in every test and in 400 random
+        # 2K/8K selections: docs/results/decode-step-2026-12-07)
         bound = torch.baddbmm(torch.bmm(q.clamp(max=0), lo.transpose(1, 2)), q.clamp(min=0), hi.transpose(1, 2))
         return top_k_unsorted(bound.sum(1), num_pages), num_full, n
 
