@@ -4,9 +4,10 @@ The model runs with attention implementation "smartgen_selective". The cache may
 dtype than the model computes in (kv_dtype bf16, compute fp32): what attention reads is cast up, the whole
 layer when dense, only the selected entries when selective. For prefill (many queries) it is plain SDPA, bit
 for bit. A decode step runs a batch of requests (continuous batching: the projections and MLPs see all rows
-at once) over a `BatchCache`, and attention goes row by row, each over its own slab: a row without a
-`Selection`, or at layers 0–1, attends densely; at each layer ≥ 2 a row with one asks its selector for token
-indices per KV head, gathers those K/V and attends to them only. Attention is order-invariant and RoPE is
+at once) over a `BatchCache`, and each row attends over its own slab: a row without a `Selection`, or at layers
+0–1, attends densely; at each layer ≥ 2 a row with one asks its selector for token indices per KV head, gathers
+those K/V and attends to them only (on more than one thread, every such row's gather and attention together:
+`_attend_selected`). Attention is order-invariant and RoPE is
 already in the cached keys, so the gathered tokens need no re-positioning.
 
 When part of the KV is still on the prefill node (`Selection.remote`, the partial and smartgen modes), the
@@ -42,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -54,7 +56,7 @@ from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 # NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
 # `selective.select_with_floor` for a run, and the step below calls it through this namespace
 from shared.compute.floor import floor_scores, remember_picks, select_with_floor
-from shared.compute.gather import gather_pair
+from shared.compute.gather import SelectedRows, block
 from shared.compute.queries import speculated_query
 from shared.compute.remote_entries import PendingRead, RemoteEntries
 
@@ -94,17 +96,7 @@ class Selection:
     num_selections: int = 0
     num_selected: int = 0
     num_candidates: int = 0
-    _scratch: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # gather buffers (K, V)
     _tokens: tuple[int, int] = (-1, 0)  # (n, budget.tokens(n)) of the last step
-
-    def scratch(self, which: int, like: torch.Tensor, rows: int) -> torch.Tensor:
-        """A (≥ rows, d) buffer of `like`'s dtype and device for the selected K (0) or V (1) of one layer, grown with
-        some headroom (a context grows its selection a token every ten steps), never per step: attention gathers
-        into it, then reads it."""
-        buf = self._scratch.get(which)
-        if buf is None or buf.shape[0] < rows or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._scratch[which] = like.new_empty(rows + 64 * like.shape[0], like.shape[-1])
-        return buf
 
     def tokens(self, n: int) -> int:
         """`budget.tokens(n)`, remembered for the last n (every layer of a step asks for the same one)."""
@@ -217,18 +209,26 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
             if serial:
                 torch.set_num_threads(threads)
     for b, row in enumerate(rows):
-        if row is None:
+        if row is None or row.idx is not None:
             continue
-        serial = threads > 1 and row.idx is not None
         try:
-            if serial:
-                torch.set_num_threads(1)
-            out[b] = _attend(module, step.selections[b], row, scaling)[0]
+            out[b] = _attend_dense(module, row, scaling)[0]
         except Exception as exc:  # noqa: BLE001 (a read that failed or timed out: this row only)
             step.errors[b] = exc
-        finally:
-            if serial:
-                torch.set_num_threads(threads)
+    narrow = [(b, row) for b, row in enumerate(rows) if row is not None and row.idx is not None]
+    # the selective rows' gathers and attention: all together where that is large enough to use every thread (or an
+    # accelerator), else one row at a time on one thread, where a row's gather stays in the cache until its attention
+    # reads it (measured: docs/results/decode-step-2026-12-07, "Rows together")
+    together = len(narrow) > 1 and (threads > 1 or query.device.type != "cpu")
+    serial = threads > 1 and not together
+    try:
+        if serial:
+            torch.set_num_threads(1)
+        for chunk in [narrow] if together else [[r] for r in narrow]:
+            _attend_selected(module, step, chunk, out, scaling)
+    finally:
+        if serial:
+            torch.set_num_threads(threads)
     return out
 
 
@@ -300,29 +300,61 @@ def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n:
     sel.remote.speculate(layer + 1, select_with_floor(sel.selector, layer + 1, state, probe, k, n, sel.budget.floor))
 
 
-def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
-    """`row`'s attention output (1, 1, H, d), once what it reads has landed."""
-    query, keys, values, idx = row.query, row.keys, row.values, row.idx
-    if idx is None:  # dense: every entry, local once the read of the missing ones has landed
-        if row.pending is not None:
-            row.pending.wait()
-        return sdpa_attention_forward(module, query, _as(query, keys[None]), _as(query, values[None]), None,
-                                      scaling=scaling)[0]
-    assert sel is not None
-    # one index_select per K and V into the row's preallocated buffers (a strided gather with an expanded index
-    # costs ~40× as much on CPU), then SDPA over the KV heads with enable_gqa (no repeat_interleave copies)
-    rows = idx.numel()
-    k_sel, v_sel = gather_pair(keys, values, idx, sel.scratch(0, keys, rows), sel.scratch(1, values, rows))
+def _attend_dense(module, row: _Row, scaling) -> torch.Tensor:
+    """A dense row's attention output (1, 1, H, d) over its whole cache, local once the read of the missing
+    entries has landed."""
     if row.pending is not None:
-        row.pending.wait()  # the local entries above were gathered while the remote read was in flight
-        rows, cols = row.pending.remote.nonzero(as_tuple=True)
-        k_sel[rows, cols] = keys[rows, idx[rows, cols]]  # the remote entries, now landed in the slab
-        v_sel[rows, cols] = values[rows, idx[rows, cols]]
-    group = query.shape[1] // keys.shape[0]
-    k_sel, v_sel = _as(query, k_sel), _as(query, v_sel)
-    out = torch.nn.functional.scaled_dot_product_attention(query, k_sel[None], v_sel[None], scale=scaling,
-                                                           enable_gqa=group > 1)
+        row.pending.wait()
+    return sdpa_attention_forward(module, row.query, _as(row.query, row.keys[None]), _as(row.query, row.values[None]),
+                                  None, scaling=scaling)[0]
+
+
+# the selected K/V of a layer's selective rows (one buffer, reused: the engine's one torch thread steps)
+_SELECTED = SelectedRows()
+
+
+def _attend_selected(module, step: Step, rows: list[tuple[int, _Row]], out: torch.Tensor, scaling) -> None:
+    """The rows that attend to a selection, into out[b] (1, H, d): one gather of every row's selected K and V
+    (`SelectedRows`: one index_select over the arena and one cast, on every thread), then each row's remote
+    entries filled in from its slab once its read has landed (the local ones were gathered while it was in
+    flight), then one SDPA over the KV heads (enable_gqa, no repeat_interleave copies) per run of rows of one
+    width. Rows are taken widest first, so rows of one width lie next to each other in the buffer. A row whose
+    read fails is voided (its error in `step.errors`); the others carry on."""
+    rows = sorted(rows, key=lambda r: -r[1].idx.shape[1])
+    query = rows[0][1].query
+    picked = _SELECTED.gather([row.keys for _, row in rows], [row.values for _, row in rows],
+                              [row.idx for _, row in rows], query.dtype)
+    for (b, row), (k_sel, v_sel) in zip(rows, picked):
+        if row.pending is None:
+            continue
+        try:
+            row.pending.wait()
+        except Exception as exc:  # noqa: BLE001 (a read that failed or timed out: this row only)
+            step.errors[b] = exc
+            continue
+        heads, cols = row.pending.remote.nonzero(as_tuple=True)
+        k_sel[heads, cols] = row.keys[heads, row.idx[heads, cols]].to(k_sel.dtype)  # now landed in the slab
+        v_sel[heads, cols] = row.values[heads, row.idx[heads, cols]].to(v_sel.dtype)
+    group = query.shape[1] // rows[0][1].keys.shape[0]
+    for _, run in groupby(zip(rows, picked), key=lambda r: r[0][1].idx.shape[1]):
+        run = list(run)
+        joined = block([kv for _, kv in run]) if len(run) > 1 else None
+        calls = [([r for r, _ in run], joined)] if joined else [([r], (k[None], v[None])) for r, (k, v) in run]
+        for members, (k_sel, v_sel) in calls:  # members: rows of one width; k_sel, v_sel (rows, H_kv, k, d)
+            q = torch.cat([row.query for _, row in members]) if len(members) > 1 else members[0][1].query
+            att = torch.nn.functional.scaled_dot_product_attention(q, k_sel, v_sel, scale=scaling, enable_gqa=group > 1)
+            for r, (b, row) in enumerate(members):
+                if b not in step.errors:
+                    out[b] = att[r].transpose(0, 1)
+                    _account(module, step.selections[b], row, scaling)
+
+
+def _account(module, sel: Selection, row: _Row, scaling) -> None:
+    """A selective row's counters after attending at this layer (selected share, sparse steps, profile blocks,
+    and the attention mass kept when measured)."""
+    query, keys, idx = row.query, row.keys, row.idx
     n = keys.shape[1]
+    group = query.shape[1] // keys.shape[0]
     sel.num_selected += idx.numel()
     sel.num_candidates += n * idx.shape[0]
     if module.layer_idx == DENSE_LAYERS:  # NOTE: one step decides dense or sparse for all its layers (same n, same budget)
@@ -335,7 +367,6 @@ def _attend(module, sel: Selection | None, row: _Row, scaling) -> torch.Tensor:
         kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
         sel.mass_sum += float(kept.mean())
     sel.num_selections += 1
-    return out.transpose(1, 2)
 
 
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

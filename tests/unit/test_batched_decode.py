@@ -110,6 +110,27 @@ def test_a_row_computes_bit_for_bit_as_alone_whatever_the_batch(tiny_model_path,
     assert torch.equal(together[0], expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_selective_rows_attended_together_compute_as_alone(tiny_model_path, threads):
+    """On more than one thread the selective rows of a step gather and attend together (one SDPA per run of rows of
+    one width: selective.py `_attend_selected`); on one, row by row. Either way a row's state is bit for bit its
+    state alone, beside rows of its own width and of others."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = engine_for(tiny_model_path)
+        prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+        first = start(engine, "alone", prompts[1], 1)
+        expected = final_hidden(engine, [("alone", first)])[0]
+        engine.end("alone")
+        rows = [("same", 1), ("twin", 1), ("other", 2), ("dense", 0)]  # two of one width, one of another, one dense
+        firsts = {rid: start(engine, rid, prompts[i], i) for rid, i in rows}
+        together = final_hidden(engine, [(rid, firsts[rid]) for rid, _ in rows])
+        assert torch.equal(together[0], expected) and torch.equal(together[1], expected)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_with_one_shared_matmul_a_rows_rounding_depends_on_its_batch(tiny_model_path):
     """Why the default is what it is (and that `batch_invariant: false` is honoured): one shared matmul over a
     batch of 4 rounds the same row differently from the one-row product."""

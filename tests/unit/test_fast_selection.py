@@ -135,6 +135,40 @@ def test_gather_and_attention_match_reference(dtype):
     assert torch.equal(fast, reference_out)
 
 
+def _slab_rows(arena: torch.Tensor, first: int, n: int, capacity: int = 700) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slab layer's (K, V) views (3, n, 64) at element `first` of a flat arena, laid out as the KV store lays
+    them out: (K|V, head, capacity, d)."""
+    layer = arena[first: first + 2 * 3 * capacity * 64].view(2, 3, capacity, 64)
+    return layer[0, :, :n], layer[1, :, :n]
+
+
+@pytest.mark.parametrize("one_arena", [True, False])
+def test_rows_gathered_together_are_each_rows_own_gather(one_arena):
+    """`SelectedRows` gathers several rows' selections in one index_select over their shared arena (or row by row
+    where they share none, as caches copied to an accelerator one request each) and casts once: each row's K and V
+    equal its own gather, cast; rows of one width that lie side by side form one (rows, H_kv, k, d) block."""
+    gen = torch.Generator().manual_seed(1)
+    arena = torch.randn(5 * 2 * 3 * 700 * 64, generator=gen).to(torch.bfloat16)
+    spots = [(3, 613), (0, 250), (1, 613), (4, 99)]  # (slab, tokens): widths 90, 40, 90, 20
+    views = [_slab_rows(arena if one_arena else arena.clone(), slab * 2 * 3 * 700 * 64, n) for slab, n in spots]
+    idx = [torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(3)]).sort(1).values
+           for (_, n), k in zip(spots, (90, 40, 90, 20))]
+    order = [0, 2, 1, 3]  # widest first, as the decode step takes them
+    selected = gather.SelectedRows()
+    for _ in range(2):  # the second call reuses the buffers
+        rows = selected.gather([views[r][0] for r in order], [views[r][1] for r in order], [idx[r] for r in order],
+                               torch.float32)
+        for r, (k_sel, v_sel) in zip(order, rows):
+            assert k_sel.dtype == torch.float32
+            assert torch.equal(k_sel, gather.gather_rows(views[r][0], idx[r]).float())
+            assert torch.equal(v_sel, gather.gather_rows(views[r][1], idx[r]).float())
+    both = gather.block(rows[:2])
+    assert both is not None and torch.equal(both[0], torch.stack([rows[0][0], rows[1][0]]))
+    assert torch.equal(both[1], torch.stack([rows[0][1], rows[1][1]]))
+    assert gather.block(rows[1:3]) is None  # two widths
+    assert gather.block([rows[0], rows[2]]) is None  # not side by side
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, real_model_path):
     folder = tmp_path_factory.mktemp("tiny-fast")
