@@ -82,7 +82,13 @@ def drawn(logits: torch.Tensor, sampling: Sampling, index: int) -> int:
         return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + index) % 2**63)
     kept = truncated(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
-    return int(torch.multinomial(torch.softmax(kept, dim=-1), 1, generator=generator))
+    # by the inverse of the cumulative distribution: one uniform number u in (0, 1] and a binary search for the first
+    # token whose cumulative probability reaches u × the total, so a token of probability 0 is never drawn. NOTE:
+    # torch.multinomial took ~1.5 ms per draw over SmolLM2's 49,152 tokens on CPU (this: ~0.1 ms), per sampled row
+    # and step: more than a whole decode step of a small model (docs/results/hostile-2026-12-07)
+    cdf = torch.softmax(kept, dim=-1).double().cumsum(0)  # float64: the tail's tiny probabilities keep their width
+    u = 1.0 - torch.rand(1, generator=generator, dtype=torch.float64)
+    return int(torch.searchsorted(cdf, u * cdf[-1]).clamp_(max=cdf.numel() - 1))
 
 
 def penalized(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
