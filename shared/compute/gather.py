@@ -88,11 +88,15 @@ class SelectedRows:
         sizes = [i.numel() for i in idx]
         total = 2 * sum(sizes)
         raw = self._grow("_raw", total * d, keys[0].dtype, keys[0].device).view(total, d)
-        arena = _arena_rows(keys + values) if len(keys) > 1 else None
+        alike = all(k.shape == v.shape and k.stride() == v.stride() for k, v in zip(keys, values))
+        arena = _arena_rows(keys + values) if len(keys) > 1 and alike else None
         if arena is None:  # one row, or not one arena: a gather per row, into the same buffer
             at = 0
             for k, v, i, size in zip(keys, values, idx, sizes):
-                gather_pair(k, v, i, raw[at: at + size], raw[at + size: at + 2 * size])
+                k_out, v_out = raw[at: at + size], raw[at + size: at + 2 * size]
+                for got, into in zip(gather_pair(k, v, i, k_out, v_out), (k_out, v_out)):
+                    if got.data_ptr() != into.data_ptr():  # a view not laid out as rows: gathered elsewhere
+                        into.copy_(got.reshape(into.shape))
                 at += 2 * size
         else:
             positions = self._grow("_positions", total, torch.long, idx[0].device)

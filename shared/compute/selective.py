@@ -225,7 +225,11 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
         if serial:
             torch.set_num_threads(1)
         for chunk in [narrow] if together else [[r] for r in narrow]:
-            _attend_selected(module, step, chunk, out, scaling)
+            try:
+                _attend_selected(module, step, chunk, out, scaling)
+            except Exception as exc:  # noqa: BLE001 (not a read: a read's failure voids its row inside) the chunk's rows
+                for b, _ in chunk:
+                    step.errors.setdefault(b, exc)
     finally:
         if serial:
             torch.set_num_threads(threads)

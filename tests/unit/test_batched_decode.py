@@ -175,3 +175,52 @@ def test_a_failed_read_fails_only_its_row(tiny_model_path):
     good, failed = engine.step_batch([("r0", first[0]), ("r1", first[1])])
     assert isinstance(failed, RuntimeError) and "gone" in str(failed)
     assert int(torch.argmax(good)) == alone(tiny_model_path, prompts[:1])[0][1]
+
+
+class _ReadThatFails:
+    def __init__(self, idx: torch.Tensor):
+        self.remote = torch.zeros_like(idx, dtype=torch.bool)
+
+    def wait(self) -> None:
+        raise RuntimeError("the read timed out")
+
+
+class RemoteWhoseReadsFail(FailingRemote):
+    """A request whose selective layers' reads start, then fail when waited on (after the gather)."""
+
+    def fetch(self, layer, idx):
+        return None if idx is None else _ReadThatFails(idx)
+
+    def wants_ranking(self, layer) -> bool:
+        return False
+
+    def wants_speculation(self, layer) -> bool:
+        return False
+
+
+def test_a_read_that_fails_while_rows_attend_together_fails_only_its_row(tiny_model_path):
+    """Two threads, three selective rows of one width (gathered and attended together): the one whose read fails
+    when waited on is the only one that fails; its twin's state is bit for bit its state alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = engine_for(tiny_model_path)
+        prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+        first = start(engine, "alone", prompts[1], 1)
+        expected = final_hidden(engine, [("alone", first)])[0]
+        engine.end("alone")
+        rows = ["failing", "twin", "triplet"]
+        for rid in rows:
+            start(engine, rid, prompts[1], 1)
+        engine.selections["failing"].remote = RemoteWhoseReadsFail()
+        kept = []
+        hook = engine.runner.model.get_decoder().norm.register_forward_hook(lambda _m, _a, out: kept.append(out[:, -1]))
+        try:
+            failed, *others = engine.step_batch([(rid, first) for rid in rows])
+        finally:
+            hook.remove()
+        assert isinstance(failed, RuntimeError) and "timed out" in str(failed)
+        assert all(isinstance(logits, torch.Tensor) for logits in others)
+        assert torch.equal(kept[0][1], expected) and torch.equal(kept[0][2], expected)
+    finally:
+        torch.set_num_threads(before)

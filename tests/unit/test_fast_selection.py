@@ -162,6 +162,11 @@ def test_rows_gathered_together_are_each_rows_own_gather(one_arena):
             assert k_sel.dtype == torch.float32
             assert torch.equal(k_sel, gather.gather_rows(views[r][0], idx[r]).float())
             assert torch.equal(v_sel, gather.gather_rows(views[r][1], idx[r]).float())
+    same_dtype = selected.gather([views[1][0]], [views[1][1]], [idx[1]], torch.bfloat16)  # one row, no cast
+    assert torch.equal(same_dtype[0][0], gather.gather_rows(views[1][0], idx[1]))
+    assert torch.equal(same_dtype[0][1], gather.gather_rows(views[1][1], idx[1]))
+    rows = selected.gather([views[r][0] for r in order], [views[r][1] for r in order], [idx[r] for r in order],
+                           torch.float32)
     both = gather.block(rows[:2])
     assert both is not None and torch.equal(both[0], torch.stack([rows[0][0], rows[1][0]]))
     assert torch.equal(both[1], torch.stack([rows[0][1], rows[1][1]]))
