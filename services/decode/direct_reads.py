@@ -81,6 +81,13 @@ class DirectReads:
         self.pending: set[DirectPending] = set()  # started and not waited for (torch thread)
         self._opening: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
+        self._dropped_checksum_failures = 0  # of readers replaced or dropped
+
+    @property
+    def num_checksum_failures(self) -> int:
+        """Replies whose crc32c did not match, on every reader this worker has had (the data plane's own count leaves
+        these out: they never pass through its links)."""
+        return self._dropped_checksum_failures + sum(r.num_checksum_failures for r in list(self.readers.values()))
 
     # --- the event loop ----------------------------------------------------------------------------
     def open(self, peer: str) -> None:
@@ -102,12 +109,14 @@ class DirectReads:
         old, self.readers[peer] = self.readers.get(peer), DirectReader(sock, self.region, peer, self.checksums,
                                                                        self.timeout_s)
         if old is not None:
+            self._dropped_checksum_failures += old.num_checksum_failures
             old.close()
 
     def drop(self, peer: str) -> None:
         """The link to `peer` is lost: break its reader now (a read blocked in it fails at once)."""
         reader = self.readers.pop(peer, None)
         if reader is not None:
+            self._dropped_checksum_failures += reader.num_checksum_failures
             reader.close()
 
     async def close(self) -> None:

@@ -351,6 +351,13 @@ class DecodeService(Admission, ModelWorkerService):
             await asyncio.shield(self.in_torch(self.engine.end, state.request_id, keep or ()))
         self.store.free(state.request_id)
 
+    def _dataplane_count(self, name: str) -> float:
+        """The data plane's count, and for checksum failures also those of the torch thread's direct reads."""
+        count = super()._dataplane_count(name)
+        if name == "checksum_failures" and getattr(self, "direct_reads", None) is not None:
+            count += self.direct_reads.num_checksum_failures
+        return count
+
     def stats(self) -> dict[str, Any]:
         b, cfg = self.batcher, self.config
         batching = {"max_batch": cfg.max_batch, "batch_invariant": cfg.batch_invariant,

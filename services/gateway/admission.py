@@ -54,6 +54,15 @@ class Waiter:
     turn: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A running slot held by one request: `release` gives it back before the holder's block ends (a stream whose
+    generation is over while its text is still being written to a slow reader), at most once."""
+
+    waited_s: float  # seconds spent in the queue for it
+    release: Callable[[], None]
+
+
 class Admission:
     def __init__(self, capacity: Callable[[], int], max_waiting: int, queue_timeout_s: float, metrics: Registry,
                  max_running_per_client: int = HALF_THE_CAPACITY, max_waiting_per_client: int = HALF_THE_QUEUE):
@@ -97,9 +106,9 @@ class Admission:
         return sum(len(queue) for client, queue in self.waiting.items() if self.running_of(client) >= cap)
 
     @asynccontextmanager
-    async def slot(self, client: str = "") -> AsyncIterator[float]:
-        """Hold one running slot for `client` for the body; yields the seconds spent waiting for it. ApiError 429
-        (queue full) or 503 (waited `queue_timeout_s`) when there is none."""
+    async def slot(self, client: str = "") -> AsyncIterator[Slot]:
+        """Hold one running slot for `client` for the body (or until its `release`); yields it, with the seconds
+        spent waiting for it. ApiError 429 (queue full) or 503 (waited `queue_timeout_s`) when there is none."""
         started = time.monotonic()
         if self.capacity() > 0:
             await self._wait(Waiter(client, started))
@@ -107,11 +116,19 @@ class Admission:
             self._start(client)
         waited = time.monotonic() - started
         self.queue_seconds.observe(waited)
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._finish(client)
+                self._admit()
+
         try:
-            yield waited
+            yield Slot(waited, release)
         finally:
-            self._finish(client)
-            self._admit()
+            release()
 
     async def _wait(self, waiter: Waiter) -> None:
         self.waiting.setdefault(waiter.client, deque()).append(waiter)

@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
-from services.gateway.admission import Admission, client_of
+from services.gateway.admission import Admission, Slot, client_of
 from services.gateway.completion import CompletionRun, RequestFailed
 from services.gateway.errors import error_response as _error
 from services.gateway.logprobs import chat_logprobs, completion_logprobs, echo_problem
@@ -113,8 +113,8 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
         log.info("request_received", kind=kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                  transfer_mode=job.transfer_mode, stream=job.stream, **job.noted)
         try:
-            async with gw.admission.slot(_client(gw, request)) as queue_s:
-                return await _run(gw, request, job, queue_s)
+            async with gw.admission.slot(_client(gw, request)) as slot:
+                return await _run(gw, request, job, slot)
         except ApiError as exc:  # the admission queue is full, or the wait ran out
             log.info("request_not_admitted", status=exc.status, reason=exc.message)
             response = _error(exc)
@@ -122,13 +122,23 @@ async def _serve(gw: Gateway, request: web.Request, kind: str) -> web.StreamResp
             return response
 
 
-async def _run(gw: Gateway, request: web.Request, job: CompletionJob, queue_s: float) -> web.StreamResponse:
-    """One admitted request, answered as a JSON body or a stream."""
-    run = _new_run(gw, job, queue_s)
+async def _run(gw: Gateway, request: web.Request, job: CompletionJob, slot: Slot) -> web.StreamResponse:
+    """One admitted request, answered as a JSON body or a stream. A stream gives its admission slot back as soon as
+    its generation ends: the slot covers generation, not a slow reader (the rest of its text is written meanwhile,
+    under sse.py's write timeout)."""
+    run = _new_run(gw, job, slot.waited_s)
+
+    @contextlib.asynccontextmanager
+    async def generating(_run: CompletionRun):
+        try:
+            yield
+        finally:
+            slot.release()
+
     try:
         if job.stream:
             try:
-                streamed = await stream(gw, request, [run], 1, job.request_id, lambda _: contextlib.nullcontext())
+                streamed = await stream(gw, request, [run], 1, job.request_id, generating)
                 if not streamed.prepared:  # an error answered before the stream began
                     streamed.headers[REQUEST_ID_HEADER] = job.request_id
                 return streamed
@@ -192,8 +202,8 @@ async def _serve_several(gw: Gateway, request: web.Request, jobs: list[Completio
         with structlog.contextvars.bound_contextvars(request_id=job.request_id), _traced(request, job):
             log.info("request_received", kind=job.kind, prompt_tokens=len(job.prompt_ids), max_tokens=job.max_tokens,
                      transfer_mode=job.transfer_mode, stream=False, batch=len(jobs), **job.noted)
-            async with gw.admission.slot(_client(gw, request)) as queue_s:
-                run = _new_run(gw, job, queue_s)
+            async with gw.admission.slot(_client(gw, request)) as slot:
+                run = _new_run(gw, job, slot.waited_s)
                 runs.append(run)
                 try:
                     return await _complete(gw, run)
@@ -228,7 +238,8 @@ async def _stream_several(gw: Gateway, request: web.Request, jobs: list[Completi
                      max_tokens=run.job.max_tokens, transfer_mode=run.job.transfer_mode, stream=True, batch=len(jobs),
                      **run.job.noted)
             try:
-                async with gw.admission.slot(_client(gw, request)) as run.queue_s:
+                async with gw.admission.slot(_client(gw, request)) as slot:
+                    run.queue_s = slot.waited_s
                     yield
             finally:
                 await run.close()

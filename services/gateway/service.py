@@ -114,7 +114,12 @@ class GatewayService(Service):
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
         """Every 4xx/5xx answer of the API in /metrics, by status and OpenAI error code (a stream's error after its
         first chunk is counted with the request instead: smartgen_requests_total{status="error"})."""
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # aiohttp's own (a 413 for a body past max_body_mb): json_errors answers it
+            if exc.status >= 400 and request.path.startswith("/v1"):
+                self.refusals.inc(status=str(exc.status), code=str(exc.status))  # the code json_errors' body carries
+            raise
         if response.status >= 400 and isinstance(response, web.Response) and request.path.startswith("/v1"):
             try:
                 code = str(json.loads(response.body)["error"].get("code") or "none")[:40]

@@ -68,6 +68,7 @@ class DirectReader:
         self.error: DataPlaneError | None = None
         self.num_reads = 0
         self.num_bytes = 0  # landed
+        self.num_checksum_failures = 0  # replies whose crc32c did not match (each fails its read)
         self._using = threading.Lock()  # held while the owner is inside the socket; `close` waits for it
 
     @property
@@ -152,6 +153,7 @@ class DirectReader:
             stage = self.stage[: header.payload_len]
             self._recv_exactly(stage)
             if not frames.land_gather_reply(header, stage, self.region, reply.dst_base, reply.unit, reply.index):
+                self.num_checksum_failures += 1
                 read.error = read.error or ChecksumMismatch(f"a read from {self.peer} arrived corrupted (crc32c)")
                 return
             self.num_bytes += header.payload_len

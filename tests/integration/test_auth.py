@@ -153,7 +153,7 @@ def test_workers_needs_the_admin_token(stack: Stack):
 def test_the_api_key_guards_v1_and_nothing_else(tiny_model_path: Path, tmp_path: Path):
     """A stack whose gateway has an API key (from a file, as docker secrets give it): /v1 without it or with a
     wrong one is OpenAI's 401 with `invalid_api_key`; the openai SDK with the key completes; /health and
-    /openapi.json stay open."""
+    /openapi.json stay open. Refusals count in /metrics, aiohttp's own 413 (a body past max_body_mb) too."""
     import openai
 
     from tools.nats_server import free_port
@@ -178,6 +178,10 @@ def test_the_api_key_guards_v1_and_nothing_else(tiny_model_path: Path, tmp_path:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong").models.list()
         assert get_json(url + "/health").get("status") == "ok" and "paths" in get_json(url + "/openapi.json")
+        too_large = b'{"prompt": "' + b"x" * (4 << 20) + b'", "max_tokens": 1}'  # past max_body_mb (4 MB): aiohttp's 413
+        status, body = post_json(url + "/v1/completions", too_large, headers={"Authorization": "Bearer sk-test-123"})
+        assert status == 413, body
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         assert 'smartgen_api_refusals_total{code="invalid_api_key",status="401"} 5.0' in metrics, metrics[-2000:]
+        assert 'smartgen_api_refusals_total{code="413",status="413"} 1.0' in metrics, metrics[-2000:]
         assert "sk-test-123" not in (tmp_path / "stack.log").read_text()

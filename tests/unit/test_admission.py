@@ -23,10 +23,10 @@ def admission(capacity: int, max_waiting: int = 4, queue_timeout_s: float = 5.0,
 
 
 async def hold(gate: Admission, order: list[str], name: str, release: asyncio.Event, client: str = "") -> float:
-    async with gate.slot(client) as waited:
+    async with gate.slot(client) as slot:
         order.append(name)
         await release.wait()
-    return waited
+    return slot.waited_s
 
 
 async def test_beyond_capacity_requests_wait_and_start_in_arrival_order():
@@ -90,8 +90,29 @@ async def test_a_client_that_leaves_while_waiting_leaves_the_queue_and_a_new_wor
 async def test_without_decode_workers_nothing_waits_here():
     """Capacity 0 (none registered): the request goes on, to get the 503 naming the missing role."""
     gate, _ = admission(capacity=0, max_waiting=0)
-    async with gate.slot() as waited:
-        assert waited < 0.01 and gate.running == 1
+    async with gate.slot() as slot:
+        assert slot.waited_s < 0.01 and gate.running == 1
+    assert gate.running == 0
+
+
+async def test_a_slot_released_early_admits_the_next_at_once_and_only_once():
+    """A stream whose generation has ended gives its slot back while its text is still being written (api.py
+    `_run`): the next request starts then, not when the slow reader has read; the block's end releases nothing more."""
+    gate, _ = admission(capacity=1)
+    order: list[str] = []
+    release = asyncio.Event()
+    async with gate.slot("a") as slot:
+        waiting = asyncio.create_task(hold(gate, order, "b", release, "b"))
+        await asyncio.sleep(0.05)
+        assert order == [] and gate.running == 1
+        slot.release()
+        await asyncio.sleep(0.05)
+        assert order == ["b"] and gate.running == 1  # b runs; a still writes
+        slot.release()  # again: nothing
+        assert gate.running == 1
+    assert gate.running == 1 and gate.running_of("a") == 0  # a's block ended: b's slot untouched
+    release.set()
+    await waiting
     assert gate.running == 0
 
 

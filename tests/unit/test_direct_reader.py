@@ -187,3 +187,30 @@ async def test_a_direct_read_does_not_wait_behind_whole_background_frames():
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_corrupted_reply_fails_its_read_and_is_counted(monkeypatch):
+    """A reply whose crc32c does not match fails its read with ChecksumMismatch and counts in the reader's
+    `num_checksum_failures`, which the decode worker adds to smartgen_dataplane_checksum_failures (these replies never
+    pass through the data plane's links, whose own count leaves them out)."""
+    from shared.dataplane import ChecksumMismatch
+    from shared.dataplane import frames
+
+    a, b, ra, rb = await pair("tcp")
+    try:
+        b.grant(Grant(7, [(0, SIZE)]))
+        reader = await _reader(a, b, ra)
+        monkeypatch.setattr(frames, "land_gather_reply", lambda *args: False)  # every reply arrives "corrupted"
+        gather = random_gather(np.random.default_rng(5), 40, 128)
+
+        def run() -> None:
+            reader.wait(reader.start(7, gather))
+
+        with pytest.raises(ChecksumMismatch):
+            await asyncio.to_thread(run)
+        assert reader.num_checksum_failures == 1
+        assert a.stats()["checksum_failures"] == 0  # not the links' count
+        reader.close()
+    finally:
+        await a.close()
+        await b.close()
