@@ -21,6 +21,10 @@ from schemas import DEFAULT_KV_BUDGET, SELECTORS
 from tools.args import add_device, add_json, add_model
 
 DEFAULT_SELECTORS = tuple(s for s in SELECTORS if s != "hata_untrained")  # same cost as hata
+# NOTE: ModelWorkerConfig.kv_dtype's default: the KV a decode worker steps from, so a dense step includes what serving
+# pays to read it (on CPU, a cast of the whole cache to fp32 each layer). Before 2026-12-07 the default was the compute
+# dtype (fp32 on CPU), which no worker serves with: a dense step without that cast (docs/results/decode-batch-2026-12-07)
+SERVED_KV_DTYPE = "bfloat16"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--steps", type=int, default=20, help="timed steps per configuration (the first 2 are warm-up)")
     step.add_argument("--threads", default="", help="torch thread counts, comma-separated (default: as is)")
     step.add_argument("--selectors", default=",".join(DEFAULT_SELECTORS), help="selectors to compare with dense")
-    step.add_argument("--kv-dtype", default="", help="KV store dtype (default: the model's compute dtype)")
+    step.add_argument("--kv-dtype", default=SERVED_KV_DTYPE,
+                      help="KV store dtype (default: bfloat16, as the decode workers keep it; '' = the compute dtype)")
     add_model(step)
     add_device(step)
     step.add_argument("--profile", type=int, default=0, metavar="N",
@@ -49,7 +54,7 @@ def command(args: argparse.Namespace) -> None:
 
 def run(model: str = "", context: int = 4096, budget: float = DEFAULT_KV_BUDGET, steps: int = 20,
         json_path: str | None = None, threads: list[int] | None = None, selectors: list[str] | None = None,
-        kv_dtype: str = "", profile: int = 0, device: str = "cpu", dtype: str = "auto") -> dict:
+        kv_dtype: str = SERVED_KV_DTYPE, profile: int = 0, device: str = "cpu", dtype: str = "auto") -> dict:
     """Median ms per decode step at `context` tokens, dense and per selector (a selector whose offline
     preparation is missing is skipped), per thread count; prints the table and returns
     {"context", "budget", "threads": {n: {"step_ms": {name: ms}, "ratio": {name: ×dense}}}}. On an accelerator
