@@ -110,25 +110,35 @@ def test_a_row_computes_bit_for_bit_as_alone_whatever_the_batch(tiny_model_path,
     assert torch.equal(together[0], expected)
 
 
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test (`torch_threads(n)`), and puts it back after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def selective_alone(engine: DecodeEngine, prompts: list[list[int]]) -> tuple[int, torch.Tensor]:
+    """Request 1 (selective) alone: its first token and its state after one step."""
+    first = start(engine, "alone", prompts[1], 1)
+    expected = final_hidden(engine, [("alone", first)])[0]
+    engine.end("alone")
+    return first, expected
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_selective_rows_attended_together_compute_as_alone(tiny_model_path, threads):
+def test_selective_rows_attended_together_compute_as_alone(tiny_model_path, torch_threads, threads):
     """On more than one thread the selective rows of a step gather and attend together (one SDPA per run of rows of
     one width: selective.py `_attend_selected`); on one, row by row. Either way a row's state is bit for bit its
     state alone, beside rows of its own width and of others."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        engine = engine_for(tiny_model_path)
-        prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
-        first = start(engine, "alone", prompts[1], 1)
-        expected = final_hidden(engine, [("alone", first)])[0]
-        engine.end("alone")
-        rows = [("same", 1), ("twin", 1), ("other", 2), ("dense", 0)]  # two of one width, one of another, one dense
-        firsts = {rid: start(engine, rid, prompts[i], i) for rid, i in rows}
-        together = final_hidden(engine, [(rid, firsts[rid]) for rid, _ in rows])
-        assert torch.equal(together[0], expected) and torch.equal(together[1], expected)
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(threads)
+    engine = engine_for(tiny_model_path)
+    prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+    _, expected = selective_alone(engine, prompts)
+    rows = [("same", 1), ("twin", 1), ("other", 2), ("dense", 0)]  # two of one width, one of another, one dense
+    firsts = {rid: start(engine, rid, prompts[i], i) for rid, i in rows}
+    together = final_hidden(engine, [(rid, firsts[rid]) for rid, _ in rows])
+    assert torch.equal(together[0], expected) and torch.equal(together[1], expected)
 
 
 def test_with_one_shared_matmul_a_rows_rounding_depends_on_its_batch(tiny_model_path):
@@ -198,29 +208,23 @@ class RemoteWhoseReadsFail(FailingRemote):
         return False
 
 
-def test_a_read_that_fails_while_rows_attend_together_fails_only_its_row(tiny_model_path):
+def test_a_read_that_fails_while_rows_attend_together_fails_only_its_row(tiny_model_path, torch_threads):
     """Two threads, three selective rows of one width (gathered and attended together): the one whose read fails
     when waited on is the only one that fails; its twin's state is bit for bit its state alone."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch_threads(2)
+    engine = engine_for(tiny_model_path)
+    prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+    first, expected = selective_alone(engine, prompts)
+    rows = ["failing", "twin", "triplet"]
+    for rid in rows:
+        start(engine, rid, prompts[1], 1)
+    engine.selections["failing"].remote = RemoteWhoseReadsFail()
+    kept = []
+    hook = engine.runner.model.get_decoder().norm.register_forward_hook(lambda _m, _a, out: kept.append(out[:, -1]))
     try:
-        engine = engine_for(tiny_model_path)
-        prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
-        first = start(engine, "alone", prompts[1], 1)
-        expected = final_hidden(engine, [("alone", first)])[0]
-        engine.end("alone")
-        rows = ["failing", "twin", "triplet"]
-        for rid in rows:
-            start(engine, rid, prompts[1], 1)
-        engine.selections["failing"].remote = RemoteWhoseReadsFail()
-        kept = []
-        hook = engine.runner.model.get_decoder().norm.register_forward_hook(lambda _m, _a, out: kept.append(out[:, -1]))
-        try:
-            failed, *others = engine.step_batch([(rid, first) for rid in rows])
-        finally:
-            hook.remove()
-        assert isinstance(failed, RuntimeError) and "timed out" in str(failed)
-        assert all(isinstance(logits, torch.Tensor) for logits in others)
-        assert torch.equal(kept[0][1], expected) and torch.equal(kept[0][2], expected)
+        failed, *others = engine.step_batch([(rid, first) for rid in rows])
     finally:
-        torch.set_num_threads(before)
+        hook.remove()
+    assert isinstance(failed, RuntimeError) and "timed out" in str(failed)
+    assert all(isinstance(logits, torch.Tensor) for logits in others)
+    assert torch.equal(kept[0][1], expected) and torch.equal(kept[0][2], expected)
