@@ -64,14 +64,12 @@ ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
 # docstring). One more selection of the layer (~0.1 ms for Quest at 2K on this CPU), only where the layer read.
 RANKED_READ_FACTOR = 2
-# A selective row's selection, gather and attention run on one torch thread (the rest of the step on all of them):
-# they are a few dozen ops over tensors of tens to hundreds of KB, and with OMP_WAIT_POLICY=PASSIVE (how services and
-# benchmarks run) every op large enough to go parallel first wakes the sleeping OpenMP threads, ~8 µs a time on
-# this CPU, more than a second thread saves on such an op (a 73K-element mul: 6.6 µs on one thread, 14.6 on two).
-# Measured on the whole step too (8K, 2 threads, interleaved): the gather and attention of the subset on two threads
-# made every selective step ~6 ms slower. torch.set_num_threads costs ~0.1 µs; one thread computes the same values.
-# CPU and fp32 compute only (the CPU default): torch.set_num_threads also clears oneDNN's primitive cache, which
-# bf16 compute on CPU would then rebuild every layer.
+# A selective row's selection runs on one torch thread (the rest of the step on all of them), and so do its gather and
+# attention when it is the step's only selective row (several rows' go together, on every thread: `_attend_selected`):
+# a few dozen ops over tens to hundreds of KB, where with OMP_WAIT_POLICY=PASSIVE waking the sleeping OpenMP threads
+# (~8 µs a time here) costs more than a second thread saves (measured: a 73K-element mul 6.6 µs on one, 14.6 on two;
+# a whole 8K step ~6 ms slower with one row's gather and attention on two). One thread computes the same values. CPU,
+# fp32 compute only: torch.set_num_threads also clears oneDNN's primitive cache, which bf16 would rebuild every layer.
 SERIAL_SELECTIVE = True
 
 
