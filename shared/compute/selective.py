@@ -7,8 +7,7 @@ for bit. A decode step runs a batch of requests (continuous batching: the projec
 at once) over a `BatchCache`, and each row attends over its own slab: a row without a `Selection`, or at layers
 0–1, attends densely; at each layer ≥ 2 a row with one asks its selector for token indices per KV head, gathers
 those K/V and attends to them only (on more than one thread, every such row's gather and attention together:
-`_attend_selected`). Attention is order-invariant and RoPE is
-already in the cached keys, so the gathered tokens need no re-positioning.
+`_attend_selected`). Attention is order-invariant and RoPE is already in the cached keys: no re-positioning.
 
 When part of the KV is still on the prefill node (`Selection.remote`, the partial and smartgen modes), the
 selected indices split into local and remote (path 2): every row's remote read starts first, the local
@@ -268,7 +267,8 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         # then passed, so an all-local step's call stays the 7-argument one that tools and tests record
         once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
         row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, **once)  # (H_kv, k')
-        remember_picks(state, row.idx, n, floor)
+        if sel.selector.ranks_tokens:  # the selection's memory weighs token scores: only these selectors read it
+            remember_picks(state, row.idx, n, floor)
         if sel.picks is not None:
             sel.picks[layer] = row.idx
         if sel.remote is not None and sel.selector.ranks_tokens:

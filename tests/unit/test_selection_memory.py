@@ -113,3 +113,19 @@ def test_memory_shrinks_the_union_of_a_requests_selections(tiny, selector, monke
         firsts[stick] = first
     assert all(torch.equal(a, b) for a, b in zip(firsts[0.0], firsts[1.0]))
     assert unions[1.0] < 0.9 * unions[0.0], unions
+
+
+def test_a_page_selector_keeps_no_memory(tiny):
+    """Quest scores whole pages and never reads the selection's memory, so its steps do not keep one (a scatter per
+    layer and row saved); the sticky floor still applies to the selectors that rank tokens."""
+    runner, folder, ids = tiny
+    floor = BudgetFloor(min_tokens=8, dense_below=0, sinks=4, recent=8, stick=1.0)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 64), default_prep_dir(folder), floor)
+    for name, selector in (("q", "quest"), ("h", "hata")):
+        token = engine.prefill_local(name, ids, Sampling())
+        engine.use_selection(name, selector, 0.1)
+        for i in range(1, 4):
+            token = engine.step(name, token, Sampling(), i)
+    picked = {name: [s.picked for s in engine.selections[name].states.values()] for name in ("q", "h")}
+    assert picked["q"] and all(p is None for p in picked["q"])
+    assert picked["h"] and all(p is not None for p in picked["h"])
