@@ -1,6 +1,7 @@
 """The gateway's admission queue on a real stack: a decode worker that takes one request at a time, a queue of
 one. Three requests at once: one runs, one waits its turn and completes (its wait reported), one is told to
-come back (429 with Retry-After) without touching a worker; /metrics shows the queue."""
+come back (429 with Retry-After) without touching a worker; /metrics shows the queue. And a stream nobody reads
+frees its slot when its generation ends, not when its text is finally read."""
 from __future__ import annotations
 
 import urllib.request
