@@ -87,7 +87,8 @@ class SelectedRows:
         h, d = keys[0].shape[0], keys[0].shape[2]
         sizes = [i.numel() for i in idx]
         total = 2 * sum(sizes)
-        raw = self._grow("_raw", total * d, keys[0].dtype, keys[0].device).view(total, d)
+        self._raw = raw = _room(self._raw, total * d, keys[0].dtype, keys[0].device)
+        raw = raw[: total * d].view(total, d)
         alike = all(k.shape == v.shape and k.stride() == v.stride() for k, v in zip(keys, values))
         arena = _arena_rows(keys + values) if len(keys) > 1 and alike else None
         if arena is None:  # one row, or not one arena: a gather per row, into the same buffer
@@ -99,7 +100,8 @@ class SelectedRows:
                         into.copy_(got.reshape(into.shape))
                 at += 2 * size
         else:
-            positions = self._grow("_positions", total, torch.long, idx[0].device)
+            self._positions = positions = _room(self._positions, total, torch.long, idx[0].device)
+            positions = positions[:total]
             at = 0
             for k, v, i, size in zip(keys, values, idx, sizes):
                 # row j of head hh of a view x lies at row x.storage_offset() / d + hh · (x.stride(0) / d) + j
@@ -111,7 +113,8 @@ class SelectedRows:
             torch.index_select(arena, 0, positions, out=raw)
         out = raw
         if dtype != raw.dtype:
-            out = self._grow("_cast", total * d, dtype, raw.device).view(total, d)
+            self._cast = out = _room(self._cast, total * d, dtype, raw.device)
+            out = out[: total * d].view(total, d)
             out.copy_(raw)
         rows, at = [], 0
         for size, i in zip(sizes, idx):
@@ -119,12 +122,12 @@ class SelectedRows:
             at += 2 * size
         return rows
 
-    def _grow(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = getattr(self, name)
-        if buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)  # headroom: contexts grow
-            setattr(self, name, buf)
-        return buf[:numel]
+
+def _room(buf: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`buf` if it holds `numel` elements of `dtype` on `device`, else a new one with headroom (contexts grow)."""
+    if buf.numel() >= numel and buf.dtype == dtype and buf.device == device:
+        return buf
+    return torch.empty(numel + numel // 4, dtype=dtype, device=device)
 
 
 def block(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
