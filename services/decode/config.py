@@ -25,6 +25,10 @@ class DecodeConfig(ModelWorkerConfig):
     # path 2's gathers issued and received by the torch thread on a reads-only link of its own to each prefill worker
     # (services/decode/direct_reads.py), not through the event loop; plain TCP only. false: every read via the loop
     direct_reads: bool = True
+    # path 2's read-ahead for every selector, not only InfiniGen (whose selection is the speculated query's): a layer's
+    # selection guessed with the speculated query while the layer before runs, its remote part read a layer early,
+    # where most layers read (services/decode/reads.py SPECULATE_WHEN_READING); a wrong guess costs bytes and a selection
+    speculate_guesses: bool = False
     # the budget floor (schemas/constants.py BudgetFloor): dense below selective_min_tokens cached tokens; above,
     # at least min_budget_tokens, with the first sink_tokens and the last recent_tokens always selected
     selective_min_tokens: int = DEFAULT_FLOOR.dense_below

@@ -261,4 +261,4 @@ class KvLoader:
         # NOTE: has_selector first: on the event loop, never build (load) a selector, only look it up (sizing the
         # aux area at `open` built it already)
         return bool(req.selector) and self.engine.has_selector(req.selector) and \
-            getattr(self.engine.selector(req.selector), "speculates", False)
+            (getattr(self.engine.selector(req.selector), "speculates", False) or self.config.speculate_guesses)
