@@ -163,3 +163,19 @@ def test_the_own_step_is_cpu_plus_link_waits_and_cpu_is_per_step():
     assert sg["tbt_own_vs_colocated_selective"] == pytest.approx((0.07 + 0.004) / 0.05)
     assert sg["tbt_mean_s"] == pytest.approx(0.2)  # the client's clock is untouched
     assert sg["decode_cpu_ms_per_step"] == pytest.approx({"decode": 70.0, "prefill": 80.0, "machine": 200.0})
+
+
+def test_the_honest_bound_takes_the_link_as_the_run_paced_it():
+    """Two requests on the same paced link whose plans carry different estimates of it (the broker's, from the prefill
+    worker's recent sends) get the same r and the bound from the paced rate: 1 MB beyond r·T at 8 Mbit/s is 1 s."""
+    from tools.bench.summary import add_honest_bounds
+
+    t = [10.0, 12.0, 12.1, 12.2]
+    reference = _record("colocated-selective", t, pressure=None, gbps=0.0, sample=0, step1_compute_s=0.1)
+    records = [reference] + [_record("smartgen", t, gbps=0.008, sample=0, selector="hata", step1_compute_s=0.3,
+                                     step1_kv_bytes=11_000_000, prefill_s=10.0, plan={"link_gbps": estimate})
+                             for estimate in (0.008, 0.0064)]
+    add_honest_bounds(records)
+    for r in records[1:]:
+        assert r["link_bytes_per_s"] == pytest.approx(1e6)
+        assert r["ttst_bound_honest_s"] == pytest.approx(0.1 + 1.0)

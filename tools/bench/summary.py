@@ -12,8 +12,8 @@ MIN_P99_SAMPLES = 20  # fewer requests than this report no p99
 
 def add_honest_bounds(records: list[dict]) -> None:
     """Per request, the figures its TTST is judged by, each measured in this run (docs/api.md, `ttst_bound_s`):
-    B₁ (`step1_kv_bytes`: what step 1 needed from the link), the link rate r (bytes/s, the plan's), the prefill
-    time T (with any step 1 run on the prefill node), `decode_s` (t64 − t1: the decode phase, without TTFT's
+    B₁ (`step1_kv_bytes`: what step 1 needed from the link), the link rate r (bytes/s, as the run paced it), the
+    prefill time T (with any step 1 run on the prefill node), `decode_s` (t64 − t1: the decode phase, without TTFT's
     spread), and the honest bound: colocated-selective's step-1 compute on the same prompt (colocated's, for a
     dense request) + max(0, B₁ − r·T)/r. The request's own step-1 compute would put its own overheads
     (speculation, dequantization, bookkeeping) into its bound; the reference's does not."""
@@ -26,8 +26,11 @@ def add_honest_bounds(records: list[dict]) -> None:
         r["decode_s"] = times[-1] - times[0] if len(times) > 1 else None
         r["tbt_own_s"] = own_step_s(r)
         r["decode_cpu_ms_per_step"] = cpu_per_step_ms(r)
+        # the link's rate as the run paced it; the plan's is the broker's estimate from the prefill worker's recent
+        # sends (their idle gaps included: 20% under the pacing in a run of 2026-12-07), which would put the system's
+        # own send pattern into its bound
         plan = r.get("plan") or {}
-        rate = (plan.get("link_gbps") or 0.0) * 1e9 / 8
+        rate = (r.get("link_gbps") or plan.get("link_gbps") or 0.0) * 1e9 / 8
         r["link_bytes_per_s"] = rate
         reference = step1.get(("colocated-selective" if r.get("selector") else "colocated", r["prompt_tokens_asked"],
                                r["sample"]))
