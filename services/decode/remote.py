@@ -3,16 +3,15 @@ path 3 in remote_lifecycle.py; docs/architecture.md, "The three transfer paths")
 (presence.py). The decode node owns this picture; the broker only schedules. The rule between the two threads:
   - the torch thread calls `fetch`, `speculate`, `rank` and `ready` inside attention and waits on the returned
     `Pending` (a concurrent future), never on the loop; it never awaits and touches asyncio only through
-    `run_coroutine_threadsafe` / `call_soon_threadsafe`. A `fetch` on a direct link it runs itself (direct_reads.py);
+    `run_coroutine_threadsafe` / `call_soon_threadsafe`. A read on a direct link it runs itself (direct_reads.py);
   - the event loop runs every other read, marks presence once its bytes have landed, and runs path 3,
     `push_landed`, `fail` and `close`.
 
 A read moves a set of entries of any layers (presence.py `Entries`): as one gather (one index per entry), or as
 segments where its runs of consecutive tokens are long (reads.py GATHER_BELOW_RUN); where the prefill serves codes
 (KvSource.codes_bits), the entries' records instead of their rows, dequantized into the rows before they count as
-present (read_codes.py).
-A layer's codes region first holds its pushed records, so no read of it lands before those were dequantized
-(`ready`; path 3 waits: `check_codes_room`).
+present (read_codes.py). A layer's codes region first holds its pushed records, so no read of it lands before those
+were dequantized (`ready`; path 3 waits: `check_codes_room`).
 """
 from __future__ import annotations
 
@@ -96,7 +95,7 @@ class RemoteKv:
         self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
-        self._ahead: dict[int, concurrent.futures.Future[None]] = {}  # layer → its speculative read (`speculate`)
+        self._ahead: dict[int, concurrent.futures.Future[None] | DirectPending] = {}  # layer → its read (`speculate`)
         # No global push barrier (`await_pushes`): per layer, set once its pushes have landed; None when every
         # layer has landed and been prepared (or decoding waited for the whole push before it started)
         self._landed: list[threading.Event] | None = None
@@ -171,7 +170,7 @@ class RemoteKv:
         ahead = self._ahead.pop(layer, None)
         if ahead is not None:  # what was read speculatively for this layer lands first; then only what it missed
             try:
-                Pending(ahead, None, self.read_timeout_s, self).wait()
+                (ahead if isinstance(ahead, DirectPending) else Pending(ahead, None, self.read_timeout_s, self)).wait()
             except RemoteReadError as exc:
                 self.check_readable()  # the prefill node is lost, or the view closed: no fetch could do better
                 log.info("speculative_read_failed", layer=layer, error=str(exc))  # what it missed is fetched below
@@ -199,7 +198,7 @@ class RemoteKv:
     def speculate(self, layer: int, idx: torch.Tensor) -> None:
         """The speculative part of path 2, each step: start reading the remote part of `idx`, a prediction of
         `layer`'s selection made while the layer before it runs (shared/compute/selective.py); `fetch(layer, …)`
-        waits for it first. On the on-demand lane: the step waits for it a layer from now."""
+        waits for it first. On the on-demand lane, direct where fetches are: the step waits for it a layer from now."""
         self.check_readable()
         if self.codes is not None and not self.has_codes_room(layer):
             if not self.is_ready(layer):
@@ -209,7 +208,8 @@ class RemoteKv:
         if heads:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
-            self._ahead[layer] = self.start_read(Entries.of_layer(layer, heads))
+            entries = Entries.of_layer(layer, heads)
+            self._ahead[layer] = (self.direct and self.direct.fetch(self, entries, None)) or self.start_read(entries)
 
     def start_read(self, entries: Entries) -> concurrent.futures.Future[None]:
         """Issue one on-demand read of these entries on the event loop (from any thread); counted as pending at

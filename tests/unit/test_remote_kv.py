@@ -163,6 +163,18 @@ async def test_speculation_reads_the_next_layer_ahead_and_never_changes_tokens(r
     assert remote.num_read_remote < plain.num_read_remote and remote.num_fetch_reads <= plain.num_fetch_reads
 
 
+async def test_speculative_reads_go_direct_too(runner):
+    """With a direct link, the reads a layer starts a layer early (`speculate`) go on it as its fetches do, not
+    through the event loop (where they cost InfiniGen 22% TBT against not speculating at all:
+    docs/results/speculation-2026-12-07); the tokens stay those of every entry local."""
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False, direct=True)
+    assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
+    assert remote.num_speculative_reads > 0
+    assert remote.num_direct_reads == remote.num_fetch_reads + remote.num_speculative_reads
+    assert remote.bytes_on_demand == 0  # none went through the loop
+
+
 @pytest.mark.parametrize("selector", ["quest", "oracle", "hata_untrained"])  # HATA's ranking reuses its step's scores
 async def test_ranked_reads_bring_what_a_wider_selection_adds_and_never_change_tokens(runner, selector):
     """Path 3 by the latest query: a layer that read this step ranks again under twice its budget, and what that

@@ -1,6 +1,6 @@
 """Which requests read a layer's predicted selection a layer early (path 2's speculation): InfiniGen, whose selection
 is the speculated query's, always; the others' guesses only with the decode setting `speculate_guesses` (off:
-measured to cost HATA TBT at 2K, docs/results/speculation-hata-2026-12-07); no selector, never."""
+measured to cost HATA TBT at 2K, docs/results/speculation-2026-12-07); no selector, never."""
 from __future__ import annotations
 
 from types import SimpleNamespace
