@@ -56,8 +56,7 @@ class RemoteKv:
     speculative: bool = True  # read a layer's predicted selection while the layer before it runs (`speculate`)
     ranked: bool = False  # path 3 by the latest query (`rank`, `read_ranked`)
     stalls: bool = True  # after step 1 a step waits for its selected entries that are not here (False: `read_behind`)
-    # reads as codes (source.codes_bits): the byte, in this process's `region`, where the slab's codes region starts
-    codes_at: int = -1
+    codes_at: int = -1  # reads as codes (source.codes_bits): where the slab's codes region starts in `region`
     region: memoryview | None = None
     bytes_on_demand: int = 0
     bytes_background: int = 0  # path 3: ranked reads and the broker's blocks
@@ -209,7 +208,8 @@ class RemoteKv:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
             entries = Entries.of_layer(layer, heads)
-            self._ahead[layer] = (self.direct and self.direct.fetch(self, entries, None)) or self.start_read(entries)
+            direct = self.direct.fetch(self, entries, None) if self.direct is not None else None
+            self._ahead[layer] = direct if direct is not None else self.start_read(entries)
 
     def start_read(self, entries: Entries) -> concurrent.futures.Future[None]:
         """Issue one on-demand read of these entries on the event loop (from any thread); counted as pending at
