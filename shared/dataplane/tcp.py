@@ -11,6 +11,7 @@ import asyncio
 import math
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -86,6 +87,7 @@ class TcpDataPlane(DataPlane):
         self.num_checksum_failures = 0  # chunks whose crc32c did not match, either side
         self._recent_bytes = 0.0  # decayed sums behind send_rate_gbps
         self._recent_busy_s = 0.0
+        self._busy_until = 0.0  # time.monotonic() when the last data frame counted in them left
         self.links: dict[str, Link] = {}  # the link each peer's new transfers take
         # one per peer, shared by all links to it (a reads-only link too): the emulated NIC is the peer's, not a link's
         self.pacers: dict[str, Pacer] = {}
@@ -125,13 +127,19 @@ class TcpDataPlane(DataPlane):
         self._recent_bytes = self._recent_busy_s = 0.0  # a different link: what was measured no longer holds
 
     def note_frame(self, lane: int, num_bytes: int, busy_s: float) -> None:
-        """One frame of `lane` left in `busy_s` (pacing included): count it; a data frame (not an ack) also
-        goes into the moving average of the send rate."""
+        """One frame of `lane` left in `busy_s` (pacing included), just now: count it; a data frame (not an ack)
+        also goes into the moving average of the send rate, with only the part of its busy time no frame counted
+        before covered: the links to one peer wait on one pacer (a decode worker's reads-only link beside its main
+        one), so their frames' busy times overlap, and adding both counted the same wall time twice (the rate
+        read 20% under the pacing while a decode worker read direct, docs/results/speculation-2026-12-07)."""
         stats = self.lane_stats[lane]
         stats.num_bytes += num_bytes
         stats.num_frames += 1
         stats.busy_s += busy_s
         if lane != CONTROL:
+            now = time.monotonic()
+            busy_s = max(0.0, min(busy_s, now - self._busy_until))
+            self._busy_until = max(self._busy_until, now)
             keep = math.exp(-num_bytes / RATE_WINDOW_BYTES)
             self._recent_bytes = keep * self._recent_bytes + num_bytes
             self._recent_busy_s = keep * self._recent_busy_s + busy_s

@@ -108,7 +108,7 @@ async def test_the_peer_never_pushes_on_a_reads_only_link():
 
 async def test_one_pacer_paces_every_link_to_a_peer():
     """At 80 Mbit/s, 1 MB read over the reader and 1 MB read over the loop's link at once take ~0.2 s together,
-    as on one NIC, not ~0.1 s as two separately paced links would."""
+    as on one NIC, not ~0.1 s as two separately paced links would; the sender measures 80 Mbit/s, not 40."""
     a, b, ra, rb = await pair("tcp", link_gbps=0.08)
     try:
         b.grant(Grant(1, [(0, SIZE)]))
@@ -121,6 +121,8 @@ async def test_one_pacer_paces_every_link_to_a_peer():
         took = time.perf_counter() - started
         assert took >= 0.18, took
         assert b.pacer_for(a.address) is b.pacer_for(a.address + READS_ONLY)
+        # … and the sender's measured rate is the link's, not half of it (both links' frames waited on one pacer)
+        assert 0.06 <= b.send_rate_gbps() <= 0.1, b.send_rate_gbps()
         reader.close()
     finally:
         await a.close()
