@@ -94,7 +94,7 @@ class RemoteKv:
         self._pending_lock = threading.Lock()
         self._on_demand_idle = asyncio.Event()
         self._on_demand_idle.set()
-        self._ahead: dict[int, concurrent.futures.Future[None] | DirectPending] = {}  # layer → its read (`speculate`)
+        self._ahead: dict[int, Pending | DirectPending] = {}  # layer → its read (`speculate`)
         # No global push barrier (`await_pushes`): per layer, set once its pushes have landed; None when every
         # layer has landed and been prepared (or decoding waited for the whole push before it started)
         self._landed: list[threading.Event] | None = None
@@ -169,7 +169,7 @@ class RemoteKv:
         ahead = self._ahead.pop(layer, None)
         if ahead is not None:  # what was read speculatively for this layer lands first; then only what it missed
             try:
-                (ahead if isinstance(ahead, DirectPending) else Pending(ahead, None, self.read_timeout_s, self)).wait()
+                ahead.wait()
             except RemoteReadError as exc:
                 self.check_readable()  # the prefill node is lost, or the view closed: no fetch could do better
                 log.info("speculative_read_failed", layer=layer, error=str(exc))  # what it missed is fetched below
@@ -182,11 +182,7 @@ class RemoteKv:
             return None
         self.num_fetch_reads += 1
         self._step_read_layers.add(layer)
-        mask = torch.from_numpy(remote) if idx is not None else None
-        entries = Entries.of_layer(layer, heads)
-        if self.direct is not None and (direct := self.direct.fetch(self, entries, mask)) is not None:
-            return direct
-        return Pending(self.start_read(entries), mask, self.read_timeout_s, self)
+        return self._start(Entries.of_layer(layer, heads), torch.from_numpy(remote) if idx is not None else None)
 
     def wants_speculation(self, layer: int) -> bool:
         """Speculating is on, the step stalls on misses (one that does not has nothing to wait less for), and `layer`
@@ -207,9 +203,13 @@ class RemoteKv:
         if heads:
             self.num_speculative_reads += 1
             self._step_read_layers.add(layer)
-            entries = Entries.of_layer(layer, heads)
-            direct = self.direct.fetch(self, entries, None) if self.direct is not None else None
-            self._ahead[layer] = direct if direct is not None else self.start_read(entries)
+            self._ahead[layer] = self._start(Entries.of_layer(layer, heads), None)
+
+    def _start(self, entries: Entries, mask: torch.Tensor | None) -> Pending | DirectPending:
+        """Read `entries` on demand: on the torch thread's direct link where it has one, else through the loop."""
+        if self.direct is not None and (direct := self.direct.fetch(self, entries, mask)) is not None:
+            return direct
+        return Pending(self.start_read(entries), mask, self.read_timeout_s, self)
 
     def start_read(self, entries: Entries) -> concurrent.futures.Future[None]:
         """Issue one on-demand read of these entries on the event loop (from any thread); counted as pending at

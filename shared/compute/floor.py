@@ -96,6 +96,40 @@ def select_with_floor(selector: Selector, layer: int, state: LayerState, probe: 
     return _mask_indices(mask, n)
 
 
+def select_rows_with_floor(selector: Selector, layer: int, states: list[LayerState], probes: torch.Tensor,
+                          ks: list[int], ns: list[int], floor: BudgetFloor) -> list[torch.Tensor]:
+    """`select_with_floor` for several rows of one decode step at one layer (row r: states[r], probe probes[r]
+    (H, d), budget ks[r] of ns[r] cached tokens), the same indices in fewer ops: one mask (R, H_kv, max n) holds
+    every row's floor, the selector marks all rows (`Selector.mark_rows`), one nonzero reads every row's indices.
+    For selectors that mark, not score: no selection's memory, no absent entries (`select_with_floor`'s case without
+    scores, where a floor that keeps nothing asks `select` for the set `mark` marks)."""
+    assert not any(floor.stick and state.picked is not None for state in states), "a selection's memory scores tokens"
+    device, width = probes.device, max(ns)
+    kept = [min(n, floor.sinks + floor.recent) for n in ns]
+    at = torch.arange(width, device=device)
+    n_of = torch.tensor(ns, device=device)[:, None, None]  # (R, 1, 1)
+    recent_from = (n_of - floor.recent).clamp_(min=0)
+    masks = ((at < floor.sinks) | (at >= recent_from)) & (at < n_of)  # (R, 1, width): the floor
+    masks = masks.expand(-1, selector.geometry.num_kv_heads, -1).contiguous()
+    selector.mark_rows(layer, states, probes, [max(1, k - kept_r) for k, kept_r in zip(ks, kept)], masks)
+    return _masks_indices(masks, n_of)
+
+
+def _masks_indices(masks: torch.Tensor, n_of: torch.Tensor) -> list[torch.Tensor]:
+    """masks (R, H_kv, width) bool, row r's tokens below n_of[r] → `_mask_indices` of each row: (H_kv, width_r) set
+    positions per row, each KV head's ascending, a head short of its row's widest topped up with its most recent
+    unset tokens. One sum, one nonzero for all rows."""
+    counts = masks.sum(dim=2)  # (R, H_kv)
+    widest = counts.amax(dim=1)  # (R,)
+    if bool((counts < widest[:, None]).any()):  # as `_mask_indices`, among each row's own n tokens only
+        inside = torch.arange(masks.shape[2], device=masks.device) < n_of
+        masks |= inside & ((~masks & inside).cumsum(2) > n_of - widest[:, None, None])
+    heads = masks.shape[1]
+    sizes = (widest * heads).tolist()
+    columns = masks.nonzero()[:, 2]  # row-major: row by row, head by head, each ascending
+    return [part.view(heads, size // heads) for part, size in zip(columns.split(sizes), sizes)]
+
+
 def prefer_picked(scores: torch.Tensor, picked: torch.Tensor, stick: float) -> None:
     """scores (H_kv, n) += stick × each row's standard deviation at the entries `picked` (H_kv, N + 1) marks."""
     m = min(picked.shape[1] - 1, scores.shape[1])

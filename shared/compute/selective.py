@@ -54,7 +54,7 @@ from shared.runtime.profiles import token_blocks
 from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
 # NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
 # `selective.select_with_floor` for a run, and the step below calls it through this namespace
-from shared.compute.floor import floor_scores, remember_picks, select_with_floor
+from shared.compute.floor import floor_scores, remember_picks, select_rows_with_floor, select_with_floor
 from shared.compute.gather import SelectedRows, block
 from shared.compute.queries import speculated_query
 from shared.compute.remote_entries import PendingRead, RemoteEntries
@@ -191,15 +191,16 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
     rows: list[_Row | None] = []
     serial_ok = SERIAL_SELECTIVE and query.device.type == "cpu" and query.dtype == torch.float32
     threads = torch.get_num_threads() if serial_ok else 1
+    chosen = _select_together(layer, step, query, keys, threads)
     for b, sel in enumerate(step.selections):
         rows.append(None)
         if b in step.errors:
             continue
-        serial = threads > 1 and _narrow(sel, layer, keys[b])
+        serial = threads > 1 and _narrow(sel, layer, keys[b]) and b not in chosen
         try:
             if serial:
                 torch.set_num_threads(1)
-            rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0]))
+            rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0], chosen.get(b)))
         except Exception as exc:  # noqa: BLE001 (a read that could not start: this row only)
             step.errors[b] = exc
         finally:
@@ -233,6 +234,55 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
     return out
 
 
+def _select_together(layer: int, step: Step, query: torch.Tensor, keys: list[torch.Tensor],
+                     threads: int) -> dict[int, torch.Tensor]:
+    """The selections at `layer` of the rows that can select together, made together: rows attending to a subset,
+    all local (no reads to plan around), selecting by their own query (not a speculated one) with no selection's
+    memory (a selector that ranks tokens under a floor that sticks), in groups of one selector and floor (`select_rows_with_floor`: one floor mask, one `mark_rows`, one
+    nonzero for the group, where row by row each is a dozen small ops). The same indices as row by row (tests).
+    Returns row → its indices (H_kv, k'), for groups of two rows or more; the other rows select in `_issue`."""
+    groups: dict[tuple, list[int]] = {}
+    for b, sel in enumerate(step.selections):
+        if b in step.errors or not _narrow(sel, layer, keys[b]) or sel.remote is not None \
+                or getattr(sel.selector, "speculates", False):
+            continue
+        floor = sel.budget.floor
+        if floor.stick and sel.selector.ranks_tokens:
+            continue
+        _state(sel, layer)
+        groups.setdefault((id(sel.selector), floor), []).append(b)
+    chosen: dict[int, torch.Tensor] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        sels = [step.selections[b] for b in members]
+        selector, floor = sels[0].selector, sels[0].budget.floor
+        serial = threads > 1
+        try:
+            if serial:
+                torch.set_num_threads(1)
+            for b, sel in zip(members, sels):
+                selector.extend(layer, sel.states[layer], keys[b][0])
+            ns = [keys[b].shape[2] for b in members]
+            idx = select_rows_with_floor(selector, layer, [sel.states[layer] for sel in sels], query[members, :, 0],
+                                         [sel.tokens(n) for sel, n in zip(sels, ns)], ns, floor)
+        except Exception:  # noqa: BLE001 (each row tries again on its own in `_issue`, where a failure is its own)
+            continue
+        finally:
+            if serial:
+                torch.set_num_threads(threads)
+        chosen.update(zip(members, idx))
+    return chosen
+
+
+def _state(sel: Selection, layer: int) -> LayerState:
+    """The row's selector state at `layer` (restored from pushed metadata, or new, on first use)."""
+    state = sel.states.get(layer)
+    if state is None:
+        state = sel.states[layer] = sel.restore(layer) if sel.restore else sel.selector.new_state(layer)
+    return state
+
+
 def _narrow(sel: Selection | None, layer: int, keys: torch.Tensor) -> bool:
     """Whether the row attends to a budget's subset at `layer` (keys (1, H_kv, n, d)): its selection and attention are
     a few dozen small ops (see SERIAL_SELECTIVE)."""
@@ -256,17 +306,19 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             sel.num_candidates += n * row.keys.shape[0]
         row.pending = sel.remote.fetch(layer, None) if sel.remote is not None else None
     else:
-        state = sel.states.get(layer)
-        if state is None:
-            state = sel.states[layer] = sel.restore(layer) if sel.restore else sel.selector.new_state(layer)
-        sel.selector.extend(layer, state, row.keys)
-        speculates = getattr(sel.selector, "speculates", False)
-        probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates else row.query[0, :, 0]
+        state = _state(sel, layer)
         floor = sel.budget.floor
-        # with remote KV, one scoring serves the selection, a read-behind one and the wider ranking (path 3). NOTE: only
-        # then passed, so an all-local step's call stays the 7-argument one that tools and tests record
-        once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
-        row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, **once)  # (H_kv, k')
+        # a row selected together with others (`_select_together`) has no remote entries: `probe` and `once` serve
+        # only rows that have
+        if row.idx is None:
+            sel.selector.extend(layer, state, row.keys)
+            speculates = getattr(sel.selector, "speculates", False)
+            probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates \
+                else row.query[0, :, 0]
+            # with remote KV, one scoring serves the selection, a read-behind one and the wider ranking (path 3). NOTE:
+            # only then passed, so an all-local step's call stays the 7-argument one that tools and tests record
+            once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
+            row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, **once)  # (H_kv, k')
         if sel.selector.ranks_tokens:  # the selection's memory weighs token scores: only these selectors read it
             remember_picks(state, row.idx, n, floor)
         if sel.picks is not None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from schemas import NO_FLOOR, Sampling
+from shared.compute import selective
 from shared.compute.decode_engine import DecodeEngine
 from shared.compute.kvstore import KvStore
 from shared.compute.modeling import ModelRunner
@@ -78,6 +79,26 @@ def test_a_batch_decodes_each_request_as_alone_real_model(real_model_path):
     """SmolLM2's real attention (selection depends on it): batched tokens equal single-request tokens."""
     prompts = [prompt_ids(real_model_path, p * 8) for p in PROMPTS]  # a few hundred tokens, so quest selects
     assert together(real_model_path, prompts) == alone(real_model_path, prompts)
+
+
+@pytest.mark.parametrize("budgets", [(0.3, 0.25), (0.3, 0.3)])
+def test_selective_rows_select_together(tiny_model_path, monkeypatch, budgets):
+    """The batch's two Quest rows (prompts of different lengths; budgets unequal, then equal) make each layer's
+    selections together, one `select_rows_with_floor` a layer, and every request's tokens are still its tokens
+    alone."""
+    monkeypatch.setitem(SELECTIVE, 1, ("quest", budgets[0]))
+    monkeypatch.setitem(SELECTIVE, 2, ("quest", budgets[1]))
+    calls: list[int] = []
+    select_rows = selective.select_rows_with_floor
+
+    def counted(selector, layer, states, *args):
+        calls.append(len(states))
+        return select_rows(selector, layer, states, *args)
+
+    monkeypatch.setattr(selective, "select_rows_with_floor", counted)
+    prompts = [prompt_ids(tiny_model_path, p) for p in PROMPTS]
+    assert together(tiny_model_path, prompts) == alone(tiny_model_path, prompts)
+    assert calls and set(calls) == {2}
 
 
 def final_hidden(engine: DecodeEngine, steps: list[tuple[str, int]]) -> torch.Tensor:

@@ -213,3 +213,28 @@ def test_greedy_tokens_and_selections_match_reference(tiny, selector, monkeypatc
     assert fast_tokens == ref_tokens
     assert len(fast_log) == len(ref_log) > 0
     assert all(torch.equal(a, b) for a, b in zip(fast_log, ref_log))
+
+
+@pytest.mark.parametrize("lengths", [(700, 700, 700), (700, 333, 1030, 64)])
+def test_rows_selected_together_match_rows_alone(lengths):
+    """A batched step's rows that select together (`select_rows_with_floor`: one mask, one `mark_rows`, one nonzero)
+    get each row's own `select_with_floor` indices: equal contexts and budgets (Quest's one top-k for all rows), and
+    rows of different lengths and budgets, with and without a floor (a head short of its row topped up)."""
+    geometry = Geometry(num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, page_tokens=16)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    for selector in _selectors(geometry):
+        if selector.ranks_tokens and isinstance(selector, InfiniGenSelector):
+            continue  # it speculates its query: it never selects together
+        states = []
+        for n in lengths:
+            states.append(selector.new_state(2))
+            selector.extend(2, states[-1], torch.randn(3, n, 64, generator=gen))
+        probes = torch.randn(len(lengths), 9, 64, generator=gen)
+        for fraction in (0.05, 0.1, 0.3):
+            ks = [max(1, int(fraction * n)) + (r if len(set(lengths)) > 1 else 0) for r, n in enumerate(lengths)]
+            for floor in (BudgetFloor(min_tokens=1, dense_below=0, sinks=4, recent=32, stick=0.0),
+                          BudgetFloor(min_tokens=1, dense_below=0, sinks=0, recent=0, stick=0.0)):
+                together = budget_floor.select_rows_with_floor(selector, 2, states, probes, ks, list(lengths), floor)
+                for r, n in enumerate(lengths):
+                    alone = selective.select_with_floor(selector, 2, states[r], probes[r], ks[r], n, floor)
+                    assert torch.equal(together[r], alone), (selector.name, n, ks[r], floor)

@@ -142,6 +142,14 @@ class Selector(abc.ABC):
         works on a mask: selectors override this to skip what a mask does not need, e.g. sorting the indices)."""
         mask.scatter_(1, self.select(layer, state, query, k), True)
 
+    def mark_rows(self, layer: int, states: list[LayerState], queries: torch.Tensor, picks: list[int],
+                  masks: torch.Tensor) -> None:
+        """`mark` for several rows of one decode step (several requests at one layer): row r's query queries[r]
+        (H, d), its budget picks[r], its mask masks[r] (num_kv_heads, ≥ its n) bool. Row by row here; a selector
+        overrides it to do the rows' work in fewer, larger ops (the same marks)."""
+        for r, state in enumerate(states):
+            self.mark(layer, state, queries[r], picks[r], masks[r])
+
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(num_kv_heads, n) scores → (num_kv_heads, k) indices, sorted ascending. Ties broken by position
