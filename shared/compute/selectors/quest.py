@@ -95,8 +95,8 @@ class QuestSelector(Selector):
         The most q·k can be in a page, summed over the KV head's group of query heads, is Σ_g Σ_d max(q_gd·lo_d,
         q_gd·hi_d). lo ≤ hi, so the larger product is q·hi where q ≥ 0 and q·lo where q < 0: Σ_g (q_g⁺·hi + q_g⁻·lo),
         linear in q⁺ and q⁻, so the group's sum comes first and the bound is one row per KV head times the pages'
-        bounds (`_bound`), a G-th of the work of a row per query head (measured 21/27/39 µs a bound at 2K/4K/8K on
-        one thread here, against 25/54/64 for that). NOTE: the same terms as reference.py's, summed in another order
+        bounds (`_bound`), a G-th of the work of a row per query head (measured 22/27/39 µs a bound at 2K/4K/8K on
+        one thread here, against 26/37/64 for that: docs/results/select-together-2026-12-07). NOTE: the same terms as reference.py's, summed in another order
         (last bits only; the reference's pages in every test)."""
         g = self.geometry
         q = queries.float().view(queries.shape[0], g.num_kv_heads, g.group, -1)
