@@ -37,7 +37,7 @@ from shared.compute.decode_engine import DecodeEngine
 from shared.compute.grammar import TokenGrammar
 from shared.compute.kvstore import Slab
 from shared.compute.modeling import ModelRunner
-from shared.compute.selective import Selection
+from shared.compute.selection import Selection
 from shared.compute.selectors import PreparationMissing
 from shared.dataplane import Grant
 from shared.runtime.profiles import NUM_BLOCKS, tokens_per_block

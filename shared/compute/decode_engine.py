@@ -25,6 +25,7 @@ from shared.compute.kvstore import KvStore, Slab
 from shared.compute.modeling import ModelRunner
 from shared.compute.prefix_cache import PrefixCache
 from shared.compute.quantization import QuantLayout
+from shared.compute.remote_entries import RemoteEntries
 from shared.compute.sampling import FirstToken, first_token, sample
 from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
 from shared.compute.selectors.metadata import MetadataLayout
@@ -137,7 +138,7 @@ class DecodeEngine:
             selection.remote = None
 
     def use_selection(self, request_id: str, selector: str, budget: float, measure_mass: bool = False,
-                      slab: Slab | None = None, remote: selective.RemoteEntries | None = None, count_blocks: int = 0,
+                      slab: Slab | None = None, remote: RemoteEntries | None = None, count_blocks: int = 0,
                       query_bitmap: bool = False, lazy: bool = False) -> None:
         """Decode this request with selective attention from now on. The selector's state for the cached
         tokens comes from the metadata the prefill node pushed into `slab`'s aux area when `slab` is given

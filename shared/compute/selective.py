@@ -39,25 +39,25 @@ torch thread runs the model, so there is never more than one step in flight.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 
-import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from shared.runtime.profiles import token_blocks
-from shared.compute.selectors import DENSE_LAYERS, Budget, LayerState, Selector
+from shared.compute.selectors import DENSE_LAYERS
 # NOTE: imported into this module's namespace on purpose: tools (eval drift, bench query_overlap) wrap
-# `selective.select_with_floor` for a run, and the step below calls it through this namespace
+# `selective.select_with_floor` for a run, and the step below calls it through this namespace (those tools step one
+# request at a time: rows that select together, two or more, call `select_rows_with_floor` instead)
 from shared.compute.floor import floor_scores, remember_picks, select_rows_with_floor, select_with_floor
 from shared.compute.gather import SelectedRows, block
 from shared.compute.queries import speculated_query
-from shared.compute.remote_entries import PendingRead, RemoteEntries
+from shared.compute.remote_entries import PendingRead
+from shared.compute.selection import Selection
 
 ATTENTION_NAME = "smartgen_selective"
 # Path 3 by the latest query: a layer that read this step ranks again under this many times its budget (module
@@ -70,55 +70,6 @@ RANKED_READ_FACTOR = 2
 # a whole 8K step ~6 ms slower with one row's gather and attention on two). One thread computes the same values. CPU,
 # fp32 compute only: torch.set_num_threads also clears oneDNN's primitive cache, which bf16 would rebuild every layer.
 SERIAL_SELECTIVE = True
-
-
-@dataclass
-class Selection:
-    """One request's selective-attention state: its selector, budget and per-layer metadata."""
-
-    selector: Selector
-    budget: Budget
-    measure_mass: bool = False  # also compute the dense attention to report how much mass was kept
-    states: dict[int, LayerState] = field(default_factory=dict)
-    remote: RemoteEntries | None = None  # the KV still on the prefill node; None once every entry is local
-    # layer → its state from the pushed metadata, for layers not restored yet (their metadata may still be landing:
-    # restored on first use, after `remote.ready`); None: every state is in `states` or built from local keys
-    restore: Callable[[int], LayerState] | None = None
-    block_of_token: np.ndarray | None = None  # (prompt tokens,) relative profile block, when counting selections
-    block_counts: np.ndarray | None = None  # (num_layers, num_blocks) tokens selected per relative block
-    picks: dict[int, torch.Tensor] | None = None  # layer → (H_kv, k') what it selected last, when recording
-    num_steps: int = 0
-    num_sparse_steps: int = 0  # steps that selected (the others attended densely: short context, or k ≥ n)
-    mass_sum: float = 0.0
-    num_selections: int = 0
-    num_selected: int = 0
-    num_candidates: int = 0
-    _tokens: tuple[int, int] = (-1, 0)  # (n, budget.tokens(n)) of the last step
-
-    def tokens(self, n: int) -> int:
-        """`budget.tokens(n)`, remembered for the last n (every layer of a step asks for the same one)."""
-        if self._tokens[0] != n:
-            self._tokens = (n, self.budget.tokens(n))
-        return self._tokens[1]
-
-    def count_blocks(self, num_layers: int, num_prompt_tokens: int, num_blocks: int) -> None:
-        """Also count which relative blocks of the prompt each step selects (for online profiles)."""
-        self.block_of_token = token_blocks(num_prompt_tokens, num_blocks)
-        self.block_counts = np.zeros((num_layers, num_blocks), dtype=np.float32)
-
-    def _count(self, layer: int, idx: torch.Tensor) -> None:
-        assert self.block_of_token is not None and self.block_counts is not None
-        picked = idx.cpu().numpy().ravel()
-        picked = picked[picked < self.block_of_token.size]
-        self.block_counts[layer] += np.bincount(self.block_of_token[picked], minlength=self.block_counts.shape[1])
-
-    @property
-    def attention_mass(self) -> float | None:
-        return self.mass_sum / self.num_selections if self.measure_mass and self.num_selections else None
-
-    @property
-    def selected_share(self) -> float | None:
-        return self.num_selected / self.num_candidates if self.num_candidates else None
 
 
 @dataclass
@@ -182,30 +133,37 @@ class _Row:
 
 
 def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Tensor], scaling) -> torch.Tensor:
-    """Every row selects and issues its remote read first, then each attends in turn, so the rows' reads are
-    in flight together. A row whose read fails is voided (zeros, its error kept in `STEP.errors`); the others
-    carry on. Returns (B, 1, H, d)."""
+    """Every row selects and issues its remote read first (rows with reads first, then the rows that select
+    together: `_select_together`), then each attends in turn, so the rows' reads are in flight together. A row
+    whose read fails is voided (zeros, its error kept in `STEP.errors`); the others carry on. Returns (B, 1, H, d)."""
     step, layer = STEP, module.layer_idx
     assert step is not None and len(step.selections) == query.shape[0], "a BatchCache step outside stepping()"
     out = query.new_zeros(query.shape[0], 1, query.shape[1], query.shape[3])
-    rows: list[_Row | None] = []
+    rows: list[_Row | None] = [None] * query.shape[0]
     serial_ok = SERIAL_SELECTIVE and query.device.type == "cpu" and query.dtype == torch.float32
     threads = torch.get_num_threads() if serial_ok else 1
-    chosen = _select_together(layer, step, query, keys, threads)
-    for b, sel in enumerate(step.selections):
-        rows.append(None)
-        if b in step.errors:
-            continue
-        serial = threads > 1 and _narrow(sel, layer, keys[b]) and b not in chosen
+    groups = _groups_selecting_together(layer, step, keys)
+    later = {b for members in groups for b in members}
+
+    def issue(b: int, sel: Selection | None, idx: torch.Tensor | None = None) -> None:
+        serial = threads > 1 and _narrow(sel, layer, keys[b]) and idx is None
         try:
             if serial:
                 torch.set_num_threads(1)
-            rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0], chosen.get(b)))
+            rows[b] = _issue(module, layer, b, sel, _Row(query[b: b + 1], keys[b][0], values[b][0], idx))
         except Exception as exc:  # noqa: BLE001 (a read that could not start: this row only)
             step.errors[b] = exc
         finally:
             if serial:
                 torch.set_num_threads(threads)
+
+    for b, sel in enumerate(step.selections):
+        if b not in step.errors and b not in later:
+            issue(b, sel)
+    for members in groups:
+        chosen = _select_together(layer, step, members, query, keys, threads)
+        for b in members:
+            issue(b, step.selections[b], chosen.get(b))
     for b, row in enumerate(rows):
         if row is None or row.idx is not None:
             continue
@@ -234,53 +192,46 @@ def _attend_batch(module, query, keys: list[torch.Tensor], values: list[torch.Te
     return out
 
 
-def _select_together(layer: int, step: Step, query: torch.Tensor, keys: list[torch.Tensor],
-                     threads: int) -> dict[int, torch.Tensor]:
-    """The selections at `layer` of the rows that can select together, made together: rows attending to a subset,
-    all local (no reads to plan around), selecting by their own query (not a speculated one) with no selection's
-    memory (a selector that ranks tokens under a floor that sticks), in groups of one selector and floor (`select_rows_with_floor`: one floor mask, one `mark_rows`, one
-    nonzero for the group, where row by row each is a dozen small ops). The same indices as row by row (tests).
-    Returns row → its indices (H_kv, k'), for groups of two rows or more; the other rows select in `_issue`."""
+def _groups_selecting_together(layer: int, step: Step, keys: list[torch.Tensor]) -> list[list[int]]:
+    """The rows that select together at `layer` (`_select_together`), in groups of two or more of one selector and
+    floor: rows attending to a subset, all local (no reads to plan around), selecting by their own query (not
+    InfiniGen's speculated one), with no selection's memory (a selector that ranks tokens under a floor that
+    sticks scores every token: it selects alone)."""
     groups: dict[tuple, list[int]] = {}
     for b, sel in enumerate(step.selections):
         if b in step.errors or not _narrow(sel, layer, keys[b]) or sel.remote is not None \
-                or getattr(sel.selector, "speculates", False):
+                or getattr(sel.selector, "speculates", False) or (sel.budget.floor.stick and sel.selector.ranks_tokens):
             continue
-        floor = sel.budget.floor
-        if floor.stick and sel.selector.ranks_tokens:
-            continue
-        _state(sel, layer)
-        groups.setdefault((id(sel.selector), floor), []).append(b)
-    chosen: dict[int, torch.Tensor] = {}
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        sels = [step.selections[b] for b in members]
-        selector, floor = sels[0].selector, sels[0].budget.floor
-        serial = threads > 1
-        try:
-            if serial:
-                torch.set_num_threads(1)
-            for b, sel in zip(members, sels):
-                selector.extend(layer, sel.states[layer], keys[b][0])
-            ns = [keys[b].shape[2] for b in members]
-            idx = select_rows_with_floor(selector, layer, [sel.states[layer] for sel in sels], query[members, :, 0],
-                                         [sel.tokens(n) for sel, n in zip(sels, ns)], ns, floor)
-        except Exception:  # noqa: BLE001 (each row tries again on its own in `_issue`, where a failure is its own)
-            continue
-        finally:
-            if serial:
-                torch.set_num_threads(threads)
-        chosen.update(zip(members, idx))
-    return chosen
+        groups.setdefault((id(sel.selector), sel.budget.floor), []).append(b)
+    return [members for members in groups.values() if len(members) > 1]
 
 
-def _state(sel: Selection, layer: int) -> LayerState:
-    """The row's selector state at `layer` (restored from pushed metadata, or new, on first use)."""
-    state = sel.states.get(layer)
-    if state is None:
-        state = sel.states[layer] = sel.restore(layer) if sel.restore else sel.selector.new_state(layer)
-    return state
+def _select_together(layer: int, step: Step, members: list[int], query: torch.Tensor, keys: list[torch.Tensor],
+                     threads: int) -> dict[int, torch.Tensor]:
+    """The selections at `layer` of a group of rows (`_groups_selecting_together`), made together: each row's
+    selector state extended by its new key, then one `select_rows_with_floor` (one floor mask, one `mark_rows`,
+    one nonzero for the group, where row by row each is a dozen small ops), on one thread as a row's selection.
+    The same indices as row by row (tests). Returns row → its indices (H_kv, k'); empty if anything failed: then
+    each row selects again in `_issue`, where a failure is its own (extending is idempotent: a row's state takes
+    only keys past what it holds)."""
+    sels = [step.selections[b] for b in members]
+    selector, floor = sels[0].selector, sels[0].budget.floor
+    serial = threads > 1
+    try:
+        if serial:
+            torch.set_num_threads(1)
+        states = [sel.state(layer) for sel in sels]
+        for b, state in zip(members, states):
+            selector.extend(layer, state, keys[b][0])
+        ns = [keys[b].shape[2] for b in members]
+        idx = select_rows_with_floor(selector, layer, states, query[members, :, 0],
+                                     [sel.tokens(n) for sel, n in zip(sels, ns)], ns, floor)
+    except Exception:  # noqa: BLE001 (see the docstring)
+        return {}
+    finally:
+        if serial:
+            torch.set_num_threads(threads)
+    return dict(zip(members, idx))
 
 
 def _narrow(sel: Selection | None, layer: int, keys: torch.Tensor) -> bool:
@@ -306,10 +257,8 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             sel.num_candidates += n * row.keys.shape[0]
         row.pending = sel.remote.fetch(layer, None) if sel.remote is not None else None
     else:
-        state = _state(sel, layer)
+        state = sel.state(layer)
         floor = sel.budget.floor
-        # a row selected together with others (`_select_together`) has no remote entries: `probe` and `once` serve
-        # only rows that have
         if row.idx is None:
             sel.selector.extend(layer, state, row.keys)
             speculates = getattr(sel.selector, "speculates", False)
@@ -319,6 +268,9 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
             # only then passed, so an all-local step's call stays the 7-argument one that tools and tests record
             once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
             row.idx = select_with_floor(sel.selector, layer, state, probe, k, n, floor, **once)  # (H_kv, k')
+        else:  # selected together with other rows (`_select_together`): all local, so nothing below reads these
+            assert sel.remote is None
+            probe, once = None, {}
         if sel.selector.ranks_tokens:  # the selection's memory weighs token scores: only these selectors read it
             remember_picks(state, row.idx, n, floor)
         if sel.picks is not None:
@@ -400,27 +352,7 @@ def _attend_selected(module, step: Step, rows: list[tuple[int, _Row]], out: torc
             for r, (b, row) in enumerate(members):
                 if b not in step.errors:
                     out[b] = att[r].transpose(0, 1)
-                    _account(module, step.selections[b], row, scaling)
-
-
-def _account(module, sel: Selection, row: _Row, scaling) -> None:
-    """A selective row's counters after attending at this layer (selected share, sparse steps, profile blocks,
-    and the attention mass kept when measured)."""
-    query, keys, idx = row.query, row.keys, row.idx
-    n = keys.shape[1]
-    group = query.shape[1] // keys.shape[0]
-    sel.num_selected += idx.numel()
-    sel.num_candidates += n * idx.shape[0]
-    if module.layer_idx == DENSE_LAYERS:  # NOTE: one step decides dense or sparse for all its layers (same n, same budget)
-        sel.num_sparse_steps += 1
-    if sel.block_counts is not None:
-        sel._count(module.layer_idx, idx)
-    if sel.measure_mass:
-        q = query[0, :, 0]  # (H, d)
-        probs = torch.softmax((q[:, None, :] @ _as(q, keys).repeat_interleave(group, 0).transpose(1, 2))[:, 0] * scaling, -1)
-        kept = torch.gather(probs, 1, idx.repeat_interleave(group, dim=0)).sum(-1)  # (H,)
-        sel.mass_sum += float(kept.mean())
-    sel.num_selections += 1
+                    step.selections[b].account(module.layer_idx, row.query, row.keys, row.idx, scaling)
 
 
 def _as(like: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

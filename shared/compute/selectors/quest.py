@@ -95,9 +95,9 @@ class QuestSelector(Selector):
         The most q·k can be in a page, summed over the KV head's group of query heads, is Σ_g Σ_d max(q_gd·lo_d,
         q_gd·hi_d). lo ≤ hi, so the larger product is q·hi where q ≥ 0 and q·lo where q < 0: Σ_g (q_g⁺·hi + q_g⁻·lo),
         linear in q⁺ and q⁻, so the group's sum comes first and the bound is one row per KV head times the pages'
-        bounds (`_bound`), a G-th of the work of a row per query head (measured 22/27/39 µs a bound at 2K/4K/8K on
-        one thread here, against 26/37/64 for that: docs/results/select-together-2026-12-07). NOTE: the same terms as reference.py's, summed in another order
-        (last bits only; the reference's pages in every test)."""
+        bounds (`_bound`), a G-th of the work of a row per query head: 22/27/39 µs a bound at 2K/4K/8K on one
+        thread here against 26/37/64 (docs/results/select-together-2026-12-07). NOTE: the same terms as
+        reference.py's, summed in another order (last bits only; the reference's pages in every test)."""
         g = self.geometry
         q = queries.float().view(queries.shape[0], g.num_kv_heads, g.group, -1)
         return q.clamp(min=0).sum(2, keepdim=True), q.clamp(max=0).sum(2, keepdim=True)
@@ -128,11 +128,11 @@ class QuestSelector(Selector):
 
     def mark_rows(self, layer: int, states: list[QuestState], queries: torch.Tensor, picks: list[int],
                   masks: torch.Tensor) -> None:
-        """`Selector.mark_rows` in fewer ops than row by row: queries (R, H, d), masks (R, kv, ≥ n_r) bool. Each row's bound
-        is its own product (the rows' bounds live apart, one `Rows` each); the query sides, the top pages (one top-k
-        where every row has as many full pages and picks, as in a batch of equal contexts) and the masks' pages
-        (one scatter) are one op for all rows. The same pages as `mark` row by row: the same bound per row, bit for
-        bit, and the same top-k where its input is the same."""
+        """`Selector.mark_rows` in fewer ops than row by row: queries (R, H, d), masks (R, kv, ≥ n_r) bool. The
+        query sides are one op for all rows; each row's bound is its own product (its bounds live in its own
+        `Rows`); where every row has as many full pages and picks (a batch of equal contexts), one top-k and one
+        scatter for all rows, else one each. The same pages as `mark` row by row: the same bound per row, bit for
+        bit, and a top-k over each row's own bounds."""
         t = self.geometry.page_tokens
         plans = [self._plan(state, k) for state, k in zip(states, picks)]
         up, down = self._query_sides(queries)
@@ -149,4 +149,5 @@ class QuestSelector(Selector):
         for r, (state, (num_full, _, num_pages)) in enumerate(zip(states, plans)):
             if num_pages:
                 pages = top_k_unsorted(self._bound(state, num_full, up[r], down[r]), num_pages)
-                masks[r, :, : num_full * t].view(masks.shape[1], num_full, t).scatter_(1, pages[..., None].expand(-1, -1, t), True)
+                whole = masks[r, :, : num_full * t].view(masks.shape[1], num_full, t)
+                whole.scatter_(1, pages[..., None].expand(-1, -1, t), True)
