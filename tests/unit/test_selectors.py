@@ -70,29 +70,32 @@ def test_small_budget_changes_the_computation(engine, selector):
     engine.end("b")
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_metadata_size_is_what_it_declares(prepared, selector):
+def test_metadata_size_is_what_it_declares(prepared, selector, kv_dtype):
     """Per cached token and layer, the metadata a selector exports (what the prefill node pushes) is exactly
-    the bytes it declares, in the shapes and dtypes of its specs."""
+    the bytes it declares, in the shapes and dtypes of its specs, with the KV kept in fp32 or (as served) bf16."""
     _, prep = prepared
-    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16, kv_dtype=kv_dtype)
     sel = make_selector(selector, geometry, prep)
     state = sel.new_state(2)
     n = 160  # a whole number of pages
-    sel.extend(2, state, torch.randn(2, n, 16))
+    sel.extend(2, state, torch.randn(2, n, 16).to(kv_dtype).float())  # keys as the KV store keeps them
     exported = sel.export(state)
     assert [(tuple(t.shape), t.dtype) for t in exported] == sel.metadata_specs(n)
     assert sum(t.numel() * t.element_size() for t in exported) == pytest.approx(sel.metadata_bytes_per_token() * n)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_metadata_round_trip_selects_the_same(prepared, selector):
+def test_metadata_round_trip_selects_the_same(prepared, selector, kv_dtype):
     """State exported into an aux buffer and restored on the other side (then extended by decoded tokens)
-    selects exactly what the original state selects: what makes metadata pushes exact."""
+    selects exactly what the original state selects: what makes metadata pushes exact (with bf16 KV too, where
+    InfiniGen's partial keys travel in bf16: rounded alike on both sides)."""
     _, prep = prepared
-    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16)
+    geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(3)
-    keys, query = torch.randn(2, 107, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    keys, query = torch.randn(2, 107, 16, generator=gen).to(kv_dtype).float(), torch.randn(4, 16, generator=gen)
     sel = make_selector(selector, geometry, prep)
     here = sel.new_state(3)
     sel.extend(3, here, keys[:, :100])
@@ -104,6 +107,8 @@ def test_metadata_round_trip_selects_the_same(prepared, selector):
     for state in (here, there):
         sel.extend(3, state, keys)  # 7 decoded tokens, one partial page for quest
     assert torch.equal(sel.select(3, here, query, 30), sel.select(3, there, query, 30))
+    if selector == "infinigen":  # what it holds is what travels: values of the KV's dtype
+        assert torch.equal(there.partial_keys.data, there.partial_keys.data.to(kv_dtype).float())
 
 
 @pytest.mark.parametrize("selector", SELECTORS)

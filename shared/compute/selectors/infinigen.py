@@ -3,7 +3,9 @@
 Offline (`smartgen prepare-selectors --selector infinigen`), per layer and KV head: an orthogonal skewing
 matrix A from the SVD of calibration queries of the head's group (so q·k = (qA)·(kA) while most of qA's
 magnitude sits in few columns), and the `ratio`·head_dim columns where it sits.
-Online: the metadata is the skewed keys' partial columns; a step's approximate logits are
+Online: the metadata is the skewed keys' partial columns, rounded to the KV store's dtype (Geometry.kv_dtype: bf16
+as served, half fp32's bytes on the wire, as the paper keeps its partial weights and keys in fp16), on every node
+alike, so a selection is the same wherever it runs; a step's approximate logits are
 (q̃A)[cols] · (kA)[cols] / √d, where q̃ is *speculated* for layer i from layer i-1's input (the engine
 passes it, see selective.py); tokens within `alpha` of the best logit are kept, at most the budget.
 """
@@ -28,8 +30,8 @@ def _power_of_two(x: float) -> bool:
 
 class InfiniGenState(LayerState):
     def __init__(self) -> None:
-        # (num_kv_heads, c, n) float32: skewed keys' partial channels, a column a token (metadata on the wire is
-        # (num_kv_heads, n, c): `export` and `restore` transpose)
+        # (num_kv_heads, c, n) float32 holding values of the KV's dtype: skewed keys' partial channels, a column a
+        # token (metadata on the wire is (num_kv_heads, n, c) in the KV's dtype: `export` and `restore` transpose)
         self.partial_keys = Rows(dim=2)
 
 
@@ -49,10 +51,10 @@ class InfiniGenSelector(Selector):
         return next(iter(self.channels.values())).shape[1]
 
     def metadata_bytes_per_token(self) -> float:
-        return self.geometry.num_kv_heads * self.num_channels * 4
+        return self.geometry.num_kv_heads * self.num_channels * self.geometry.kv_dtype.itemsize
 
     def metadata_specs(self, num_tokens: int) -> MetadataSpec:
-        return [((self.geometry.num_kv_heads, num_tokens, self.num_channels), torch.float32)]
+        return [((self.geometry.num_kv_heads, num_tokens, self.num_channels), self.geometry.kv_dtype)]
 
     def new_state(self, layer: int) -> InfiniGenState:
         return InfiniGenState()
@@ -76,15 +78,18 @@ class InfiniGenSelector(Selector):
         return got
 
     def extend(self, layer: int, state: InfiniGenState, keys: torch.Tensor) -> None:
-        state.partial_keys.append(self._partial(layer, keys[:, state.num_tokens:], per_query_head=False).transpose(1, 2))
+        partial = self._partial(layer, keys[:, state.num_tokens:], per_query_head=False)
+        if self.geometry.kv_dtype != torch.float32:  # what travels, and what every node selects by
+            partial = partial.to(self.geometry.kv_dtype).float()
+        state.partial_keys.append(partial.transpose(1, 2))
         state.num_tokens = keys.shape[1]
 
     def export(self, state: InfiniGenState) -> list[torch.Tensor]:
-        return [state.partial_keys.data.transpose(1, 2).contiguous()]
+        return [state.partial_keys.data.transpose(1, 2).to(self.geometry.kv_dtype).contiguous()]  # exact: see extend
 
     def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> InfiniGenState:
         state = InfiniGenState()
-        state.partial_keys.append(tensors[0].transpose(1, 2))
+        state.partial_keys.append(tensors[0].transpose(1, 2).float())
         state.num_tokens = num_tokens
         return state
 
