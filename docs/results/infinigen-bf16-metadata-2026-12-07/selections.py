@@ -1,6 +1,8 @@
 """InfiniGen's partial keys kept in fp32 (before) against rounded to the KV's dtype, bf16 (now): the same requests
 decoded all-local (colocated-selective, InfiniGen 20%, the served floor) side by side, step by step; per step and
-layer, the overlap of the two selections (|A ∩ B| / |A ∪ B| over (KV head, token) entries), and the greedy tokens.
+layer, the overlap of the two selections (|A ∩ B| / |A ∪ B| over (KV head, token) entries), the greedy tokens,
+and each one's KL from dense attention (a dense copy of the request steps beside them; all three are fed the dense
+copy's greedy tokens, so the contexts stay equal).
 
     OMP_WAIT_POLICY=PASSIVE python docs/results/infinigen-bf16-metadata-2026-12-07/selections.py [PROMPTS] [TOKENS] [STEPS]
 
@@ -41,26 +43,31 @@ def fp32_extend(self, layer, state, keys):
 
 
 overlaps, same_tokens, first_diff = [], 0, []
+kl: dict[str, list[float]] = {"before": [], "now": []}
 for p in range(prompts):
     text = "\n".join(f.read_text(errors="replace") for f in files[3 * p: 3 * p + 3])
     ids = tokenizer(text)["input_ids"][:ctx]
     engine.prefill_local("prompt", ids, Sampling(), max_new_tokens=steps + 10)
     tokens = {}
-    for name in ("before", "now"):
+    for name in ("dense", "before", "now"):
         _copy_request(engine, "prompt", name, len(ids), steps + 10)
-        engine.use_selection(name, "infinigen", 0.2)
-        engine.selections[name].picks = {}
+        if name != "dense":
+            engine.use_selection(name, "infinigen", 0.2)
+            engine.selections[name].picks = {}
         tokens[name] = [ids[-1]]
     picks = {"before": [], "now": []}
     for _ in range(steps):
+        fed = tokens["dense"][-1]
+        dense = torch.log_softmax(engine.step_logits("dense", fed).float(), -1)
+        tokens["dense"].append(int(dense.argmax()))
         for name in ("before", "now"):
             InfiniGenSelector.extend = fp32_extend if name == "before" else rounding_extend
-            tokens[name].append(int(engine.step_logits(name, tokens[name][-1]).argmax()))
+            logits = torch.log_softmax(engine.step_logits(name, fed).float(), -1)
+            kl[name].append(float((dense.exp() * (dense - logits)).sum()))
+            tokens[name].append(int(logits.argmax()))
             picks[name].append({layer: idx.clone() for layer, idx in engine.selections[name].picks.items()})
     InfiniGenSelector.extend = rounding_extend
     for step_a, step_b in zip(picks["before"], picks["now"]):
-        if tokens["before"] != tokens["now"]:
-            break  # once the tokens differ the contexts do too
         for layer in step_a:
             a = {(h, t) for h in range(step_a[layer].shape[0]) for t in step_a[layer][h].tolist()}
             b = {(h, t) for h in range(step_b[layer].shape[0]) for t in step_b[layer][h].tolist()}
@@ -69,13 +76,12 @@ for p in range(prompts):
     same_tokens += same
     if not same:
         first_diff.append(next(i for i, (x, y) in enumerate(zip(tokens["before"], tokens["now"])) if x != y))
-    for name in ("prompt", "before", "now"):
+    for name in ("prompt", "dense", "before", "now"):
         engine.end(name)
-    store.free("prompt")
-    for name in ("before", "now"):
         store.free(name)
-    print(f"prompt {p}: {len(ids)} tokens, same greedy tokens over {steps} steps: {same}")
+    print(f"prompt {p}: {len(ids)} tokens, same greedy tokens over {steps} steps (teacher-forced): {same}")
 print(f"{prompts} prompts × {steps} steps, InfiniGen 20%: selection overlap per (step, layer) median "
       f"{statistics.median(overlaps):.4f}, mean {statistics.mean(overlaps):.4f}, min {min(overlaps):.4f} "
-      f"({len(overlaps)} selections); same tokens in {same_tokens} of {prompts}"
+      f"({len(overlaps)} selections); same tokens in {same_tokens} of {prompts}; mean KL vs dense: fp32 partial keys "
+      f"{statistics.mean(kl['before']):.5f}, bf16 {statistics.mean(kl['now']):.5f}"
       + (f"; first difference at steps {first_diff}" if first_diff else ""))
