@@ -238,3 +238,20 @@ def test_rows_selected_together_match_rows_alone(lengths):
                 for r, n in enumerate(lengths):
                     alone = selective.select_with_floor(selector, 2, states[r], probes[r], ks[r], n, floor)
                     assert torch.equal(together[r], alone), (selector.name, n, ks[r], floor)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_quest_bounds_token_by_token_equal_at_once(kv_dtype):
+    """Quest's bounds extended a decode step's token at a time (its two in-place ops into the partial page, keys as
+    the store keeps them) are exactly the bounds of the same keys taken at once."""
+    geometry = Geometry(num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, page_tokens=16, kv_dtype=kv_dtype)
+    selector = make_selector("quest", geometry)
+    keys = torch.randn(3, 300, 64, generator=torch.Generator().manual_seed(5)).to(kv_dtype)
+    stepped, whole = selector.new_state(2), selector.new_state(2)
+    selector.extend(2, stepped, keys[:, :250])
+    for n in range(251, 301):  # across three page boundaries
+        selector.extend(2, stepped, keys[:, :n])
+    selector.extend(2, whole, keys)
+    assert stepped.num_tokens == whole.num_tokens == 300
+    assert torch.equal(stepped.page_min.data, whole.page_min.data)
+    assert torch.equal(stepped.page_max.data, whole.page_max.data)

@@ -72,6 +72,11 @@ class Rows:
         assert self._buf is not None, "no rows yet"
         return self._buf.narrow(self.dim, 0, self.num_rows)
 
+    def last(self) -> torch.Tensor:
+        """A view of the last row held (one op: a decode step updates it in place)."""
+        assert self._buf is not None, "no rows yet"
+        return self._buf.select(self.dim, self.num_rows - 1)
+
     def append(self, rows: torch.Tensor) -> None:
         n, m = self.num_rows, rows.shape[self.dim]
         held = self._buf.shape[self.dim] if self._buf is not None else 0

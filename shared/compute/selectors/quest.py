@@ -39,19 +39,22 @@ class QuestSelector(Selector):
 
     def extend(self, layer: int, state: QuestState, keys: torch.Tensor) -> None:
         t, start = self.geometry.page_tokens, state.num_tokens
+        room = (-start) % t  # free slots in the last, partial page
+        if room and keys.shape[1] == start + 1:  # a decode step's one token into it: two in-place ops (a key's own
+            key = keys[:, start]  # min and max are the key; the ops take bf16 keys into the fp32 bounds exactly)
+            last_min, last_max = state.page_min.last(), state.page_max.last()
+            torch.minimum(last_min, key, out=last_min)
+            torch.maximum(last_max, key, out=last_max)
+            state.num_tokens = start + 1
+            return
         fresh = keys[:, start:].float()
         if fresh.shape[1] == 0:
             return
-        room = (-start) % t  # free slots in the last, partial page
         if room:
             head, fresh = fresh[:, :room], fresh[:, room:]
-            last_min, last_max = state.page_min.data[:, -1], state.page_max.data[:, -1]
-            if head.shape[1] == 1:  # a decode step's one token: two in-place ops (min/max of one key is the key)
-                torch.minimum(last_min, head[:, 0], out=last_min)
-                torch.maximum(last_max, head[:, 0], out=last_max)
-            else:
-                torch.minimum(last_min, head.amin(dim=1), out=last_min)
-                torch.maximum(last_max, head.amax(dim=1), out=last_max)
+            last_min, last_max = state.page_min.last(), state.page_max.last()
+            torch.minimum(last_min, head.amin(dim=1), out=last_min)
+            torch.maximum(last_max, head.amax(dim=1), out=last_max)
         if fresh.shape[1]:
             pad = (-fresh.shape[1]) % t  # pad a new partial page with its own last key (min/max unchanged)
             if pad:
