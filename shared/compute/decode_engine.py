@@ -27,6 +27,7 @@ from shared.compute.prefix_cache import PrefixCache
 from shared.compute.quantization import QuantLayout
 from shared.compute.remote_entries import RemoteEntries
 from shared.compute.sampling import FirstToken, first_token, sample
+from shared.compute.selection import Selection
 from shared.compute.selectors import DENSE_LAYERS, Budget, Geometry, Selector, make_selector
 from shared.compute.selectors.metadata import MetadataLayout
 
@@ -40,7 +41,7 @@ class DecodeEngine:
         self.prefix_cache = prefix_cache  # KV pages of finished requests (None: off)
         self.caches: dict[str, SlabCache] = {}
         self._own_slabs: set[str] = set()  # slabs prefill_local allocated itself (freed by end)
-        self.selections: dict[str, selective.Selection] = {}
+        self.selections: dict[str, Selection] = {}
         self._selectors: dict[str, Selector] = {}  # built once per name (offline preparation is loaded here)
         self._metadata_layouts: dict[tuple[str, int, bool], MetadataLayout] = {}  # see `metadata_layout`
         self.geometry = Geometry(runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
@@ -145,7 +146,7 @@ class DecodeEngine:
         (`query_bitmap`: laid out with the query-aware push's bitmaps), else from the keys in the cache.
         `count_blocks` > 0 counts selections per relative block. `lazy` (with `slab`): a layer's state is restored
         when its attention first needs it, after its metadata has landed (`remote.ready`: no global push barrier)."""
-        sel = selective.Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
+        sel = Selection(self.selector(selector), Budget(budget, self.floor), measure_mass, remote=remote)
         cache = self.caches[request_id]
         num_tokens = cache.get_seq_length()
         if slab is not None:
@@ -263,7 +264,7 @@ class DecodeEngine:
         finally:
             self.prefix_cache.release(hit)
 
-    def end(self, request_id: str, keep: Sequence[int] = ()) -> selective.Selection | None:
+    def end(self, request_id: str, keep: Sequence[int] = ()) -> Selection | None:
         """Drop the request's cache (and the slab prefill_local allocated for it); its selection, if any. `keep`:
         the ids of the first tokens in its cache (its prompt): first copy their full pages into the prefix cache."""
         cache = self.caches.pop(request_id, None)

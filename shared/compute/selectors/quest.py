@@ -131,26 +131,20 @@ class QuestSelector(Selector):
 
     def mark_rows(self, layer: int, states: list[QuestState], queries: torch.Tensor, picks: list[int],
                   masks: torch.Tensor) -> None:
-        """`Selector.mark_rows` in fewer ops than row by row: queries (R, H, d), masks (R, kv, ≥ n_r) bool. The
-        query sides are one op for all rows; each row's bound is its own product (its bounds live in its own
-        `Rows`); where every row has as many full pages and picks (a batch of equal contexts), one top-k and one
-        scatter for all rows, else one each. The same pages as `mark` row by row: the same bound per row, bit for
-        bit, and a top-k over each row's own bounds."""
-        t = self.geometry.page_tokens
+        """`Selector.mark_rows` in fewer ops than row by row where every row has as many full pages and picks (a batch
+        of equal contexts): queries (R, H, d), masks (R, kv, ≥ n_r) bool; the query sides, the top-k and the scatter
+        are one op for all rows, each row's bound its own product (its bounds live in its own `Rows`), the same bound
+        bit for bit as `mark`'s, so the same pages. Rows of different contexts: row by row (`mark`)."""
         plans = [self._plan(state, k) for state, k in zip(states, picks)]
-        up, down = self._query_sides(queries)
-        for r, (num_full, n, _) in enumerate(plans):
-            masks[r, :, num_full * t: n] = True  # the partial newest page
-        if len({(num_full, num_pages) for num_full, _, num_pages in plans}) == 1:  # one top-k for all rows
-            num_full, _, num_pages = plans[0]
-            if num_pages:
-                bounds = torch.stack([self._bound(state, num_full, up[r], down[r]) for r, state in enumerate(states)])
-                pages = top_k_unsorted(bounds, num_pages)  # (R, kv, pages)
-                whole = masks[:, :, : num_full * t].view(*masks.shape[:2], num_full, t)
-                whole.scatter_(2, pages[..., None].expand(-1, -1, -1, t), True)
+        if len({(num_full, num_pages) for num_full, _, num_pages in plans}) > 1:
+            super().mark_rows(layer, states, queries, picks, masks)
             return
-        for r, (state, (num_full, _, num_pages)) in enumerate(zip(states, plans)):
-            if num_pages:
-                pages = top_k_unsorted(self._bound(state, num_full, up[r], down[r]), num_pages)
-                whole = masks[r, :, : num_full * t].view(masks.shape[1], num_full, t)
-                whole.scatter_(1, pages[..., None].expand(-1, -1, t), True)
+        t, (num_full, _, num_pages) = self.geometry.page_tokens, plans[0]
+        for r, (_, n, _) in enumerate(plans):
+            masks[r, :, num_full * t: n] = True  # the partial newest page
+        if num_pages:
+            up, down = self._query_sides(queries)
+            bounds = torch.stack([self._bound(state, num_full, up[r], down[r]) for r, state in enumerate(states)])
+            pages = top_k_unsorted(bounds, num_pages)  # (R, kv, pages)
+            whole = masks[:, :, : num_full * t].view(*masks.shape[:2], num_full, t)
+            whole.scatter_(2, pages[..., None].expand(-1, -1, -1, t), True)
