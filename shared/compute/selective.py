@@ -21,7 +21,8 @@ the next layer's metadata, and the remote part of that prediction starts reading
 speculate`); layer i+1 then waits for it and reads only what it missed. For InfiniGen, whose selection is
 defined by that very query, the prediction misses at most tokens the step itself adds (always local); for the
 other selectors it is a guess. Only where `RemoteEntries.wants_speculation` (the decode service's policy: which
-selectors, which steps, and only where the next layer still has remote entries).
+selectors, which steps, and only where the next layer still has remote entries). The speculated query is made once
+a step (`Step.probes`): InfiniGen's own selection at layer i+1 takes the one its speculation made at layer i.
 
 Ranked reads (path 3 by the latest query): where a layer had to read this step, its selection for the same query
 is taken again under RANKED_READ_FACTOR × the budget, and what that adds and is not local is handed to the
@@ -80,6 +81,9 @@ class Step:
     errors: dict[int, Exception] = field(default_factory=dict)  # rows whose reads failed: their output is void
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer inputs (B, 1, D) (speculation)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin), each (B, 1, d)
+    # (row, layer) → InfiniGen's query for that layer speculated from the layer before's input, (H, d): made once a
+    # step, by the layer before's speculation (`_speculate_next_layer`) or by the layer's own selection (`_issue`)
+    probes: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 STEP: Step | None = None
@@ -262,8 +266,7 @@ def _issue(module, layer: int, b: int, sel: Selection | None, row: _Row) -> _Row
         if row.idx is None:
             sel.selector.extend(layer, state, row.keys)
             speculates = getattr(sel.selector, "speculates", False)
-            probe = speculated_query(STEP, module._smartgen_decoder_layer, layer - 1, b) if speculates \
-                else row.query[0, :, 0]
+            probe = _speculated_probe(module._smartgen_decoder_layer, layer, b) if speculates else row.query[0, :, 0]
             # with remote KV, one scoring serves the selection, a read-behind one and the wider ranking (path 3). NOTE:
             # only then passed, so an all-local step's call stays the 7-argument one that tools and tests record
             once = {"scored": floor_scores(sel.selector, layer, state, probe, n, floor)} if sel.remote is not None else {}
@@ -301,9 +304,19 @@ def _speculate_next_layer(module, layer: int, b: int, sel: Selection, k: int, n:
         state = sel.states[layer + 1] = sel.restore(layer + 1)
     if nxt is None or state is None:
         return
-    probe = speculated_query(STEP, nxt, layer, b)  # (H, d): layer + 1's query, speculated
-    assert sel.remote is not None
+    probe = _speculated_probe(nxt, layer + 1, b)  # (H, d): layer + 1's query, speculated
     sel.remote.speculate(layer + 1, select_with_floor(sel.selector, layer + 1, state, probe, k, n, sel.budget.floor))
+
+
+def _speculated_probe(decoder_layer, layer: int, b: int) -> torch.Tensor:
+    """Row b's query at `layer` (its `decoder_layer`) speculated from layer − 1's input, (H, d): computed once a step,
+    though both the layer before's speculation and the layer's own selection use it (a q_proj with its norm and RoPE:
+    ~0.18 ms a layer inside a 2K step on this CPU, its weights read cold)."""
+    probes = STEP.probes if STEP is not None else {}  # (no step: speculated_query says what is missing)
+    probe = probes.get((b, layer))
+    if probe is None:
+        probe = probes[(b, layer)] = speculated_query(STEP, decoder_layer, layer - 1, b)
+    return probe
 
 
 def _attend_dense(module, row: _Row, scaling) -> torch.Tensor:

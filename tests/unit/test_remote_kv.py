@@ -163,6 +163,32 @@ async def test_speculation_reads_the_next_layer_ahead_and_never_changes_tokens(r
     assert remote.num_read_remote < plain.num_read_remote and remote.num_fetch_reads <= plain.num_fetch_reads
 
 
+async def test_a_speculated_query_is_made_once_a_step(runner, monkeypatch):
+    """A selector that selects by a speculated query (InfiniGen) gets layer i's query, speculated from layer i-1's
+    input, once a step: the speculation run while layer i-1 is issued and layer i's own selection share it (each
+    is a q_proj, its norm and RoPE, ~0.1 ms a layer on this CPU). Quest made to select that way stands in (the
+    tiny model has no InfiniGen preparation); its tokens stay those of every entry local."""
+    from shared.compute import selective
+    from shared.compute.selectors.quest import QuestSelector
+
+    monkeypatch.setattr(QuestSelector, "speculates", True, raising=False)
+    made: list[int] = []
+    real = selective.speculated_query
+
+    def counted(step, decoder_layer, from_layer, b):
+        made.append(from_layer)
+        return real(step, decoder_layer, from_layer, b)
+    monkeypatch.setattr(selective, "speculated_query", counted)
+    ids = prompt_ids(runner.path, PROMPT)[:300]
+    tokens, remote = await remote_tokens(runner, ids, "quest", 0.1, 2, True, background=False)
+    assert remote.num_speculative_reads > 0  # both users were there
+    made_remote = len(made)
+    made.clear()
+    assert tokens == colocated_tokens(runner, ids, "quest", 0.1)
+    selective_layers, steps = remote.presence.present.shape[0] - 2, STEPS - 1
+    assert made_remote == len(made) == selective_layers * steps  # all local: one a layer and step; remote: the same
+
+
 async def test_speculative_reads_go_direct_too(runner):
     """With a direct link, the reads a layer starts a layer early (`speculate`) go on it as its fetches do, not
     through the event loop (where they cost InfiniGen 22% TBT against not speculating at all:
