@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from schemas import DEFAULT_SELECTOR
+from schemas import DEFAULT_PUSH_KV_BITS, DEFAULT_SELECTOR
 from tools.bench.serve import BenchConfig
 from tools.bench.serve import run as bench_serve
 from tools.eval import accuracy
@@ -40,8 +40,10 @@ def test_bench_serve_small_run(clean_stack, tmp_path, monkeypatch):
             ref = next(y for y in report["requests"] if y["mode"] == "colocated-selective" and y["sample"] == x["sample"])
             assert x["ttst_bound_honest_s"] >= ref["step1_compute_s"] > 0
     assert runs["colocated"]["kl_mean"] == 0.0 and runs["full"]["kl_mean"] == 0.0  # dense: dense itself
-    # the default selector under the stack's floor (none here: the tiny stack selects at 256 tokens): a KL of its own
-    assert runs["smartgen"]["quality_config"] == DEFAULT_SELECTOR and runs["smartgen"]["kl_mean"] > 0
+    # the default selector under the stack's floor (none here: the tiny stack selects at 256 tokens) over smartgen's
+    # default K8V8 records: a KL of its own, and not colocated-selective's (the records' rounding is in it)
+    assert runs["smartgen"]["quality_config"] == f"{DEFAULT_SELECTOR}+k8v{DEFAULT_PUSH_KV_BITS}"
+    assert runs["smartgen"]["kl_mean"] > 0 and runs["smartgen"]["kl_mean"] != runs["colocated-selective"]["kl_mean"]
     assert runs["full"]["pressure"] == 2.0 and runs["full"]["link_gbps"] > 0 and runs["full"]["kv_bytes"]["full"] > 0
     assert runs["colocated"]["link_gbps"] == 0 and not runs["colocated"]["kv_bytes"]
     assert runs["smartgen"]["kv_bytes"].get("metadata", 0) > 0 and runs["smartgen"]["ttst_vs_full"] is not None

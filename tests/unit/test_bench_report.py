@@ -6,6 +6,7 @@ import pytest
 
 from tools.workloads import Sample
 from tools.bench import cluster, report, simulate
+from schemas import DEFAULT_PUSH_KV_BITS
 from tools.bench.serve import mode_body
 from tools.bench.summary import summarize
 from tools.eval import accuracy
@@ -128,6 +129,19 @@ def test_an_ablation_row_is_a_smartgen_mode_without_one_path():
     for bad in ("full-no-query", "smartgen-no-nothing", "smartgen-16bit"):
         with pytest.raises(ValueError):
             mode_body(bad, "quest", 0.1)
+
+
+def test_a_rows_kl_is_measured_over_the_kv_that_mode_decodes():
+    """The KL column's configuration per mode: dense KV for colocated and full, the quantized widths, the selector
+    over exact KV for colocated-selective, partial and exact smartgen, and over smartgen's records (K 8 bits, V the
+    push width) for smartgen with low-bit KV, the default (K8V8) included; none where it cannot be one."""
+    from tools.bench.modes import quality_config
+
+    expected = {"colocated": "dense", "full": "dense", "quantized-4bit": "quantized-4bit", "colocated-selective": "hata",
+                "partial": "hata", "smartgen-exact": "hata", "smartgen": f"hata+k8v{DEFAULT_PUSH_KV_BITS}",
+                "smartgen-4bit": "hata+k8v4", "smartgen-4bit-no-ahead": "hata+k8v4", "auto": None,
+                "smartgen-no-stall": None}
+    assert {mode: quality_config(mode, "hata") for mode in expected} == expected
 
 
 def test_the_drift_replay_counts_misses_and_what_a_wider_ranking_reads_ahead():

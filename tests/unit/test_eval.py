@@ -101,6 +101,22 @@ def test_paired_accuracy_runs_every_configuration_and_resumes(tiny_model_path, t
     assert (tmp_path / "paired-samples.jsonl").read_text().splitlines() == log
 
 
+def test_quality_over_smartgens_records_adds_their_rounding(tiny_model_path):
+    """`paired.quality` with `<selector>+k8v<bits>`: the selector over every entry replaced by its smartgen record's
+    values. Below the dense threshold the selector alone is dense (KL ~0); over K8V8 records it is not, and over
+    K8V4 records (V in 4 bits) it is further still."""
+    from tools.eval import paired
+    from tools.workloads import stdlib_files
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    text = stdlib_files(4_000)[0].read_text(errors="replace")
+    prompts = [list(tokenizer(text)["input_ids"][:200])]
+    scores = paired.quality(str(tiny_model_path), prompts, ["quest", "quest+k8v8", "quest+k8v4"], 8, 0.1)
+    assert abs(scores["quest"]["kl_mean"]) < 1e-6
+    assert 0 < scores["quest+k8v8"]["kl_mean"] < scores["quest+k8v4"]["kl_mean"]
+
+
 def test_eval_drift_records_a_selectors_choices_and_replays_them(tiny_model_path):
     """`eval drift` on a tiny model: each prompt's selections over a few steps, replayed; reading ahead never leaves
     more misses than reading nothing ahead (what is local only grows faster), and it reads something."""

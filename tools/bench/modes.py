@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import DEFAULT_KV_BUDGET, SMARTGEN_PATHS
+from schemas import DEFAULT_KV_BUDGET, SMARTGEN_PATHS, ModeName, mode_of
 
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
 ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
@@ -42,13 +42,17 @@ ALL_MODES = ("colocated", "colocated-selective", "full", "partial", "quantized-4
 
 def quality_config(mode: str, selector: str) -> str | None:
     """The configuration of `eval accuracy --paired` whose answers a benchmark mode decodes (tools/eval/paired.py):
-    dense for colocated and full; quantized-Nbit for the quantized rows; the selector for the selective ones (a
-    smartgen-Nbit row's low-bit push adds its own error on top: docs/results push-codes). None for auto, and for a
-    smartgen mode that does not stall (what it attends to depends on when reads land: docs/results/read-behind-*)."""
+    dense for colocated and full; quantized-Nbit for the quantized rows; the selector for colocated-selective,
+    partial and exact smartgen; the selector over smartgen's records (`<selector>+k8v<bits>`) for smartgen with
+    low-bit KV (its default, K8V8, and smartgen-4bit), whose every entry arrives as a record. None for auto, and
+    for a smartgen mode that does not stall (what it attends to depends on when reads land: read-behind-*)."""
     body = mode_body(mode, selector, DEFAULT_KV_BUDGET)
     transfer = body.get("transfer_mode")
     if transfer == "quantized":
         return f"quantized-{body['kv_bits']}bit"
     if transfer == "auto" or "stall" in body.get("ablate", []):
         return None
-    return body["selector"] if body.get("selector") else "dense"
+    if not body.get("selector"):
+        return "dense"
+    bits = body.get("kv_bits", mode_of(transfer).default_push_bits) if transfer == ModeName.SMARTGEN else 0
+    return f"{body['selector']}+k8v{bits}" if bits else body["selector"]

@@ -104,8 +104,8 @@ def markdown(report: dict) -> str:
                  "prefill worker and the whole machine spent per step of the decode phase (tools/bench/cpu_window.py); TTST bound = colocated-selective's step 1 on the same prompt (colocated's "
                  "for a dense mode) plus the step-1 bytes the prefill could not hide (docs/api.md, `ttst_bound_s`). "
                  "KL vs dense: mean KL(dense ‖ row) per next token in nats, teacher-forced along dense's answer on the "
-                 "same prompts, and in brackets the share of positions with dense's top token (a smartgen-Nbit row "
-                 "shows its selector's; its low-bit push adds error of its own). "
+                 "same prompts, and in brackets the share of positions with dense's top token (a smartgen row with low-bit "
+                 "KV, its default K8V8 included: its selector over every entry's record, tools/eval/paired.py). "
                  "Same tokens: the share of requests whose answer equals the same prompt's all local "
                  "(colocated-selective for a selective mode, colocated for a dense one, where the run has it), and in "
                  "brackets the mean share of the answer before the first difference.")

@@ -10,8 +10,13 @@ computes as it would alone), so a sample's answers differ only by what the confi
     quantized-4bit, quantized the KV quantized to 4 and 2 bits as the quantized mode's prefill does, then
                               dequantized as its decode does
     <selector>                selective attention over the dense KV at `kv_budget` under the decode worker's
-                              budget floor: the tokens of colocated-selective, and so of partial and smartgen,
-                              which decode exactly those tokens (`eval accuracy` through the serving path checks it)
+                              budget floor: the tokens of colocated-selective, and so of partial and exact
+                              smartgen, which decode exactly those tokens (`eval accuracy` through the serving
+                              path checks it)
+    <selector>+k8v<bits>      the same over every entry replaced by its smartgen record's values (K in 8 bits, V
+                              in `bits`: shared/compute/entry_codes.py), what a smartgen request with `kv_bits`
+                              holds whichever path brought an entry: the KV smartgen's default (8) and
+                              smartgen-4bit decode over
 
 Per sample and configuration: the task's LongBench score of the free-running greedy answer, and, teacher-forced
 along dense's answer, KL(dense ‖ configuration) of each next-token distribution and the share of positions where
@@ -44,6 +49,7 @@ if TYPE_CHECKING:  # NOTE: torch and the engine load at run time only, so `smart
     from shared.compute.decode_engine import DecodeEngine
 
 QUANTIZED = {"quantized-8bit": 8, "quantized-4bit": 4, "quantized-2bit": 2}  # configuration → bits
+CODES = "+k8v"  # "<selector>+k8v<bits>": the selector over smartgen's low-bit KV (module docstring)
 
 
 def configurations(selectors: list[str]) -> list[str]:
@@ -237,6 +243,7 @@ def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, 
 
     rid, n = f"paired-{name}", len(ids)
     store, lay = engine.store, engine.store.layout
+    selector, _, codes_bits = name.partition(CODES)
     bits = QUANTIZED.get(name, 0)
     quant = QuantLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, n, bits) if bits else None
     slab = store.allocate(rid, n + max_new, quant.nbytes if quant else 0)
@@ -246,13 +253,33 @@ def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, 
         if quant is not None:  # the quantized mode's prefill: codes of the KV as stored, into the aux area
             stored_k, stored_v = store.read_layer(slab, layer, n)
             quant.quantize(store.aux(slab), layer, stored_k.to(keys.dtype), stored_v.to(values.dtype))
+    if codes_bits:
+        _through_codes(store, slab, n, int(codes_bits))
     if quant is not None:
         engine.load_quantized(rid, slab, n, bits)  # the quantized mode's decode: dequantize into the slab
     else:
         engine.load_from_store(rid, slab, n)
     if name not in ("dense", *QUANTIZED):
-        engine.use_selection(rid, name, kv_budget)
+        engine.use_selection(rid, selector, kv_budget)
     return rid
+
+
+def _through_codes(store, slab, n: int, bits: int) -> None:
+    """Every prompt entry of every layer of `slab` replaced by the values of its smartgen record (K 8 bits, V
+    `bits`), as the prefill encodes what it stored and the decode node dequantizes into its rows."""
+    import torch
+
+    from shared.compute.entry_codes import EntryCodes, every_entry
+
+    lay = store.layout
+    codes = EntryCodes(1, lay.num_kv_heads, lay.head_dim, n, bits, 0)  # one layer's records at a time
+    aux, every = torch.empty(codes.nbytes, dtype=torch.uint8), every_entry(lay.num_kv_heads, n)
+    for layer in range(lay.num_layers):
+        keys, values = store.read_layer(slab, layer, n)
+        codes.encode(aux, 0, keys, values, every)
+        keys_out, values_out = torch.empty_like(keys), torch.empty_like(values)
+        codes.decode(aux, 0, every, keys_out, values_out)
+        store.write_layer(slab, layer, keys_out, values_out)
 
 
 def _finish(engine: DecodeEngine, rid: str) -> None:
