@@ -13,10 +13,11 @@ computes as it would alone), so a sample's answers differ only by what the confi
                               budget floor: the tokens of colocated-selective, and so of partial and exact
                               smartgen, which decode exactly those tokens (`eval accuracy` through the serving
                               path checks it)
-    <selector>+k8v<bits>      the same over every entry replaced by its smartgen record's values (K in 8 bits, V
-                              in `bits`: shared/compute/entry_codes.py), what a smartgen request with `kv_bits`
-                              holds whichever path brought an entry: the KV smartgen's default (8) and
-                              smartgen-4bit decode over
+    <selector>+k8v<bits>      the same selections (metadata from the exact keys, as the prefill makes and
+                              pushes it) over every entry replaced by its smartgen record's values (K in 8 bits,
+                              V in `bits`: shared/compute/entry_codes.py), what a smartgen request with
+                              `kv_bits` holds whichever path brought an entry: smartgen's default (8) and
+                              smartgen-4bit
 
 Per sample and configuration: the task's LongBench score of the free-running greedy answer, and, teacher-forced
 along dense's answer, KL(dense ‖ configuration) of each next-token distribution and the share of positions where
@@ -253,33 +254,34 @@ def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, 
         if quant is not None:  # the quantized mode's prefill: codes of the KV as stored, into the aux area
             stored_k, stored_v = store.read_layer(slab, layer, n)
             quant.quantize(store.aux(slab), layer, stored_k.to(keys.dtype), stored_v.to(values.dtype))
-    if codes_bits:
-        _through_codes(store, slab, n, int(codes_bits))
     if quant is not None:
         engine.load_quantized(rid, slab, n, bits)  # the quantized mode's decode: dequantize into the slab
     else:
         engine.load_from_store(rid, slab, n)
     if name not in ("dense", *QUANTIZED):
-        engine.use_selection(rid, selector, kv_budget)
+        engine.use_selection(rid, selector, kv_budget)  # its metadata from the exact keys, as the prefill makes it
+    if codes_bits:  # then what smartgen's decode attends to: every entry as its record's values
+        _through_codes(engine, rid, n, int(codes_bits))
     return rid
 
 
-def _through_codes(store, slab, n: int, bits: int) -> None:
-    """Every prompt entry of every layer of `slab` replaced by the values of its smartgen record (K 8 bits, V
-    `bits`), as the prefill encodes what it stored and the decode node dequantizes into its rows."""
+def _through_codes(engine: DecodeEngine, rid: str, n: int, bits: int) -> None:
+    """Every prompt entry of every layer of request `rid`'s cache replaced by the values of its smartgen record (K 8
+    bits, V `bits`): the prefill encodes what it stored, the decode node dequantizes into its rows (their dtype)."""
     import torch
 
     from shared.compute.entry_codes import EntryCodes, every_entry
 
-    lay = store.layout
+    lay = engine.store.layout
     codes = EntryCodes(1, lay.num_kv_heads, lay.head_dim, n, bits, 0)  # one layer's records at a time
     aux, every = torch.empty(codes.nbytes, dtype=torch.uint8), every_entry(lay.num_kv_heads, n)
-    for layer in range(lay.num_layers):
-        keys, values = store.read_layer(slab, layer, n)
-        codes.encode(aux, 0, keys, values, every)
-        keys_out, values_out = torch.empty_like(keys), torch.empty_like(values)
+    for layer in engine.caches[rid].layers:
+        keys, values = layer.k_rows[:, :n], layer.v_rows[:, :n]  # (H_kv, n, d) views of the cache
+        codes.encode(aux, 0, keys.cpu(), values.cpu(), every)
+        keys_out, values_out = torch.empty_like(keys, device="cpu"), torch.empty_like(values, device="cpu")
         codes.decode(aux, 0, every, keys_out, values_out)
-        store.write_layer(slab, layer, keys_out, values_out)
+        keys.copy_(keys_out)
+        values.copy_(values_out)
 
 
 def _finish(engine: DecodeEngine, rid: str) -> None:
