@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import DEFAULT_KV_BUDGET, SMARTGEN_PATHS, ModeName, mode_of
+from schemas import DEFAULT_KV_BUDGET, SMARTGEN_PATHS, mode_of
 
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
 ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
@@ -54,5 +54,6 @@ def quality_config(mode: str, selector: str) -> str | None:
         return None
     if not body.get("selector"):
         return "dense"
-    bits = body.get("kv_bits", mode_of(transfer).default_push_bits) if transfer == ModeName.SMARTGEN else 0
+    mode = mode_of(transfer)  # a mode whose push may travel as records (the mode table's push_bits): their width
+    bits = body.get("kv_bits", mode.default_push_bits) if mode.push_bits else 0
     return f"{body['selector']}+k8v{bits}" if bits else body["selector"]
