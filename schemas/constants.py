@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 # KV selectors (shared/compute/selectors); `hata_untrained` is HATA with random projections, only when asked for
-SELECTORS = ("oracle", "infinigen", "hata", "quest", "positional", "hata_untrained")
+SELECTORS = ("oracle", "infinigen", "hata", "quest", "keycodes", "positional", "hata_untrained")
 # The faithful default: HATA at 20% is closer to dense than 4-bit quantization (KL 0.0077 against 0.0115 nats/token,
 # top-token agreement 0.984 against 0.974, 2K held-out prompts: docs/results/faithful-default-2026-12-05); Quest at
 # 10% (the earlier default) is at KL 0.17. HATA needs its offline preparation, which `smartgen model prepare` makes.

@@ -174,3 +174,23 @@ def test_quest_never_selects_nothing():
     sel.extend(2, state, torch.randn(2, 32, 16))
     idx = sel.select(2, state, torch.randn(4, 16), 3)
     assert idx.shape == (2, 16)
+
+
+def test_keycodes_is_the_oracle_over_two_bit_keys():
+    """keycodes selects what the oracle selects over the values of its keys' 2-bit codes (per token and head, as
+    quantization.py codes them), and its metadata is those codes: 16 + 4 bytes a token per KV head at head_dim 64."""
+    from shared.compute.quantization import dequantize_partitions, quantize_partitions
+
+    geometry = Geometry(num_layers=4, num_heads=9, num_kv_heads=3, head_dim=64)
+    gen = torch.Generator().manual_seed(5)
+    keys, query = torch.randn(3, 300, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    codes = dequantize_partitions(*quantize_partitions(keys, 2), 2)
+    keycodes, oracle = make_selector("keycodes", geometry), make_selector("oracle", geometry)
+    mine, theirs = keycodes.new_state(2), oracle.new_state(2)
+    keycodes.extend(2, mine, keys)
+    oracle.extend(2, theirs, codes)
+    assert torch.equal(keycodes.select(2, mine, query, 40), oracle.select(2, theirs, query, 40))
+    exact = oracle.new_state(2)
+    oracle.extend(2, exact, keys)
+    assert not torch.equal(keycodes.select(2, mine, query, 40), oracle.select(2, exact, query, 40))  # codes, not keys
+    assert keycodes.metadata_bytes_per_token() == 3 * 20

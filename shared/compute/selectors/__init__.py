@@ -1,5 +1,5 @@
-"""KV selectors: oracle (the reference), infinigen, hata, quest, positional, and hata_untrained (HATA's
-random-projection variant, by name only). See base.py for the contract.
+"""KV selectors: oracle (the reference), infinigen, hata, quest, keycodes (the oracle's rule over 2-bit key codes),
+positional, and hata_untrained (HATA's random-projection variant, by name only). See base.py for the contract.
 
 Offline preparation (InfiniGen's skewing and channels, HATA's hash weights) lives next to the model, in
 `<model>/smartgen-selectors/<name>.safetensors`, written by `smartgen model prepare` (which `make up` and
@@ -15,6 +15,7 @@ from shared.runtime.models import PreparationMissing, prep_dir_of
 from shared.compute.selectors.base import DENSE_LAYERS, Budget, Geometry, LayerState, Selector
 from shared.compute.selectors.hata import HataSelector
 from shared.compute.selectors.infinigen import InfiniGenSelector
+from shared.compute.selectors.keycodes import KeyCodesSelector
 from shared.compute.selectors.oracle import OracleSelector
 from shared.compute.selectors.positional import PositionalSelector
 from shared.compute.selectors.quest import QuestSelector
@@ -42,6 +43,8 @@ def make_selector(name: str, geometry: Geometry, prep_dir: Path | None = None) -
         return OracleSelector(geometry)
     if name == "quest":
         return QuestSelector(geometry)
+    if name == "keycodes":
+        return KeyCodesSelector(geometry)
     if name == "positional":
         return PositionalSelector(geometry)
     if name == "hata_untrained":  # NOTE: only when asked for by name: serving never falls back to it silently

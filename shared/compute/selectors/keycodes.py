@@ -1,0 +1,91 @@
+"""`keycodes`: the attention top-k over 2-bit codes of the keys — the oracle's rule on keys of a tenth its bytes.
+
+Each key (KV head, token) is quantized as one partition of head_dim values at KEY_BITS (quantization.py's rule:
+asymmetric, x ≈ scale·q + min, fp16 scale and minimum). Those codes are the metadata: 16 + 4 = 20 bytes a token
+per KV head at head_dim 64 (HATA's hash codes: 16; Quest's bf16 page bounds: 16; the oracle's fp32 keys: 256). A
+step scores every token as the oracle does — attention probability, summed over the query heads that share the
+KV head — but over the codes' values, and keeps the top k. No offline preparation.
+
+Why (docs/results/frontier-2026-12-07): at 8K, on five held-out tasks, HATA's 20% is further from dense than
+4-bit quantization of every entry (KL 0.0241 against 0.0141 nats/token), while the oracle's 20% is at 0.0003 and
+its 10% at 0.0014: the gap is the selector's ranking, not the budget. The oracle over 2-bit key codes keeps most
+of that (10%: 0.0033 with K8V4 records on every path), so a tenth of the entries per step suffices and the union
+a slow link carries by token 64 shrinks with it.
+
+State per layer: the codes as they travel, and their values transposed (num_kv_heads, head_dim, n) float32 for
+the step's matmul — host memory of a float32 K per selective layer (the price of scoring every token exactly;
+InfiniGen's partial keys are the same shape at a fraction of the channels).
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.compute.quantization import dequantize_partitions, quantize_partitions
+from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
+
+KEY_BITS = 2
+
+
+class KeyCodesState(LayerState):
+    def __init__(self) -> None:
+        self.codes = Rows()  # (num_kv_heads, n, head_dim · KEY_BITS / 8) uint8
+        self.scale_min = Rows()  # (num_kv_heads, n, 2) float16
+        self.keys = Rows(dim=2)  # (num_kv_heads, head_dim, n) float32: the codes' values, a column a token
+
+
+class KeyCodesSelector(Selector):
+    name = "keycodes"
+    # NOTE: no selection memory (BudgetFloor.stick): its scores are probabilities, a few large and most near zero, so
+    # a bonus of stick × their standard deviation freezes the selection (8K, 10%: stick 0.5 took the union of 64
+    # steps from 37% to 12% and the KL from 0.0070 to 0.0309). `token_scores` still serves path 3's ranking.
+    ranks_tokens = False
+
+    def metadata_bytes_per_token(self) -> float:
+        g = self.geometry
+        return g.num_kv_heads * (g.head_dim * KEY_BITS // 8 + 4)
+
+    def metadata_specs(self, num_tokens: int) -> MetadataSpec:
+        g = self.geometry
+        return [((g.num_kv_heads, num_tokens, g.head_dim * KEY_BITS // 8), torch.uint8),
+                ((g.num_kv_heads, num_tokens, 2), torch.float16)]
+
+    def new_state(self, layer: int) -> KeyCodesState:
+        return KeyCodesState()
+
+    def extend(self, layer: int, state: KeyCodesState, keys: torch.Tensor) -> None:
+        fresh = keys[:, state.num_tokens:]
+        if fresh.shape[1]:
+            self._append(state, *quantize_partitions(fresh.float(), KEY_BITS))
+        state.num_tokens = keys.shape[1]
+
+    @staticmethod
+    def _append(state: KeyCodesState, codes: torch.Tensor, scale_min: torch.Tensor) -> None:
+        state.codes.append(codes)
+        state.scale_min.append(scale_min)
+        state.keys.append(dequantize_partitions(codes, scale_min, KEY_BITS).transpose(1, 2))
+
+    def export(self, state: KeyCodesState) -> list[torch.Tensor]:
+        return [state.codes.data, state.scale_min.data]
+
+    def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> KeyCodesState:
+        state = KeyCodesState()
+        self._append(state, tensors[0], tensors[1])  # Rows copy: the caller's buffer may be reused
+        state.num_tokens = num_tokens
+        return state
+
+    def _scores(self, state: KeyCodesState, query: torch.Tensor) -> torch.Tensor:
+        """(num_kv_heads, n) float32: each token's attention probability over the codes' keys, summed over the
+        query heads of its KV head (query (num_heads, head_dim))."""
+        g = self.geometry
+        q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
+        logits = torch.bmm(q, state.keys.data).mul_(g.head_dim ** -0.5)  # (kv, G, n)
+        return torch.softmax(logits, dim=-1).sum(1)
+
+    def token_scores(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        return self._scores(state, query), k
+
+    def select(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int) -> torch.Tensor:
+        return top_k(self._scores(state, query), k)
+
+    def mark(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int, mask: torch.Tensor) -> None:
+        mask.scatter_(1, top_k_unsorted(self._scores(state, query), k), True)
