@@ -87,3 +87,29 @@ def test_numpy_decodes_a_record_as_torch_does_bit_for_bit(bits, dtype):
         stored = as_stored(ours, dtype).reshape(H, N, D)
         expected = theirs.view(torch.uint16) if dtype == "bfloat16" else theirs
         assert np.array_equal(stored, expected.numpy())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_writes_dequantize_partitions_values_at_the_masked_entries(bits, dtype):
+    """`decode`'s fewer passes (no unpacking of 8-bit codes, in-place products, rows written by index) give the
+    values of `dequantize_partitions` (the quantized mode's rule) bit for bit, at the masked entries of rows that
+    hold more tokens than the prompt (a slab's capacity), and touch nothing else."""
+    from shared.compute.quantization import dequantize_partitions
+
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(H, N, D, generator=gen) * 4, torch.randn(H, N, D, generator=gen)
+    mask = np.random.default_rng(2).random((H, N)) < 0.3
+    codes = EntryCodes(num_layers=1, num_kv_heads=H, head_dim=D, num_tokens=N, bits=bits, offset=0)
+    aux = torch.zeros(codes.nbytes, dtype=torch.uint8)
+    count = codes.encode(aux, 0, keys, values, mask)
+    torch_dtype = getattr(torch, dtype)
+    k_slab, v_slab = torch.full((H, N + 20, D), 7.0, dtype=torch_dtype), torch.full((H, N + 20, D), 7.0, dtype=torch_dtype)
+    codes.decode(aux, 0, mask, k_slab[:, :N], v_slab[:, :N])
+    records = aux[:count * codes.record_bytes].view(count, codes.record_bytes)
+    picked = torch.from_numpy(mask)
+    for slab, (width, at, sm_at) in zip((k_slab, v_slab), codes.fields):
+        expected = dequantize_partitions(records[:, at: at + D * width // 8],
+                                         records[:, sm_at: sm_at + 4].contiguous().view(torch.float16), width)
+        assert torch.equal(slab[:, :N][picked], expected.to(torch_dtype))
+        assert torch.all(slab[:, :N][~picked] == 7.0) and torch.all(slab[:, N:] == 7.0)
