@@ -73,9 +73,8 @@ class EntryCodes:
     def decode(self, aux: torch.Tensor, layer: int, mask: np.ndarray, keys_out: torch.Tensor,
                values_out: torch.Tensor) -> None:
         """The inverse: `layer`'s records → keys_out/values_out (num_kv_heads, N, head_dim) at `mask`, in place.
-        The values of `dequantize_partitions` bit for bit (the same fp32 product, then sum), in fewer passes: 8-bit
-        codes need no unpacking, the products are in place, and the rows are written at (head, token) indices
-        instead of through a boolean mask (a pushed layer a step: 2K prompts, ~6K records in layers 0–1)."""
+        The rows are written at (head, token) indices, not through a boolean mask (a pushed layer a step: 2K prompts,
+        ~6K records in layers 0–1)."""
         flat = np.flatnonzero(mask)  # (count,): head·N + token of each pushed entry, the records' order
         count = flat.size
         if not count:
@@ -86,16 +85,9 @@ class EntryCodes:
         heads, tokens = at // mask.shape[1], at % mask.shape[1]
         head_dim = keys_out.shape[-1]
         for out, (bits, at_codes, sm_at) in zip((keys_out, values_out), self.fields):
-            scale_min = records[:, sm_at: sm_at + 4].contiguous().view(torch.float16).float()  # (count, 2)
+            scale_min = records[:, sm_at: sm_at + 4].contiguous().view(torch.float16)  # (count, 2)
             codes = records[:, at_codes: at_codes + head_dim * bits // 8]
-            if bits == 8:
-                q = codes.float()
-            else:  # 4 bits: value 2j in the low nibble of byte j, 2j + 1 in the high one (quantize_partitions)
-                q = torch.empty(count, head_dim, dtype=torch.float32, device=device)
-                q[:, 0::2] = codes & 0x0F
-                q[:, 1::2] = codes >> 4
-            q.mul_(scale_min[:, 0:1]).add_(scale_min[:, 1:2])
-            out[heads, tokens] = q.to(out.dtype)
+            out[heads, tokens] = dequantize_partitions(codes, scale_min, bits).to(out.dtype)
 
 
 def pushed_mask(pages: np.ndarray, page_tokens: int, num_tokens: int, num_kv_heads: int,

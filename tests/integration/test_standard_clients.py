@@ -28,9 +28,9 @@ def test_guidellm_concurrent_streams_get_no_errors(clean_stack, tiny_model_path,
                    capture_output=True)
     rows = summary(json.loads(out.read_text()))
     assert [(r["streams"], r["errored"], r["incomplete"]) for r in rows] == [(1, 0, 0), (3, 0, 0)], rows
-    # NOTE: with 3 streams guidellm may leave out of its totals the request that ends after its max_requests
-    # constraint closed the benchmark (seen 2026-12-07: ok 3, errored 0, incomplete 0, total 3)
-    assert rows[0]["ok"] == 4 and rows[1]["ok"] >= 3, rows
+    # NOTE: guidellm may leave out of its totals the request that ends after its max_requests constraint closed the
+    # benchmark (seen 2026-12-07 with 3 streams and with one: ok 3, errored 0, incomplete 0); errors are what we check
+    assert rows[0]["ok"] >= 3 and rows[1]["ok"] >= 3, rows
 
 
 def test_lm_eval_through_the_gateway_scores_as_its_hf_backend(clean_stack, tiny_model_path, tmp_path):

@@ -238,11 +238,12 @@ def _resume(log: Path, settings: dict) -> dict[str, dict]:
     return done
 
 
-def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, kv_budget: float) -> str:
-    """A fresh copy of the prompt's KV for configuration `name`, ready to decode; returns its request id."""
+def _load(engine: DecodeEngine, cache, ids: list[int], max_new: int, name: str, kv_budget: float, rid: str = "") -> str:
+    """A fresh copy of the prompt's KV for configuration `name`, ready to decode, under request id `rid` (default:
+    one of the name's own); returns the id."""
     from shared.compute.quantization import QuantLayout
 
-    rid, n = f"paired-{name}", len(ids)
+    rid, n = rid or f"paired-{name}", len(ids)
     store, lay = engine.store, engine.store.layout
     selector, _, codes_bits = name.partition(CODES)
     bits = QUANTIZED.get(name, 0)

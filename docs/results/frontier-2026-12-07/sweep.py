@@ -28,16 +28,16 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from schemas import DEFAULT_FLOOR
+from schemas import DEFAULT_FLOOR, DENSE_LAYERS
 from shared.compute.entry_codes import EntryCodes
 from shared.compute.modeling import ModelRunner
 from shared.compute.selectors.hata import HataSelector
+from shared.compute.selectors.keycodes import KeyCodesSelector
 from shared.compute.quantization import QuantLayout, dequantize_partitions, quantize_partitions
 from shared.runtime.models import prepare_default_model
 from tools.bench.serve import BenchConfig, build_samples
 from tools.eval import paired
 
-DENSE_LAYERS = 2
 TOKENS = 64
 HATA_BITS = 128  # HATA's code per (layer ≥ 2, KV head, token), as its metadata layout packs it
 SELECTOR = "hata"  # --selector: another one (keycodes, oracle…), priced with its own metadata
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--configs", default="0.2:0.25:8:8:8,0.2:0.25:4:8:4,0.2:0.25:4:4:4")
     ap.add_argument("--selector", default="hata", help="hata, keycodes, or oracle (the best any selector could do)")
+    ap.add_argument("--key-bits", type=int, default=0, help="keycodes: its codes' width (default: the selector's own)")
     ap.add_argument("--tasks", default="", help="comma-separated workloads (default: bench serve's own)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -103,6 +104,8 @@ def main() -> None:
                for s in build_samples(tokenizer, cfg.tasks, cfg.requests, args.prompt_tokens)]
     lay = runner.kv_layout(16)
     engine = paired._engine(runner, path, max(map(len, prompts)) + TOKENS + 512, len(configs) + 2, "bfloat16")
+    if args.key_bits:  # keycodes at another width, under its own name
+        engine._selectors[SELECTOR] = KeyCodesSelector(engine.selector(SELECTOR).geometry, key_bits=args.key_bits)
     acc = {c.name: {"kl": [], "agree": [], "meta": 0, "push": 0, "read": 0, "entries": 0, "step1": 0, "union": 0}
            for c in configs}
     peer = {"kl": [], "agree": [], "bytes": 0}
@@ -183,21 +186,14 @@ def main() -> None:
 
 
 def load(engine, cache, ids: list[int], max_new: int, c: Config) -> str:
-    """A fresh copy of the prompt's KV as configuration `c`'s push records hold it (paired._load's, under a name of
-    the configuration's own); returns its request id."""
-    rid, n = f"sweep-{c.name}", len(ids)
-    slab = engine.store.allocate(rid, n + max_new, 0)
-    for layer in range(engine.store.layout.num_layers):
-        engine.store.write_layer(slab, layer, cache.layers[layer].keys[0], cache.layers[layer].values[0])
-    engine.load_from_store(rid, slab, n)
+    """A fresh copy of the prompt's KV as configuration `c`'s push records hold it, under a request id of the
+    configuration's own; returns the id."""
     if c.hata_bits != HATA_BITS and c.selector not in engine._selectors:  # HATA on the first `hata_bits` of its trained projections
         base = engine.selector("hata")
         engine._selectors[c.selector] = HataSelector(
             base.geometry, {layer: w[:, :c.hata_bits] for layer, w in base.weights.items()}, num_bits=c.hata_bits)
-    engine.use_selection(rid, c.selector, c.budget)  # its metadata from the exact keys, as the prefill makes it
-    if c.push_v < 16:
-        paired._through_codes(engine, rid, n, c.push_v)
-    return rid
+    name = c.selector + (f"{paired.CODES}{c.push_v}" if c.push_v < 16 else "")
+    return paired._load(engine, cache, ids, max_new, name, c.budget, rid=f"sweep-{c.name}")
 
 
 def meta_per_entry(engine, c: Config) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from shared.compute.quantization import dequantize_partitions, quantize_partitions
 from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
+from shared.compute.selectors.oracle import attention_mass
 
 KEY_BITS = 2
 
@@ -35,6 +36,10 @@ class KeyCodesState(LayerState):
 
 class KeyCodesSelector(Selector):
     name = "keycodes"
+
+    def __init__(self, geometry, key_bits: int = KEY_BITS) -> None:
+        super().__init__(geometry)
+        self.key_bits = key_bits
     # NOTE: no selection memory (BudgetFloor.stick): its scores are probabilities, a few large and most near zero, so
     # a bonus of stick × their standard deviation freezes the selection (8K, 10%: stick 0.5 took the union of 64
     # steps from 37% to 12% and the KL from 0.0070 to 0.0309). `token_scores` still serves path 3's ranking.
@@ -42,11 +47,11 @@ class KeyCodesSelector(Selector):
 
     def metadata_bytes_per_token(self) -> float:
         g = self.geometry
-        return g.num_kv_heads * (g.head_dim * KEY_BITS // 8 + 4)
+        return g.num_kv_heads * (g.head_dim * self.key_bits // 8 + 4)
 
     def metadata_specs(self, num_tokens: int) -> MetadataSpec:
         g = self.geometry
-        return [((g.num_kv_heads, num_tokens, g.head_dim * KEY_BITS // 8), torch.uint8),
+        return [((g.num_kv_heads, num_tokens, g.head_dim * self.key_bits // 8), torch.uint8),
                 ((g.num_kv_heads, num_tokens, 2), torch.float16)]
 
     def new_state(self, layer: int) -> KeyCodesState:
@@ -55,14 +60,13 @@ class KeyCodesSelector(Selector):
     def extend(self, layer: int, state: KeyCodesState, keys: torch.Tensor) -> None:
         fresh = keys[:, state.num_tokens:]
         if fresh.shape[1]:
-            self._append(state, *quantize_partitions(fresh.float(), KEY_BITS))
+            self._append(state, *quantize_partitions(fresh.float(), self.key_bits))
         state.num_tokens = keys.shape[1]
 
-    @staticmethod
-    def _append(state: KeyCodesState, codes: torch.Tensor, scale_min: torch.Tensor) -> None:
+    def _append(self, state: KeyCodesState, codes: torch.Tensor, scale_min: torch.Tensor) -> None:
         state.codes.append(codes)
         state.scale_min.append(scale_min)
-        state.keys.append(dequantize_partitions(codes, scale_min, KEY_BITS).transpose(1, 2))
+        state.keys.append(dequantize_partitions(codes, scale_min, self.key_bits).transpose(1, 2))
 
     def export(self, state: KeyCodesState) -> list[torch.Tensor]:
         return [state.codes.data, state.scale_min.data]
@@ -74,12 +78,7 @@ class KeyCodesSelector(Selector):
         return state
 
     def _scores(self, state: KeyCodesState, query: torch.Tensor) -> torch.Tensor:
-        """(num_kv_heads, n) float32: each token's attention probability over the codes' keys, summed over the
-        query heads of its KV head (query (num_heads, head_dim))."""
-        g = self.geometry
-        q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
-        logits = torch.bmm(q, state.keys.data).mul_(g.head_dim ** -0.5)  # (kv, G, n)
-        return torch.softmax(logits, dim=-1).sum(1)
+        return attention_mass(self.geometry, query, state.keys.data)  # the oracle's rule over the codes' keys
 
     def token_scores(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
         return self._scores(state, query), k

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k
+
+
+def attention_mass(g: Geometry, query: torch.Tensor, keys_by_column: torch.Tensor) -> torch.Tensor:
+    """(num_kv_heads, n) float32: each token's attention probability, summed over the query heads of its KV head.
+    query (num_heads, head_dim); keys_by_column (num_kv_heads, head_dim, n) float32, a column a token."""
+    q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
+    logits = torch.bmm(q, keys_by_column).mul_(g.head_dim ** -0.5)  # (kv, G, n)
+    return torch.softmax(logits, dim=-1).sum(1)
 
 
 class OracleState(LayerState):
@@ -43,7 +51,4 @@ class OracleSelector(Selector):
         return state
 
     def select(self, layer: int, state: OracleState, query: torch.Tensor, k: int) -> torch.Tensor:
-        g = self.geometry
-        q = query.float().view(g.num_kv_heads, g.group, -1)  # (kv, G, d)
-        probs = torch.softmax(q @ state.keys.data.transpose(1, 2) / g.head_dim ** 0.5, dim=-1)  # (kv, G, n)
-        return top_k(probs.sum(1), k)
+        return top_k(attention_mass(self.geometry, query, state.keys.data.transpose(1, 2)), k)
