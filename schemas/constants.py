@@ -11,7 +11,7 @@ SELECTORS = ("oracle", "infinigen", "hata", "quest", "keycodes", "positional", "
 # The faithful default: HATA at 20% is closer to dense than 4-bit quantization (KL 0.0077 against 0.0115 nats/token,
 # top-token agreement 0.984 against 0.974, 2K held-out prompts: docs/results/faithful-default-2026-12-05); Quest at
 # 10% (the earlier default) is at KL 0.17. HATA needs its offline preparation, which `smartgen model prepare` makes.
-DEFAULT_SELECTOR = "hata"  # what a mode that needs a selector gets when the request names none
+DEFAULT_SELECTOR = "hata"  # what a mode that needs a selector gets when the request names none (short prompts)
 DEFAULT_KV_BUDGET = 0.2  # what a request with a selector attends to when it names no budget
 KV_BITS = (2, 4, 8)  # quantized transfer's code widths
 # 4, not 2: 2-bit codes turn short chats into garbage on SmolLM2 ("Name three primary colors." answered "The human
@@ -28,6 +28,31 @@ PUSH_KEY_BITS = 8
 # `auto` with kv_bits: the request's consent to low-bit KV at this width, so the broker may also choose quantized
 # transfer or smartgen's low-bit push (the widths both take); without kv_bits auto moves exact KV only
 AUTO_KV_BITS = tuple(bits for bits in KV_BITS if bits in PUSH_KV_BITS)
+
+
+@dataclass(frozen=True)
+class SelectiveDefault:
+    """What a request that needs a selector gets for the fields it leaves out, by its prompt's length."""
+
+    from_tokens: int  # prompts of at least this many tokens (up to the next row's)
+    selector: str
+    kv_budget: float  # for this selector (another named selector gets DEFAULT_KV_BUDGET)
+    push_bits: int  # smartgen's kv_bits: the width of its push and reads' values (keys: PUSH_KEY_BITS)
+
+
+# The faithful default, chosen by measurement (docs/results/long-default-2026-12-08). Short prompts: HATA at 20%,
+# K8V8 (2K: KL 0.0099 against quantized-4bit's 0.0132). Long ones: HATA falls behind (8K, five tasks: 20% at KL
+# 0.0241 against 0.0141) while `keycodes` at 10% with 4-bit values is at half quantized-4bit's KL with fewer bytes
+# by token 64 (0.0070, 0.85×); keycodes is worse than HATA at 2K and 4K (a tenth of a short prompt is too few).
+SELECTIVE_DEFAULTS = (SelectiveDefault(0, DEFAULT_SELECTOR, DEFAULT_KV_BUDGET, DEFAULT_PUSH_KV_BITS),
+                      SelectiveDefault(6000, "keycodes", 0.1, 4))
+
+
+def selective_default(prompt_tokens: int) -> SelectiveDefault:
+    """The SELECTIVE_DEFAULTS row for a prompt of `prompt_tokens` tokens."""
+    return [row for row in SELECTIVE_DEFAULTS if prompt_tokens >= row.from_tokens][-1]
+
+
 DENSE_LAYERS = 2  # layers 0 and 1 stay dense in every selector; smartgen pushes them whole
 # the three paths, `query` (the query-aware part of the proactive push), `ahead` (reading a layer's predicted selection
 # while the layer before it runs: InfiniGen's speculation) and `early` (step 1 starts while the push lands, each layer waiting for its own bytes only:
@@ -140,6 +165,6 @@ def budget_tokens(value: float, num_tokens: int) -> int:
 
 
 __all__ = ["SELECTORS", "DEFAULT_SELECTOR", "DEFAULT_KV_BUDGET", "KV_BITS", "DEFAULT_KV_BITS", "PUSH_KV_BITS", "DEFAULT_PUSH_KV_BITS",
-           "PUSH_KEY_BITS", "AUTO_KV_BITS", "DENSE_LAYERS", "SMARTGEN_PATHS", "FAILURE_POLICIES", "KV_PATHS",
+           "PUSH_KEY_BITS", "AUTO_KV_BITS", "SelectiveDefault", "SELECTIVE_DEFAULTS", "selective_default", "DENSE_LAYERS", "SMARTGEN_PATHS", "FAILURE_POLICIES", "KV_PATHS",
            "PlanState", "PLAN_STATES", "ErrorCode", "kv_budget_problem", "BudgetFloor", "DEFAULT_FLOOR",
            "NO_FLOOR", "budget_tokens"]

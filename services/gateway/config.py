@@ -1,6 +1,6 @@
 from dataclasses import dataclass, field
 
-from schemas import DEFAULT_SELECTOR, SELECTORS, SERVABLE_TRANSFER_MODES, ModeName
+from schemas import SELECTORS, SERVABLE_TRANSFER_MODES, ModeName
 from shared.runtime.config import ConfigError, ServiceConfig
 
 
@@ -10,7 +10,9 @@ class GatewayConfig(ServiceConfig):
     model: str = ""  # where the tokenizer and chat template come from; "" = the cached default SmolLM2
     served_model_name: str = ""  # the id clients send as `model`; "" = the model folder's name
     transfer_mode: str = ModeName.FULL  # default for requests that do not say
-    default_selector: str = DEFAULT_SELECTOR  # for partial, smartgen and auto requests that name no selector
+    # for partial, smartgen and auto requests that name no selector; "" = by the prompt's length (schemas'
+    # SELECTIVE_DEFAULTS: HATA at 20% on short prompts, keycodes at 10% with 4-bit values on long ones)
+    default_selector: str = ""
     worker_ttl_s: float = 5.0  # a worker whose heartbeats stop for this long is dropped
     request_timeout_s: float = 300.0  # a prefill reply or a gap between streamed tokens longer than this fails the request
     max_tokens_default: int = 16  # completions without max_tokens (OpenAI's default)
@@ -45,8 +47,9 @@ class GatewayConfig(ServiceConfig):
         ServiceConfig.validate(self)
         if self.transfer_mode not in SERVABLE_TRANSFER_MODES:
             raise ConfigError(f"transfer_mode {self.transfer_mode!r}: use one of {', '.join(SERVABLE_TRANSFER_MODES)}")
-        if self.default_selector not in SELECTORS:
-            raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}")
+        if self.default_selector and self.default_selector not in SELECTORS:
+            raise ConfigError(f"default_selector {self.default_selector!r}: use one of {', '.join(SELECTORS)}, or \"\" "
+                              "to choose by the prompt's length")
         if self.max_running < 0 or self.max_waiting < 0 or self.queue_timeout_s <= 0:
             raise ConfigError("max_running and max_waiting must be ≥ 0 and queue_timeout_s positive")
         if self.max_running_per_client < -1:

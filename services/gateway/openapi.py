@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_PUSH_KV_BITS, DEFAULT_SELECTOR, FAILURE_POLICIES,
+from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, FAILURE_POLICIES, SELECTIVE_DEFAULTS,
                      KV_BITS, PUSH_KV_BITS, SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES)
 from services.gateway.requests import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_SEED,
                                        MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K)
@@ -293,14 +293,17 @@ def _request(prompt_fields: dict[str, Schema], required: list[str], model_id: st
                             "maxItems": MAX_STOP_STRINGS}]},
         "transfer_mode": {"enum": list(TRANSFER_MODES), "description": "how the KV moves (default: the gateway's)"},
         "selector": {"enum": [*SELECTORS, None],
-                     "description": f"selective attention (partial, smartgen and auto default to {DEFAULT_SELECTOR} at "
-                                    f"{DEFAULT_KV_BUDGET})"},
+                     "description": "selective attention (partial, smartgen and auto default by the prompt's length: "
+                                    + "; ".join(f"from {d.from_tokens} tokens {d.selector} at {d.kv_budget}"
+                                                for d in SELECTIVE_DEFAULTS) + ")"},
         "kv_budget": {"description": "with a selector: a fraction of the cached tokens, or a token count",
                       "anyOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                 {"type": "integer", "minimum": 1, "maximum": max_positions}]},
         "kv_bits": {"enum": [0, *sorted({*KV_BITS, *PUSH_KV_BITS}), None],
                     "description": f"transfer_mode quantized: its codes, {KV_BITS} (default {DEFAULT_KV_BITS}); smartgen: its "
-                                   f"push and reads as {PUSH_KV_BITS}-bit codes (default {DEFAULT_PUSH_KV_BITS}; 0: exact KV); auto: {AUTO_KV_BITS} "
+                                   f"push and reads as {PUSH_KV_BITS}-bit codes (default "
+                                   + ", ".join(f"{d.push_bits} from {d.from_tokens} tokens" for d in SELECTIVE_DEFAULTS)
+                                   + f"; 0: exact KV); auto: {AUTO_KV_BITS} "
                                    f"lets the broker choose quantized or smartgen's low-bit push (default: exact KV "
                                    f"only, full or smartgen)"},
         "ablate": {"type": "array", "items": {"enum": list(SMARTGEN_PATHS)},

@@ -8,8 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, DEFAULT_SELECTOR, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
-                     SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where)
+from schemas import (AUTO_KV_BITS, DEFAULT_KV_BITS, DEFAULT_KV_BUDGET, FAILURE_POLICIES, KV_BITS, PUSH_KV_BITS,
+                     SELECTORS, SMARTGEN_PATHS, TRANSFER_MODES, kv_budget_problem, mode_of, modes_where,
+                     selective_default)
 from schemas.subjects import is_token
 from services.gateway.errors import ApiError  # noqa: F401 (routes import it from here)
 from services.gateway.chat import chat_options, chat_prompt, check_text
@@ -66,7 +67,7 @@ class CompletionJob:
 
 
 def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
-               default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR,
+               default_max_tokens: int, default_selector: str = "",
                request_id: str | None = None) -> list[CompletionJob]:
     """Several jobs when the body asks for several choices: a completions `prompt` that is a list of several texts
     or of several token-id lists, and/or `n` > 1 (both routes). Choice p·n + j is the j-th answer to prompt p,
@@ -102,10 +103,11 @@ def parse_jobs(body: Any, kind: str, tokenizer, max_positions: int, model_id: st
 
 
 def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str, default_mode: str,
-              default_max_tokens: int, default_selector: str = DEFAULT_SELECTOR,
+              default_max_tokens: int, default_selector: str = "",
               request_id: str | None = None) -> CompletionJob:
     """`default_max_tokens` applies when the body has none (capped by the context left after the prompt);
-    `default_selector` when a selective mode (partial, smartgen, auto) names none; `request_id` is the client's
+    `default_selector` when a selective mode (partial, smartgen, auto) names none ("": by the prompt's length,
+    schemas' SELECTIVE_DEFAULTS, as are the budget and smartgen's kv_bits a request leaves out); `request_id` is the client's
     X-Request-Id, if it sent one (else a fresh id)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -199,16 +201,18 @@ def parse_job(body: Any, kind: str, tokenizer, max_positions: int, model_id: str
     kv_budget = body.get("kv_budget")
     if kv_budget is not None and kv_budget_problem(kv_budget, max_positions):
         raise ApiError(400, kv_budget_problem(kv_budget, max_positions), "kv_budget")
+    by_length = selective_default(len(prompt_ids))  # what the fields left out default to at this prompt's length
     if selector is None and spec.needs_selector:
-        selector = default_selector
+        selector = default_selector or by_length.selector
     if kv_budget is not None and selector is None:
         raise ApiError(400, f"kv_budget needs a selector (one of {', '.join(SELECTORS)})", "kv_budget")
     if selector is not None and kv_budget is None:
-        kv_budget = DEFAULT_KV_BUDGET
+        kv_budget = by_length.kv_budget if selector == by_length.selector else DEFAULT_KV_BUDGET
     if selector is not None and not spec.allows_selector:
         raise ApiError(400, f"{mode} transfer decodes densely over the dequantized KV; drop the selector", "selector")
     # quantized: its codes' width (default 4); smartgen: its push and reads' width (default 8; 0 asks for exact KV)
-    kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else spec.default_push_bits or None)
+    push_bits = by_length.push_bits if spec.default_push_bits else 0
+    kv_bits = body.get("kv_bits", DEFAULT_KV_BITS if spec.kv_bits else push_bits or None)
     exact_asked = kv_bits == 0 and bool(spec.push_bits) and not isinstance(kv_bits, bool)
     if kv_bits is not None and not exact_asked and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool)
                                                     or kv_bits not in spec.kv_bits + spec.push_bits):

@@ -111,3 +111,38 @@ def dequantize_partitions(codes: torch.Tensor, scale_min: torch.Tensor, bits: in
         q = ((codes[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2).float()
     scale_min = scale_min.float()
     return q.mul_(scale_min[..., 0:1]).add_(scale_min[..., 1:2])
+
+
+def bound_codes(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bounds lo ≤ hi (…, m) → 8-bit codes rounded outward: (lo codes, hi codes) (…, m) uint8 and (…, 4) fp16 (lo's
+    scale and minimum, hi's). `bound_values` of them is ≤ lo and ≥ hi, each within about one step (1/255 of its
+    vector's range) of it: Quest's page bounds stay bounds, a page's score can only rise. The fp16 minimum is rounded
+    down and the scale up (with 0.1% to spare), so code 255 reaches the vector's maximum; a code whose value the
+    fp32 arithmetic still leaves on the wrong side moves one step outward."""
+    codes, scale_min = [], []
+    for x, outward in ((lo.float(), torch.floor), (hi.float(), torch.ceil)):
+        m = _fp16_toward(x.amin(dim=-1, keepdim=True), -1)
+        scale = _fp16_toward(((x.amax(dim=-1, keepdim=True) - m) * (1.001 / 255)).clamp_min(1e-6), 1)
+        codes.append(outward((x - m) / scale).clamp_(0, 255).to(torch.uint8))
+        scale_min.append(torch.cat([scale, m], dim=-1).half())
+    lo_codes, hi_codes, scale_min = codes[0], codes[1], torch.cat(scale_min, dim=-1)
+    lo_values, hi_values = bound_values(lo_codes, hi_codes, scale_min)
+    lo_codes -= ((lo_values > lo) & (lo_codes > 0)).to(torch.uint8)
+    hi_codes += ((hi_values < hi) & (hi_codes < 255)).to(torch.uint8)
+    return lo_codes, hi_codes, scale_min
+
+
+def bound_values(lo_codes: torch.Tensor, hi_codes: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of bound_codes: (lo, hi) (…, m) float32, each one fp32 step further outward (against the rounding
+    of the product and the sum)."""
+    lo = dequantize_partitions(lo_codes, scale_min[..., 0:2], 8)
+    hi = dequantize_partitions(hi_codes, scale_min[..., 2:4], 8)
+    return torch.nextafter(lo, torch.full_like(lo, -math.inf)), torch.nextafter(hi, torch.full_like(hi, math.inf))
+
+
+def _fp16_toward(x: torch.Tensor, direction: int) -> torch.Tensor:
+    """x float32 → float32 holding an fp16 value, the nearest one at or below x (direction −1) or above (+1)."""
+    h = x.half()
+    off = (h.float() > x) if direction < 0 else (h.float() < x)
+    h = torch.where(off, torch.nextafter(h, torch.full_like(h, direction * math.inf)), h)
+    return h.float()

@@ -91,7 +91,8 @@ def test_metadata_size_is_what_it_declares(prepared, selector, kv_dtype):
 def test_metadata_round_trip_selects_the_same(prepared, selector, kv_dtype):
     """State exported into an aux buffer and restored on the other side (then extended by decoded tokens)
     selects exactly what the original state selects: what makes metadata pushes exact (with bf16 KV too, where
-    InfiniGen's partial keys travel in bf16: rounded alike on both sides)."""
+    InfiniGen's partial keys travel in bf16: rounded alike on both sides). Quest's bounds travel as 8-bit codes
+    rounded outward (test_quest_bounds_travel_as_outward_codes): on this data they select the same pages."""
     _, prep = prepared
     geometry = Geometry(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, page_tokens=16, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(3)
@@ -194,3 +195,56 @@ def test_keycodes_is_the_oracle_over_two_bit_keys():
     oracle.extend(2, exact, keys)
     assert not torch.equal(keycodes.select(2, mine, query, 40), oracle.select(2, exact, query, 40))  # codes, not keys
     assert keycodes.metadata_bytes_per_token() == 3 * 20
+
+
+def test_quest_bounds_travel_as_outward_codes():
+    """Quest's page bounds travel in 8 bits (136 bytes a page and KV head at head_dim 64, bf16's 256) and come back
+    no tighter than they left — min ≤ the page's minimum, max ≥ its maximum, each within about 1/255 of its vector's
+    range — so the restored score of a page is still an upper bound; keys of any scale, bf16 outliers included."""
+    geometry = Geometry(num_layers=4, num_heads=9, num_kv_heads=3, head_dim=64, page_tokens=16)
+    sel = make_selector("quest", geometry)
+    assert sel.metadata_bytes_per_token() * geometry.page_tokens == 3 * 136
+    gen = torch.Generator().manual_seed(7)
+    for scale in (1e-3, 1.0, 300.0):
+        keys = (torch.randn(3, 320, 64, generator=gen) * scale).to(torch.bfloat16).float()
+        keys[:, :, 5] *= 40  # an outlier channel
+        here = sel.new_state(2)
+        sel.extend(2, here, keys)
+        there = sel.restore(2, sel.export(here), 320)
+        lo, hi = here.page_min.data, here.page_max.data
+        assert bool((there.page_min.data <= lo).all()) and bool((there.page_max.data >= hi).all())
+        span = (hi.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True))
+        assert float(((lo - there.page_min.data) / span).max()) <= 1.01 / 255
+        assert float(((there.page_max.data - hi) / span).max()) <= 1.01 / 255
+
+
+@pytest.mark.real_model
+def test_quest_over_its_travelled_bounds_decodes_the_tokens_of_its_exact_ones(real_model_path):
+    """On SmolLM2, 24 greedy steps at 10% from a 1,200-token prompt: Quest restored from its pushed 8-bit bounds (as
+    smartgen's decode node holds it) gives the tokens of Quest over its exact bounds (colocated-selective's)."""
+    import inspect
+    import json as json_module
+
+    runner = ModelRunner(real_model_path)
+    engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1400), None)
+    ids = prompt_ids(real_model_path, inspect.getsource(json_module.decoder))[:1200]
+    logits, cache = runner.prefill(ids)
+    first = int(logits[-1].argmax())
+    tokens = {}
+    for travelled in (False, True):
+        engine.caches["r"] = copy.deepcopy(cache)
+        engine.use_selection("r", "quest", 0.1)
+        sel = engine.selections["r"]
+        if travelled:
+            layout = MetadataLayout(sel.selector, runner.num_layers, len(ids))
+            aux = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            for layer, state in sel.states.items():
+                layout.write(aux, layer, sel.selector.export(state))
+                sel.states[layer] = sel.selector.restore(layer, layout.read(aux, layer), len(ids))
+        token, out = first, []
+        for _ in range(24):
+            token = int(engine.step_logits("r", token).argmax())
+            out.append(token)
+        engine.end("r")
+        tokens[travelled] = out
+    assert tokens[True] == tokens[False]

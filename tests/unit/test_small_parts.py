@@ -261,3 +261,31 @@ def test_request_fields_vllm_users_send_are_honoured_or_refused(tiny_model_path)
     ids = tok("Hello world, this is the end. More")["input_ids"]
     stream = TextStream(tok, stop=["the end"], include_stop=True)
     assert "".join(stream.add(i) for i in ids) + stream.flush() == "Hello world, this is the end"
+
+
+def test_a_request_that_names_no_selector_gets_the_default_of_its_prompts_length(tiny_model_path):
+    """Below SELECTIVE_DEFAULTS' long row: HATA at 20% and K8V8 records; from it: keycodes at 10% with 4-bit values.
+    What the request names wins field by field (a named HATA on a long prompt keeps its own 20%), and a gateway
+    configured with a default selector uses it at every length."""
+    from transformers import AutoTokenizer
+
+    from schemas import DEFAULT_KV_BUDGET, SELECTIVE_DEFAULTS
+    from services.gateway.requests import parse_job
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    long_row = SELECTIVE_DEFAULTS[-1]
+    short, long = [3] * 100, [3] * long_row.from_tokens
+
+    def job(prompt, default_selector="", **body):
+        return parse_job({"prompt": prompt, "max_tokens": 4, "transfer_mode": "smartgen", **body}, "completion", tok,
+                         8192, "m", "full", 16, default_selector)
+
+    picked = lambda j: (j.selector, j.kv_budget, j.kv_bits)  # noqa: E731
+    assert picked(job(short)) == ("hata", DEFAULT_KV_BUDGET, 8)
+    assert picked(job(long)) == ("keycodes", 0.1, 4) == (long_row.selector, long_row.kv_budget, long_row.push_bits)
+    assert picked(job(long, selector="hata")) == ("hata", DEFAULT_KV_BUDGET, 4)
+    assert picked(job(long, kv_bits=8, kv_budget=0.3)) == ("keycodes", 0.3, 8)
+    assert picked(job(long, default_selector="quest")) == ("quest", DEFAULT_KV_BUDGET, 4)
+    quantized = parse_job({"prompt": long, "max_tokens": 4, "transfer_mode": "quantized"}, "completion", tok, 8192, "m",
+                          "full", 16)
+    assert (quantized.selector, quantized.kv_bits) == (None, 4)

@@ -2,7 +2,7 @@
 
 Each key (KV head, token) is quantized as one partition of head_dim values at KEY_BITS (quantization.py's rule:
 asymmetric, x ≈ scale·q + min, fp16 scale and minimum). Those codes are the metadata: 16 + 4 = 20 bytes a token
-per KV head at head_dim 64 (HATA's hash codes: 16; Quest's bf16 page bounds: 16; the oracle's fp32 keys: 256). A
+per KV head at head_dim 64 (HATA's hash codes: 16; Quest's 8-bit page bounds: 8.5; the oracle's fp32 keys: 256). A
 step scores every token as the oracle does — attention probability, summed over the query heads that share the
 KV head — but over the codes' values, and keeps the top k. No offline preparation.
 

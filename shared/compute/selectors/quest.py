@@ -4,8 +4,10 @@ Each page of `page_tokens` tokens keeps the channel-wise minimum and maximum of 
 for a query is the upper bound of q·k over it, Σ_d max(q_d·min_d, q_d·max_d), summed over the query heads
 of a KV head's group. The newest page, while partly filled, is always kept; the top full pages fill the
 rest of the budget, selected whole. Bounds are updated incrementally (min/max are exact), so extending
-never reads keys it has seen before. The bounds travel in the KV store's dtype (Geometry.kv_dtype): min and
-max of keys kept in bf16 are bf16 values, so that is exact and half the bytes of fp32.
+never reads keys it has seen before. The bounds travel as 8-bit codes rounded outward (quantization.py
+`bound_codes`: per page and KV head, min and max each a vector of codes with an fp16 scale and minimum, 136
+bytes against bf16's 256), so a restored bound is still a bound: a page's score can only rise, by at most about
+1/255 of the vector's range a channel. The node that made them (the prefill, colocated) keeps its exact bounds.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 
 import torch
 
+from shared.compute.quantization import bound_codes, bound_values
 from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k_unsorted
 
 
@@ -27,12 +30,13 @@ class QuestSelector(Selector):
 
     def metadata_bytes_per_token(self) -> float:
         g = self.geometry
-        return 2 * g.num_kv_heads * g.head_dim * g.kv_dtype.itemsize / g.page_tokens
+        return g.num_kv_heads * (2 * g.head_dim + 4 * 2) / g.page_tokens
 
     def metadata_specs(self, num_tokens: int) -> MetadataSpec:
         g = self.geometry
-        shape = (g.num_kv_heads, math.ceil(num_tokens / g.page_tokens), g.head_dim)
-        return [(shape, g.kv_dtype), (shape, g.kv_dtype)]
+        pages = math.ceil(num_tokens / g.page_tokens)
+        return [((g.num_kv_heads, pages, g.head_dim), torch.uint8), ((g.num_kv_heads, pages, g.head_dim), torch.uint8),
+                ((g.num_kv_heads, pages, 4), torch.float16)]  # min codes, max codes, their scales and minima
 
     def new_state(self, layer: int) -> QuestState:
         return QuestState()
@@ -65,13 +69,13 @@ class QuestSelector(Selector):
         state.num_tokens = keys.shape[1]
 
     def export(self, state: QuestState) -> list[torch.Tensor]:
-        dtype = self.geometry.kv_dtype  # NOTE: exact when the keys were kept in it (the prefill reads them back)
-        return [state.page_min.data.to(dtype), state.page_max.data.to(dtype)]
+        return list(bound_codes(state.page_min.data, state.page_max.data))
 
     def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> QuestState:
         state = QuestState()
-        state.page_min.append(tensors[0].float())
-        state.page_max.append(tensors[1].float())
+        page_min, page_max = bound_values(*tensors)
+        state.page_min.append(page_min)
+        state.page_max.append(page_max)
         state.num_tokens = num_tokens
         return state
 
