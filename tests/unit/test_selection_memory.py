@@ -84,7 +84,7 @@ def tiny(tmp_path_factory, real_model_path):
     return runner, folder, prompt_ids(folder, "The quick brown fox jumps over the lazy dog. " * 40)
 
 
-@pytest.mark.parametrize("selector", ["hata", "infinigen"])
+@pytest.mark.parametrize("selector", ["hata", "infinigen", "keycodes"])
 def test_memory_shrinks_the_union_of_a_requests_selections(tiny, selector, monkeypatch):
     """Decoding 16 steps at 10%: with memory the selections cover fewer prompt entries in all, step 1 picks the same."""
     runner, folder, ids = tiny

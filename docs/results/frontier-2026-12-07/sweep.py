@@ -88,8 +88,6 @@ def main() -> None:
     ap.add_argument("--configs", default="0.2:0.25:8:8:8,0.2:0.25:4:8:4,0.2:0.25:4:4:4")
     ap.add_argument("--selector", default="hata", help="hata, keycodes, or oracle (the best any selector could do)")
     ap.add_argument("--key-bits", type=int, default=0, help="keycodes: its codes' width (default: the selector's own)")
-    ap.add_argument("--log-memory", action="store_true",
-                    help="keycodes with a selection's memory over log attention mass (LogMassKeyCodes)")
     ap.add_argument("--tasks", default="", help="comma-separated workloads (default: bench serve's own)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -106,9 +104,8 @@ def main() -> None:
                for s in build_samples(tokenizer, cfg.tasks, cfg.requests, args.prompt_tokens)]
     lay = runner.kv_layout(16)
     engine = paired._engine(runner, path, max(map(len, prompts)) + TOKENS + 512, len(configs) + 2, "bfloat16")
-    if args.key_bits or args.log_memory:  # keycodes at another width, or with a memory, under its own name
-        kind = LogMassKeyCodes if args.log_memory else KeyCodesSelector
-        engine._selectors[SELECTOR] = kind(engine.selector(SELECTOR).geometry, key_bits=args.key_bits or 2)
+    if args.key_bits:  # keycodes at another width, under its own name
+        engine._selectors[SELECTOR] = KeyCodesSelector(engine.selector(SELECTOR).geometry, key_bits=args.key_bits)
     acc = {c.name: {"kl": [], "agree": [], "meta": 0, "push": 0, "read": 0, "entries": 0, "step1": 0, "union": 0}
            for c in configs}
     peer = {"kl": [], "agree": [], "bytes": 0}
@@ -197,15 +194,6 @@ def load(engine, cache, ids: list[int], max_new: int, c: Config) -> str:
             base.geometry, {layer: w[:, :c.hata_bits] for layer, w in base.weights.items()}, num_bits=c.hata_bits)
     name = c.selector + (f"{paired.CODES}{c.push_v}" if c.push_v < 16 else "")
     return paired._load(engine, cache, ids, max_new, name, c.budget, rid=f"sweep-{c.name}")
-
-
-class LogMassKeyCodes(KeyCodesSelector):
-    """keycodes whose token scores are the log of the attention mass, so the selection's memory (stick × a row's
-    standard deviation) is in nats, not in probabilities that a few tokens dominate."""
-    ranks_tokens = True
-
-    def token_scores(self, layer, state, query, k):
-        return self._scores(state, query).clamp_min_(1e-30).log_(), k
 
 
 def meta_per_entry(engine, c: Config) -> float:

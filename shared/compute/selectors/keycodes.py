@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from shared.compute.quantization import dequantize_partitions, quantize_partitions
-from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
+from shared.compute.selectors.base import Geometry, LayerState, MetadataSpec, Rows, Selector, top_k, top_k_unsorted
 from shared.compute.selectors.oracle import attention_mass
 
 KEY_BITS = 2
@@ -37,13 +37,16 @@ class KeyCodesState(LayerState):
 class KeyCodesSelector(Selector):
     name = "keycodes"
 
-    def __init__(self, geometry, key_bits: int = KEY_BITS) -> None:
+    # The selection's memory (BudgetFloor.stick) works on `token_scores`, the log of each token's attention mass: in
+    # nats, a bonus of stick × a row's standard deviation keeps earlier picks where the scores are close. Over the
+    # probabilities themselves a few large values set the deviation and the bonus froze the selection (8K, 10%: stick
+    # 0.5 took the union of 64 steps from 37% to 12% and the KL from 0.0070 to 0.0309); over their log, stick 0.25
+    # takes the union to 30% at the same KL (0.0071), 0.76× quantized-4bit's bytes (docs/results/long-default-2026-12-08).
+    ranks_tokens = True
+
+    def __init__(self, geometry: Geometry, key_bits: int = KEY_BITS) -> None:
         super().__init__(geometry)
-        self.key_bits = key_bits
-    # NOTE: no selection memory (BudgetFloor.stick): its scores are probabilities, a few large and most near zero, so
-    # a bonus of stick × their standard deviation freezes the selection (8K, 10%: stick 0.5 took the union of 64
-    # steps from 37% to 12% and the KL from 0.0070 to 0.0309). `token_scores` still serves path 3's ranking.
-    ranks_tokens = False
+        self.key_bits = key_bits  # the codes' width: 2 (1 bit: 8K, 10%, KL 0.047 against 2 bits' 0.0070)
 
     def metadata_bytes_per_token(self) -> float:
         g = self.geometry
@@ -81,7 +84,7 @@ class KeyCodesSelector(Selector):
         return attention_mass(self.geometry, query, state.keys.data)  # the oracle's rule over the codes' keys
 
     def token_scores(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
-        return self._scores(state, query), k
+        return self._scores(state, query).clamp_min_(1e-30).log_(), k  # log mass: the order `select` keeps
 
     def select(self, layer: int, state: KeyCodesState, query: torch.Tensor, k: int) -> torch.Tensor:
         return top_k(self._scores(state, query), k)
