@@ -40,12 +40,14 @@ class SelectiveDefault:
     push_bits: int  # smartgen's kv_bits: the width of its push and reads' values (keys: PUSH_KEY_BITS)
 
 
-# The faithful default, chosen by measurement (docs/results/long-default-2026-12-08). Short prompts: HATA at 20%,
-# K8V8 (2K: KL 0.0099 against quantized-4bit's 0.0132). Long ones: HATA falls behind (8K, five tasks: 20% at KL
-# 0.0241 against 0.0141) while `keycodes` at 10% with 4-bit values is at half quantized-4bit's KL with fewer bytes
-# by token 64 (0.0070, 0.85×); keycodes is worse than HATA at 2K and 4K (a tenth of a short prompt is too few).
+# The faithful default, chosen by measurement (docs/results/long-default-2026-12-08: teacher-forced KL to dense and
+# bytes by token 64, five tasks, n = 5 per length). Short prompts: HATA at 20%, K8V8 (2K: KL 0.0099 against
+# quantized-4bit's 0.0132; keycodes at 10% 0.0272, a tenth of a short prompt is too few; 3K: keycodes ties
+# quantized-4bit, 0.0156 against 0.0159). From 4K on keycodes at 10% with 4-bit values is closer to dense than
+# quantized-4bit with fewer bytes (4K: 0.0102 against 0.0152 at 0.90×; 6K: 0.0072 / 0.0125, 0.89×; 8K: 0.0071 /
+# 0.0141, 0.76× with the selection's memory), where HATA's 20% needs 1.2–1.5× the bytes and at 8K falls behind.
 SELECTIVE_DEFAULTS = (SelectiveDefault(0, DEFAULT_SELECTOR, DEFAULT_KV_BUDGET, DEFAULT_PUSH_KV_BITS),
-                      SelectiveDefault(6000, "keycodes", 0.1, 4))
+                      SelectiveDefault(3500, "keycodes", 0.1, 4))
 
 
 def selective_default(prompt_tokens: int) -> SelectiveDefault:
