@@ -198,30 +198,38 @@ def test_keycodes_is_the_oracle_over_two_bit_keys():
 
 
 def test_quest_bounds_travel_as_outward_codes():
-    """Quest's page bounds travel in 8 bits (136 bytes a page and KV head at head_dim 64, bf16's 256) and come back
-    no tighter than they left — min ≤ the page's minimum, max ≥ its maximum, each within about 1/255 of its vector's
-    range — so the restored score of a page is still an upper bound; keys of any scale, bf16 outliers included."""
+    """Quest's page bounds travel in 8 bits (136 bytes a page and KV head at head_dim 64, bf16's 256), no tighter
+    than the pages' keys — min ≤ the page's minimum, max ≥ its maximum, each within about 1/255 of its vector's range,
+    so a page's score is still an upper bound — at any scale, bf16 outliers included; and the node that made them
+    scores over the very bounds the other node restores (so exact KV decodes alike wherever it was computed)."""
     geometry = Geometry(num_layers=4, num_heads=9, num_kv_heads=3, head_dim=64, page_tokens=16)
     sel = make_selector("quest", geometry)
     assert sel.metadata_bytes_per_token() * geometry.page_tokens == 3 * 136
     gen = torch.Generator().manual_seed(7)
     for scale in (1e-3, 1.0, 300.0):
-        keys = (torch.randn(3, 320, 64, generator=gen) * scale).to(torch.bfloat16).float()
+        keys = (torch.randn(3, 312, 64, generator=gen) * scale).to(torch.bfloat16).float()
         keys[:, :, 5] *= 40  # an outlier channel
         here = sel.new_state(2)
         sel.extend(2, here, keys)
-        there = sel.restore(2, sel.export(here), 320)
-        lo, hi = here.page_min.data, here.page_max.data
+        there = sel.restore(2, sel.export(here), 312)
+        assert torch.equal(here.page_min.data, there.page_min.data) and torch.equal(here.page_max.data, there.page_max.data)
+        pages = torch.cat([keys, keys[:, -1:].expand(-1, 8, -1)], dim=1).view(3, 20, 16, 64)  # the last page partial
+        lo, hi = pages.amin(dim=2), pages.amax(dim=2)
         assert bool((there.page_min.data <= lo).all()) and bool((there.page_max.data >= hi).all())
-        span = (hi.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True))
+        span = hi.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True)
         assert float(((lo - there.page_min.data) / span).max()) <= 1.01 / 255
         assert float(((there.page_max.data - hi) / span).max()) <= 1.01 / 255
+        query = torch.randn(9, 64, generator=gen)
+        decoded = torch.cat([keys, torch.randn(3, 5, 64, generator=gen) * scale], dim=1)  # fills the partial page
+        for state in (here, there):
+            sel.extend(2, state, decoded)
+        assert torch.equal(sel.select(2, here, query, 64), sel.select(2, there, query, 64))
 
 
 @pytest.mark.real_model
-def test_quest_over_its_travelled_bounds_decodes_the_tokens_of_its_exact_ones(real_model_path):
-    """On SmolLM2, 24 greedy steps at 10% from a 1,200-token prompt: Quest restored from its pushed 8-bit bounds (as
-    smartgen's decode node holds it) gives the tokens of Quest over its exact bounds (colocated-selective's)."""
+def test_quest_over_its_eight_bit_bounds_decodes_the_tokens_of_exact_bounds(real_model_path):
+    """On SmolLM2, 24 greedy steps at 10% from a 1,200-token prompt: Quest over its 8-bit bounds (what every node
+    holds) gives the tokens of Quest over the pages' exact min and max."""
     import inspect
     import json as json_module
 
@@ -229,22 +237,22 @@ def test_quest_over_its_travelled_bounds_decodes_the_tokens_of_its_exact_ones(re
     engine = DecodeEngine(runner, KvStore(runner.kv_layout(16), 1400), None)
     ids = prompt_ids(real_model_path, inspect.getsource(json_module.decoder))[:1200]
     logits, cache = runner.prefill(ids)
-    first = int(logits[-1].argmax())
+    first, n, t = int(logits[-1].argmax()), len(ids), 16
     tokens = {}
-    for travelled in (False, True):
+    for exact in (False, True):
         engine.caches["r"] = copy.deepcopy(cache)
         engine.use_selection("r", "quest", 0.1)
-        sel = engine.selections["r"]
-        if travelled:
-            layout = MetadataLayout(sel.selector, runner.num_layers, len(ids))
-            aux = torch.zeros(layout.nbytes, dtype=torch.uint8)
-            for layer, state in sel.states.items():
-                layout.write(aux, layer, sel.selector.export(state))
-                sel.states[layer] = sel.selector.restore(layer, layout.read(aux, layer), len(ids))
+        if exact:
+            for layer, state in engine.selections["r"].states.items():
+                keys = cache.layers[layer].keys[0].float()  # (H_kv, n, d)
+                pad = (-n) % t
+                pages = torch.cat([keys, keys[:, -1:].expand(-1, pad, -1)], dim=1).view(keys.shape[0], -1, t, keys.shape[-1])
+                state.page_min.data.copy_(pages.amin(dim=2))
+                state.page_max.data.copy_(pages.amax(dim=2))
         token, out = first, []
         for _ in range(24):
             token = int(engine.step_logits("r", token).argmax())
             out.append(token)
         engine.end("r")
-        tokens[travelled] = out
+        tokens[exact] = out
     assert tokens[True] == tokens[False]

@@ -3,11 +3,16 @@
 Each page of `page_tokens` tokens keeps the channel-wise minimum and maximum of its keys. A page's score
 for a query is the upper bound of q·k over it, Σ_d max(q_d·min_d, q_d·max_d), summed over the query heads
 of a KV head's group. The newest page, while partly filled, is always kept; the top full pages fill the
-rest of the budget, selected whole. Bounds are updated incrementally (min/max are exact), so extending
-never reads keys it has seen before. The bounds travel as 8-bit codes rounded outward (quantization.py
-`bound_codes`: per page and KV head, min and max each a vector of codes with an fp16 scale and minimum, 136
-bytes against bf16's 256), so a restored bound is still a bound: a page's score can only rise, by at most about
-1/255 of the vector's range a channel. The node that made them (the prefill, colocated) keeps its exact bounds.
+rest of the budget, selected whole. Bounds are updated incrementally (min/max), so extending never reads keys it
+has seen before.
+
+The bounds travel as 8-bit codes rounded outward (quantization.py `bound_codes`: per page and KV head, min and max
+each a vector of codes with an fp16 scale and minimum, 136 bytes against bf16's 256), so a restored bound is still a
+bound (a page's score can only rise, by at most about 1/255 of the vector's range a channel). And every node scores
+over those rounded bounds, the node that made them too: pages a bulk `extend` appends (the prompt's) are rounded
+there, and later tokens update the rounded bounds with min/max, alike on every node — so the prefill's own
+selection, colocated-selective's and smartgen's decode node's are the same, and exact KV still decodes the same tokens
+wherever it was computed (the way InfiniGen's partial keys are rounded to the KV's dtype on every node).
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ from shared.compute.selectors.base import LayerState, MetadataSpec, Rows, Select
 
 class QuestState(LayerState):
     def __init__(self) -> None:
-        self.page_min = Rows()  # (num_kv_heads, pages, head_dim) float32, the last page possibly partial
-        self.page_max = Rows()
+        self.page_min = Rows()  # (num_kv_heads, pages, head_dim) float32, the last page possibly partial: the
+        self.page_max = Rows()  # rounded bounds every node scores with
+        self.codes: list[Rows] | None = None  # what travels: bound_codes of the pages as bulk extends made them
+        self.codes_stale = False  # a later token moved a page's bounds: the codes no longer give them
 
 
 class QuestSelector(Selector):
@@ -50,6 +57,7 @@ class QuestSelector(Selector):
             torch.minimum(last_min, key, out=last_min)
             torch.maximum(last_max, key, out=last_max)
             state.num_tokens = start + 1
+            state.codes_stale = True
             return
         fresh = keys[:, start:].float()
         if fresh.shape[1] == 0:
@@ -59,23 +67,34 @@ class QuestSelector(Selector):
             last_min, last_max = state.page_min.last(), state.page_max.last()
             torch.minimum(last_min, head.amin(dim=1), out=last_min)
             torch.maximum(last_max, head.amax(dim=1), out=last_max)
+            state.codes_stale = True
         if fresh.shape[1]:
             pad = (-fresh.shape[1]) % t  # pad a new partial page with its own last key (min/max unchanged)
             if pad:
                 fresh = torch.cat([fresh, fresh[:, -1:].expand(-1, pad, -1)], dim=1)
             pages = fresh.view(fresh.shape[0], -1, t, fresh.shape[-1])
-            state.page_min.append(pages.amin(dim=2))
-            state.page_max.append(pages.amax(dim=2))
+            self._append_rounded(state, bound_codes(pages.amin(dim=2), pages.amax(dim=2)))
         state.num_tokens = keys.shape[1]
 
+    @staticmethod
+    def _append_rounded(state: QuestState, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Pages as their codes give them: the bounds every node scores with, and the codes that travel."""
+        page_min, page_max = bound_values(*codes)
+        state.page_min.append(page_min)
+        state.page_max.append(page_max)
+        if state.codes is None:
+            state.codes = [Rows(), Rows(), Rows()]
+        for rows, part in zip(state.codes, codes):
+            rows.append(part)
+
     def export(self, state: QuestState) -> list[torch.Tensor]:
-        return list(bound_codes(state.page_min.data, state.page_max.data))
+        # NOTE: the prefill node exports right after the prompt's extend; a later token's update has no codes
+        assert not state.codes_stale, "quest exports the bounds as the prompt's extend rounded them"
+        return [rows.data for rows in state.codes]
 
     def restore(self, layer: int, tensors: list[torch.Tensor], num_tokens: int) -> QuestState:
         state = QuestState()
-        page_min, page_max = bound_values(*tensors)
-        state.page_min.append(page_min)
-        state.page_max.append(page_max)
+        self._append_rounded(state, tuple(tensors))  # Rows copy: the caller's buffer may be reused
         state.num_tokens = num_tokens
         return state
 
