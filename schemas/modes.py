@@ -55,7 +55,7 @@ class TransferMode:
     kv_bits: tuple[int, ...] = ()  # the kv_bits a request must ask for (one of them); () = none
     # the kv_bits a request may ask its proactive push to travel in (shared/compute/entry_codes.py); 0 = exact
     push_bits: tuple[int, ...] = ()
-    default_push_bits: int = 0  # the push width a request that names no kv_bits gets (0: exact; `kv_bits: 0` asks for it)
+    default_push_bits: int = 0  # the push width a short prompt's request that names no kv_bits gets (0: exact; `kv_bits: 0` asks for it; long prompts: SELECTIVE_DEFAULTS)
     orders_by_profile: bool = False  # PLAN_BLOCKS: the most important blocks by the KV profile (else memory order)
     # the prefill also pushes, per layer, the entries its own last-position query selects; the metadata then
     # carries a bitmap of them (TransferPlan.query_tokens sizes it)

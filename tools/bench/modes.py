@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import DEFAULT_KV_BUDGET, SMARTGEN_PATHS, mode_of
+from schemas import DEFAULT_KV_BUDGET, DEFAULT_PUSH_KV_BITS, SMARTGEN_PATHS, mode_of
 
 UNPACED_MODES = ("colocated", "colocated-selective")  # nothing crosses the link
 ONLINE_MODE = "smartgen-online"  # smartgen while kvprofile learns from the requests it serves
@@ -26,7 +26,8 @@ def mode_body(name: str, selector: str, kv_budget: float) -> dict[str, Any]:
               "quantized-4bit": {"transfer_mode": "quantized", "kv_bits": 4},
               "quantized-8bit": {"transfer_mode": "quantized", "kv_bits": 8},
               "partial": {"transfer_mode": "partial", **sel},
-              "smartgen": {"transfer_mode": "smartgen", **sel},  # the default: every path in K8V8 codes
+              "smartgen": {"transfer_mode": "smartgen", "kv_bits": DEFAULT_PUSH_KV_BITS, **sel},  # K8V8 codes: the
+              # short-prompt default, named so that long prompts (SELECTIVE_DEFAULTS: K8V4) serve what quality_config scores
               "smartgen-exact": {"transfer_mode": "smartgen", "kv_bits": 0, **sel},  # exact 16-bit KV on every path
               "smartgen-4bit": {"transfer_mode": "smartgen", "kv_bits": 4, **sel},
               "smartgen-8bit": {"transfer_mode": "smartgen", "kv_bits": 8, **sel},
